@@ -1,0 +1,152 @@
+"""A nanoGPT-style decoder whose position information comes from a pluggable scheme.
+
+The scheme (model/pe/) is asked for its hooks; nothing here branches on its name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import GPTConfig
+from model.pe.base import PositionEncoding
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def qkv(self, x: Tensor, pe: PositionEncoding, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Heads-first (B, H, T, hd) q, k, v with the scheme's rotation applied."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        if pe.uses_rotate:
+            q, k = pe.rotate(q, k, positions, positions)
+        return q, k, v
+
+    def forward(self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x, pe, positions)
+        # A float mask (bias + causal -inf) keeps SDPA on its fused kernels; no mask -> is_causal.
+        y = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None,
+        )
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), pe, positions, attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, pe: PositionEncoding) -> None:
+        super().__init__()
+        self.config = config
+        self.pe = pe  # shared by all layers; its tables are computed once per forward where possible
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
+
+        self.apply(self._init_weights)
+        # GPT-2: scale residual projections by 1/sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= sum(p.numel() for p in self.pe.parameters())
+        return n
+
+    def attention_mask(self, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """Float mask (1, H, Tq, Tk): the scheme's bias plus -inf where j > i; None if no bias."""
+        if not self.pe.uses_bias:
+            return None
+        bias = self.pe.bias(q_positions, k_positions)
+        future = k_positions[None, :] > q_positions[:, None]
+        return bias.masked_fill(future, float("-inf")).to(dtype).unsqueeze(0)
+
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """idx (B, T) token ids; positions (T,) integer positions, default 0..T-1.
+
+        Returns logits (B, T, V) and, with targets, the mean cross-entropy (ignore_index -1).
+        """
+        B, T = idx.shape
+        if positions is None:
+            limit = self.pe.max_positions
+            if limit is not None and T > limit:
+                raise ValueError(
+                    f"sequence length {T} exceeds the {limit} positions of pe={self.pe.name}; "
+                    f"this scheme cannot run past its table"
+                )
+            positions = torch.arange(T, device=idx.device)
+        elif positions.shape != (T,):
+            raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
+
+        x = self.wte(idx)
+        if self.pe.uses_embed:
+            x = self.pe.embed(x, positions)
+        x = self.drop(x)
+        attn_mask = self.attention_mask(positions, positions, self._compute_dtype(idx.device))
+        for block in self.blocks:
+            x = block(x, self.pe, positions, attn_mask)
+        logits = self.lm_head(self.ln_f(x))
+        if logits.shape[-1] != self.config.vocab_size:
+            logits = logits[..., : self.config.vocab_size]  # padded rows never win a softmax
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.lm_head.weight.dtype

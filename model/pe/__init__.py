@@ -1,0 +1,21 @@
+"""Position-encoding schemes, one per file. Importing this package registers them all."""
+
+from model.pe.base import SCHEMES, PositionEncoding
+from model.pe.alibi import ALiBi, alibi_slopes
+from model.pe.learned import LearnedPositionEmbedding
+from model.pe.rope import RoPE
+from model.pe.rope_alibi import RoPEALiBi
+from model.pe.sinusoidal import SinusoidalPositionEmbedding
+from model.pe.xpos import XPos
+
+__all__ = [
+    "SCHEMES",
+    "PositionEncoding",
+    "ALiBi",
+    "alibi_slopes",
+    "LearnedPositionEmbedding",
+    "RoPE",
+    "RoPEALiBi",
+    "SinusoidalPositionEmbedding",
+    "XPos",
+]

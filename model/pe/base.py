@@ -1,0 +1,78 @@
+"""The position-encoding interface.
+
+Position information enters attention at exactly three places, one hook each:
+
+1. ``embed(x, positions)``: added to the token embeddings before the first block;
+2. ``rotate(q, k, q_positions, k_positions)``: applied to queries and keys;
+3. ``bias(q_positions, k_positions)``: additive attention logits, shape (heads, Tq, Tk).
+
+A scheme overrides the hooks it needs; the model asks ``uses_embed``/``uses_rotate``/
+``uses_bias`` and never looks at a scheme's name. Positions are integer tensors so that
+KV-cache decoding, sliding windows and packed documents can pass offsets. All position
+math happens in float32 and is cast to the compute dtype at the very end.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from model.config import GPTConfig
+
+SCHEMES: dict[str, type["PositionEncoding"]] = {}
+
+
+class PositionEncoding(nn.Module):
+    """Base class: every hook defaults to 'contributes nothing'."""
+
+    name: ClassVar[str] = "none"
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            SCHEMES[name] = cls
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.n_embd = config.n_embd
+
+    @property
+    def max_positions(self) -> int | None:
+        """Largest number of distinct positions the scheme can encode (None: unbounded)."""
+        return None
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        return None
+
+    # Which hooks this scheme implements, decided from the class, never from its name.
+    @property
+    def uses_embed(self) -> bool:
+        return type(self).embed is not PositionEncoding.embed
+
+    @property
+    def uses_rotate(self) -> bool:
+        return type(self).rotate is not PositionEncoding.rotate
+
+    @property
+    def uses_bias(self) -> bool:
+        return type(self).bias is not PositionEncoding.bias
+
+    def extra_repr(self) -> str:
+        hooks = [h for h in ("embed", "rotate", "bias") if getattr(self, f"uses_{h}")]
+        return f"scheme={self.name}, hooks={hooks}, max_positions={self.max_positions}"
+
+
+def relative_distance(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """(Tq, Tk) float32 matrix of i - j, computed exactly in integers first."""
+    return (q_positions[:, None] - k_positions[None, :]).float()

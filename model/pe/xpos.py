@@ -1,0 +1,47 @@
+"""xPos (Sun et al., 2023): RoPE whose pair k also decays with distance.
+
+zeta_k = (2k/r + gamma) / (1 + gamma). The query at position n is multiplied by
+zeta^(n/B) and the key at m by zeta^(-m/B) on both the cos and sin terms, so q.k
+carries zeta^((n-m)/B). Exponents use positions centred on the keys' midpoint c (the
+factor depends only on n - m, so c cancels) to keep the float32 powers small.
+Meant for causal attention only: for m > n the key factor grows instead of decaying.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from model.config import GPTConfig
+from model.pe.rope import RoPE
+
+
+class XPos(RoPE, name="xpos"):
+    def __init__(
+        self,
+        config: GPTConfig,
+        base: float = 10000.0,
+        gamma: float = 0.4,
+        scale_base: float = 512.0,
+        rotary_fraction: float = 1.0,
+    ) -> None:
+        super().__init__(config, base=base, rotary_fraction=rotary_fraction)
+        if gamma <= 0 or scale_base <= 0:
+            raise ValueError(f"pe.gamma and pe.scale_base must be positive, got {gamma}, {scale_base}")
+        self.gamma, self.scale_base = gamma, scale_base
+        k2 = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32)
+        self.register_buffer("zeta", (k2 / self.rotary_dim + gamma) / (1 + gamma), persistent=False)
+
+    def decay(self, positions: Tensor, center: Tensor, sign: float) -> Tensor:
+        """(T, rotary_dim/2) float32 factors zeta^(sign * (p - c) / B)."""
+        exponent = sign * (positions - center).float()[:, None] / self.scale_base
+        return self.zeta ** exponent
+
+    def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
+        center = (k_positions.min() + k_positions.max()) // 2
+        q = self._rotate_one(q, q_positions, self.decay(q_positions, center, +1.0))
+        k = self._rotate_one(k, k_positions, self.decay(k_positions, center, -1.0))
+        return q, k
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gamma={self.gamma}, scale_base={self.scale_base}"
