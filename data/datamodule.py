@@ -1,0 +1,198 @@
+"""Token memmaps and the LightningDataModule.
+
+A corpus is tokenized once with ``datasets.map`` (cached by ``datasets``) and flattened into
+``{split}.bin`` memmaps (uint16 when the vocabulary fits, else uint32) plus ``meta.json``,
+written last and atomically so an interrupted preparation is redone, never half-read.
+Training batches are random windows (nanoGPT style); window ``i`` on rank ``r`` is a pure
+function of (seed, r, i), so every DDP rank sees different text and a resumed run can
+continue the exact sequence from its step counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data.tokenizers import Tokenizer, cache_dir, get_tokenizer
+
+FORMAT_VERSION = 1
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """A well-mixed 64-bit hash (Steele et al.), cheap enough to call per sample."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: int | None = None) -> dict:
+    """Tokenize ``corpus`` into ``out_dir/{train,val}.bin``; no-op when already prepared."""
+    meta_path = out_dir / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("version") == FORMAT_VERSION and meta.get("tokenizer") == tokenizer.name:
+            return meta
+    out_dir.mkdir(parents=True, exist_ok=True)
+    splits = corpus.load(out_dir)
+    eot = [tokenizer.eot_token] if tokenizer.eot_token is not None and getattr(corpus, "rows_are_documents", True) else []
+
+    def encode(batch: dict) -> dict:
+        ids = [doc + eot for doc in tokenizer.encode_batch(batch["text"])]
+        return {"ids": ids, "len": [len(x) for x in ids]}
+
+    dtype = token_dtype(tokenizer.vocab_size)
+    meta = {"version": FORMAT_VERSION, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+            "dtype": dtype.name, "corpus": corpus.cache_name, "splits": {}}
+    for split, dataset in splits.items():
+        tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names,
+                                num_proc=num_proc, desc=f"tokenizing {split} ({tokenizer.name})")
+        lengths = np.asarray(tokenized["len"], dtype=np.int64)
+        total = int(lengths.sum())
+        tmp_path = out_dir / f"{split}.bin.partial"
+        arr = np.memmap(tmp_path, dtype=dtype, mode="w+", shape=(max(total, 1),))
+        pos = 0
+        for batch in tokenized.iter(batch_size=1024):
+            for ids in batch["ids"]:
+                arr[pos : pos + len(ids)] = ids
+                pos += len(ids)
+        arr.flush()
+        del arr
+        os.replace(tmp_path, out_dir / f"{split}.bin")
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        meta["splits"][split] = {"num_tokens": total, "doc_offsets": offsets}
+    tmp_meta = meta_path.with_suffix(".json.partial")
+    tmp_meta.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp_meta, meta_path)
+    return meta
+
+
+def load_tokens(path: Path, dtype: str) -> np.ndarray:
+    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+class RandomWindows(Dataset):
+    """Sample i = a random window (x, y = x shifted by one) drawn from (seed, rank, i)."""
+
+    def __init__(self, path: Path, dtype: str, block_size: int, num_samples: int, seed: int = 0, rank: int = 0):
+        self.path, self.dtype, self.block_size = path, dtype, block_size
+        self.num_samples, self.seed, self.rank = num_samples, seed, rank
+        self._tokens: np.ndarray | None = None
+        n = len(load_tokens(path, dtype))
+        if n < block_size + 2:
+            raise ValueError(f"{path} holds {n} tokens, fewer than one training window of {block_size + 1}")
+        self.num_starts = n - block_size  # start s uses tokens s .. s + block_size
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def start(self, i: int) -> int:
+        key = splitmix64(splitmix64(splitmix64(self.seed) ^ self.rank) ^ i)
+        return key % self.num_starts
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tokens is None:  # opened lazily: each DataLoader worker maps the file itself
+            self._tokens = load_tokens(self.path, self.dtype)
+        s = self.start(i)
+        chunk = torch.from_numpy(self._tokens[s : s + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class ContiguousWindows(Dataset):
+    """Non-overlapping windows covering the split in order: deterministic validation."""
+
+    def __init__(self, path: Path, dtype: str, block_size: int):
+        self.path, self.dtype, self.block_size = path, dtype, block_size
+        self._tokens: np.ndarray | None = None
+        n = len(load_tokens(path, dtype))
+        self.count = (n - 1) // block_size
+        if self.count < 1:
+            raise ValueError(f"{path} holds {n} tokens, fewer than one validation window of {block_size + 1}")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tokens is None:
+            self._tokens = load_tokens(self.path, self.dtype)
+        s = i * self.block_size
+        chunk = torch.from_numpy(self._tokens[s : s + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class TextDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        corpus,
+        tokenizer: str = "bytes",
+        block_size: int = 256,
+        batch_size: int = 16,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 1337,
+        data_dir: str | None = None,
+        train_samples: int = 2**40,
+    ) -> None:
+        super().__init__()
+        self.corpus = corpus
+        self.tokenizer = get_tokenizer(tokenizer)
+        self.block_size, self.batch_size = block_size, batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.num_workers, self.seed, self.train_samples = num_workers, seed, train_samples
+        root = Path(data_dir) if data_dir else cache_dir() / "data"
+        self.token_dir = root / corpus.cache_name / self.tokenizer.name
+        self.meta: dict | None = None
+        self.train_set: RandomWindows | None = None
+        self.val_set: ContiguousWindows | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def split_path(self, split: str) -> Path:
+        return self.token_dir / f"{split}.bin"
+
+    def prepare_data(self) -> None:
+        prepare_token_files(self.corpus, self.tokenizer, self.token_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        self.meta = prepare_token_files(self.corpus, self.tokenizer, self.token_dir)
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        dtype = self.meta["dtype"]
+        self.train_set = RandomWindows(self.split_path("train"), dtype, self.block_size,
+                                       self.train_samples, self.seed, rank)
+        self.val_set = ContiguousWindows(self.split_path("val"), dtype, self.block_size)
+
+    def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self.batch_size, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.val_batch_size, drop_last=False)
+
+    def unigram_loss(self) -> float:
+        """Cross-entropy (nats) of the train-split unigram distribution on the val split:
+        the loss a model with no context would reach. Learning means going well below it."""
+        meta = self.meta or prepare_token_files(self.corpus, self.tokenizer, self.token_dir)
+        train = load_tokens(self.split_path("train"), meta["dtype"])
+        val = load_tokens(self.split_path("val"), meta["dtype"])
+        counts = np.bincount(train, minlength=self.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
+        logp = np.log(counts / counts.sum())
+        return float(-logp[val].mean())

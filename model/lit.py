@@ -1,0 +1,129 @@
+"""LightningModule: optimisation, schedule and metrics around the GPT of model/gpt.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchmetrics import MeanMetric
+
+from model.config import GPTConfig
+from model.gpt import GPT
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    decay_steps: int | None = None  # cosine reaches min_lr here; default: trainer.max_steps
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"need 0 < optim.min_lr <= optim.lr, got min_lr={self.min_lr}, lr={self.lr}")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError(f"optim.warmup_steps and optim.weight_decay must be >= 0, got "
+                             f"{self.warmup_steps}, {self.weight_decay}")
+
+    def lr_at(self, step: int, decay_steps: int) -> float:
+        """Linear warmup from 0, then cosine decay to min_lr at decay_steps, then flat."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / (self.warmup_steps + 1)
+        if step >= decay_steps:
+            return self.min_lr
+        progress = (step - self.warmup_steps) / max(1, decay_steps - self.warmup_steps)
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
+
+
+def _plain(cfg: Any) -> Any:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+
+
+class LitGPT(L.LightningModule):
+    """Built from plain dicts (the Hydra groups ``model``, ``pe``, ``optim``) so that a
+    checkpoint alone rebuilds the model: ``LitGPT.load_from_checkpoint(path)``."""
+
+    def __init__(self, model: dict, pe: dict, optim: dict | None = None, compile: bool = False) -> None:
+        super().__init__()
+        model, pe, optim = _plain(model), _plain(pe), _plain(optim) or {}
+        self.save_hyperparameters({"model": model, "pe": pe, "optim": optim, "compile": compile})
+        self.config = GPTConfig(**model)
+        self.optim = OptimConfig(**optim)
+        pe_factory = hydra.utils.instantiate(pe, _partial_=True)
+        self.model = GPT(self.config, pe_factory(self.config))
+        self.compile = compile
+        self.val_loss = MeanMetric()
+
+    @property
+    def pe_name(self) -> str:
+        return self.model.pe.name
+
+    def configure_model(self) -> None:
+        if self.compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+            self.model = torch.compile(self.model)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        return self.model(idx, targets, positions)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.val_loss.update(loss, weight=y.numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # token-weighted mean, synced across ranks by torchmetrics
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+
+    @property
+    def flops_per_batch(self) -> int | None:
+        """Model FLOPs of one optimisation step's batch (PaLM appendix B: 6N + 12·L·d·T per
+        token), read by Lightning's ThroughputMonitor to log MFU on GPUs."""
+        batch = getattr(self, "_last_batch_tokens", None)
+        if batch is None:
+            return None
+        c = self.config
+        n_params = sum(p.numel() for p in self.model.parameters())  # tied weights counted once
+        return (6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size) * batch
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._last_batch_tokens = batch[0].numel()
+
+    def configure_optimizers(self) -> dict:
+        decay, no_decay = [], []
+        pe_params = {id(p) for p in self.model.pe.parameters()}
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            # Norm gains, biases and position tables are not decayed; matrices (incl. the tied
+            # token embedding, as in nanoGPT) are.
+            (decay if p.dim() >= 2 and id(p) not in pe_params else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.optim.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        fused = self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas,
+                                      eps=self.optim.eps, fused=fused)
+        decay_steps = self.optim.decay_steps or self.trainer.max_steps
+        if decay_steps is None or decay_steps <= 0:
+            raise ValueError("set trainer.max_steps (or optim.decay_steps): the cosine schedule needs a length")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: self.optim.lr_at(step, decay_steps) / self.optim.lr
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
