@@ -38,7 +38,7 @@ def split_tail(body: str, val_fraction: float) -> tuple[str, str]:
     """Hold out the last ``val_fraction`` of a book, cut at a paragraph break when possible."""
     cut = int(len(body) * (1.0 - val_fraction))
     paragraph = body.rfind("\n\n", 0, cut)
-    if paragraph > cut - 5000:  # a nearby paragraph break keeps both parts readable
+    if paragraph != -1 and paragraph > cut - 5000:  # a nearby paragraph break keeps both parts readable
         cut = paragraph + 2
     return body[:cut], body[cut:]
 

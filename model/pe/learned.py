@@ -12,7 +12,9 @@ from model.pe.base import PositionEncoding
 class LearnedPositionEmbedding(PositionEncoding, name="learned"):
     def __init__(self, config: GPTConfig, max_positions: int | None = None) -> None:
         super().__init__(config)
-        self.table_size = max_positions or config.block_size
+        self.table_size = config.block_size if max_positions is None else max_positions
+        if self.table_size < 1:
+            raise ValueError(f"pe.max_positions must be a positive integer or null, got {max_positions}")
         self.wpe = nn.Embedding(self.table_size, config.n_embd)
         nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
 
