@@ -45,7 +45,7 @@ def describe_run(cfg: DictConfig) -> RunIdentity:
         if hc.mode == RunMode.MULTIRUN:
             sweep = Path(hc.sweep.dir).name
     scheme = choices.get("pe") or cfg.pe._target_.rsplit(".", 1)[-1]
-    name = cfg.run_name or "-".join([scheme, ",".join(overrides)]).rstrip("-")
+    name = cfg.run_name or "-".join([scheme, ",".join(overrides)]).rstrip("-")[:128]
     group = cfg.group or (f"{choices.get('experiment') or 'sweep'}-{sweep}" if sweep else None)
     tags = [f"pe:{scheme}"] + [f"{k}:{choices[k]}" for k in ("model", "data") if k in choices] + list(cfg.tags)
     return RunIdentity(name=name, group=group, tags=tags, choices={"pe": scheme, **choices})
@@ -136,8 +136,13 @@ def build_callbacks(cfg: DictConfig) -> list:
 
 
 def train(cfg: DictConfig) -> float | None:
+    import warnings
+
     import lightning as L
     import torch
+
+    # config.yaml is written into the checkpoint dir on purpose, before the first checkpoint.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
     from model.lit import LitGPT
 

@@ -95,7 +95,7 @@ class LitGPT(L.LightningModule):
     @property
     def flops_per_batch(self) -> int | None:
         """Model FLOPs of one optimisation step's batch (PaLM appendix B: 6N + 12·L·d·T per
-        token), read by Lightning's ThroughputMonitor to log MFU on GPUs."""
+        token), read by the TokensPerSecond callback to log MFU on GPUs."""
         batch = getattr(self, "_last_batch_tokens", None)
         if batch is None:
             return None

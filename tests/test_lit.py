@@ -1,0 +1,82 @@
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from model.lit import LitGPT, OptimConfig
+from model.pe import SCHEMES
+
+TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
+PE_TARGETS = {name: f"{cls.__module__}.{cls.__name__}" for name, cls in SCHEMES.items()}
+
+
+def test_schedule_matches_hand_values():
+    o = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=9)
+    assert o.lr_at(0, 109) == pytest.approx(0.1)  # (0 + 1) / (9 + 1)
+    assert o.lr_at(8, 109) == pytest.approx(0.9)
+    assert o.lr_at(9, 109) == pytest.approx(1.0)  # cosine starts at lr
+    assert o.lr_at(59, 109) == pytest.approx(0.1 + 0.5 * 0.9)  # half way: cos(pi/2) = 0
+    assert o.lr_at(109, 109) == pytest.approx(0.1)
+    assert o.lr_at(500, 109) == pytest.approx(0.1)
+    values = [o.lr_at(s, 109) for s in range(9, 110)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
+
+
+@pytest.mark.parametrize("bad", [dict(lr=1e-3, min_lr=1e-2), dict(min_lr=0.0), dict(warmup_steps=-1)])
+def test_optim_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="optim"):
+        OptimConfig(**bad)
+
+
+def test_weight_decay_groups():
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["learned"]}, optim={"weight_decay": 0.1})
+    module.trainer = type("T", (), {"max_steps": 10})()  # only max_steps is read
+    opt = module.configure_optimizers()["optimizer"]
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
+    gpt = module.model
+    assert id(gpt.pe.wpe.weight) in ids(no_decay)  # position table: no decay
+    assert id(gpt.blocks[0].ln_1.weight) in ids(no_decay)
+    assert id(gpt.blocks[0].attn.c_attn.weight) in ids(decay)
+    assert id(gpt.lm_head.weight) in ids(decay)
+    total = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert total == sum(p.numel() for p in gpt.parameters())  # every parameter exactly once
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_loss_decreases_on_a_repeated_batch(scheme):
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (4, 33))
+    loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS[scheme]},
+                    optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "weight_decay": 0.0})
+    module.eval()
+    with torch.no_grad():
+        before = module(*next(iter(loader)))[1].item()
+    module.train()
+    trainer = L.Trainer(max_steps=60, accelerator="cpu", precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=1.0, limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=loader)
+    module.eval()
+    with torch.no_grad():
+        after = module(*next(iter(loader)))[1].item()
+    assert before == pytest.approx(math.log(64), abs=0.3)
+    assert after < 0.75 * before, (scheme, before, after)
+
+
+def test_checkpoint_rebuilds_the_model(tmp_path):
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["rope_alibi"], "bias_heads": 2}, optim={})
+    trainer = L.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.strategy.connect(module)
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = LitGPT.load_from_checkpoint(path)
+    assert loaded.model.pe.bias_heads == 2
+    x = torch.randint(0, 64, (2, 16))
+    module.eval(), loaded.eval()
+    torch.testing.assert_close(module(x)[0], loaded(x)[0])

@@ -1,0 +1,149 @@
+"""End-to-end: train.py through Hydra, as a user runs it (subprocess) and via the compose API."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMES = ["learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"]
+FAST = [
+    "model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=32",
+    "data.batch_size=4", "trainer.max_steps=4", "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false", "optim.warmup_steps=1",
+]
+
+
+def run_train(args, tmp_path, env=None, timeout=600):
+    full_env = {**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(path: Path) -> dict[str, list[float]]:
+    metrics: dict[str, list[float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if v not in ("", None):
+                    metrics.setdefault(k, []).append(float(v))
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    proc = run_train(["-m", f"pe={','.join(SCHEMES)}", "logger=csv", f"hydra.sweep.dir={out}", *FAST], out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, proc
+
+
+def test_multirun_one_output_dir_per_scheme(sweep):
+    out, _ = sweep
+    runs = sorted(p for p in out.iterdir() if p.is_dir() and (p / "checkpoints").exists())
+    assert len(runs) == len(SCHEMES)
+    seen = set()
+    for run in runs:
+        config = yaml.safe_load((run / "checkpoints" / "config.yaml").read_text())
+        scheme = next(s for s in SCHEMES if run.name.endswith(f"pe={s}") or f"pe={s}," in run.name)
+        seen.add(scheme)
+        assert config["pe"]["_target_"].startswith(f"model.pe.{scheme}.")
+        assert config["model"]["vocab_size"] == 256 and config["model"]["block_size"] == 32
+        assert (run / "checkpoints" / "last.ckpt").exists()
+        metrics = read_metrics(run / "csv" / "metrics.csv")
+        for key in ("train/loss", "val/loss", "val/ppl", "lr", "train/tokens_per_sec"):
+            assert key in metrics, (run.name, key, sorted(metrics))
+        assert metrics["val/ppl"][-1] == pytest.approx(torch.tensor(metrics["val/loss"][-1]).exp().item(), rel=1e-4)
+        assert all(v > 0 for v in metrics["train/tokens_per_sec"])
+    assert seen == set(SCHEMES)
+
+
+def test_checkpoint_from_sweep_rebuilds_its_scheme(sweep):
+    from model.lit import LitGPT
+
+    out, _ = sweep
+    for run in (p for p in out.iterdir() if (p / "checkpoints" / "last.ckpt").exists()):
+        module = LitGPT.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu")
+        assert run.name.endswith(f"pe={module.pe_name}")
+
+
+def test_single_run_wandb_goes_offline_by_itself(tmp_path):
+    """Default logger (wandb) with no credentials and no WANDB_MODE: no prompt, no hang."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "WANDB_MODE": "", "WANDB_API_KEY": "", "NETRC": str(home / ".netrc"),
+           "WANDB_CONFIG_DIR": str(home / ".config" / "wandb")}
+    proc = subprocess.run(
+        [sys.executable, "train.py", "pe=alibi", f"hydra.run.dir={tmp_path / 'run'}", *FAST],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "offline mode" in proc.stdout
+    assert "wandb sync" in proc.stdout
+    offline_runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
+    assert "val loss" in proc.stdout and "unigram baseline" in proc.stdout
+    assert str((tmp_path / "run" / "checkpoints").resolve()) in proc.stdout
+
+
+def test_learned_pe_refuses_context_beyond_its_table(tmp_path):
+    proc = run_train(["pe=learned", "pe.max_positions=16", "logger=none", f"hydra.run.dir={tmp_path}", *FAST], tmp_path)
+    assert proc.returncode != 0
+    assert "model.block_size=32 exceeds the 16 positions of pe=learned" in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()  # refused before any work
+
+
+def compose_config(overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def test_unknown_scheme_lists_valid_choices():
+    with pytest.raises(MissingConfigException) as err:
+        compose_config(["pe=rotary"])
+    message = str(err.value)
+    assert "pe/rotary" in message
+    for scheme in SCHEMES:
+        assert scheme in message
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_scheme_config_builds(scheme):
+    import hydra
+
+    from model.config import GPTConfig
+    from model.pe import SCHEMES as REGISTRY
+
+    cfg = compose_config([f"pe={scheme}"])
+    pe = hydra.utils.instantiate(cfg.pe, _partial_=True)(GPTConfig(vocab_size=256, **cfg.model))
+    assert type(pe) is REGISTRY[scheme]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.n_head=5", "divisible by model.n_head=5"),
+    ("optim.min_lr=1.0", "optim.min_lr <= optim.lr"),
+    ("trainer.max_steps=-1", "trainer.max_steps must be > 0"),
+    ("pe=rope_alibi pe.bias_heads=9", "pe.bias_heads must be in"),
+])
+def test_bad_config_fails_before_any_work(override, message):
+    from train import validate_config
+
+    cfg = compose_config(override.split())
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        validate_config(cfg)
+
+
+def test_default_config_is_the_documented_one():
+    cfg = compose_config([])
+    assert cfg.pe._target_ == "model.pe.rope.RoPE"
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert "wandb" in cfg.logger
+    assert cfg.data.corpus._target_ == "data.corpus.GutenbergCorpus"
