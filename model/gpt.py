@@ -15,6 +15,16 @@ from model.config import GPTConfig
 from model.pe.base import PositionEncoding
 
 
+class QueryChunks:
+    """Evaluate attention in query chunks of ``size``; ``mask`` builds each chunk's float mask."""
+
+    def __init__(self, size: int, mask) -> None:
+        self.size, self.mask = size, mask
+
+    def bounds(self, T: int):
+        return ((s, min(T, s + self.size)) for s in range(0, T, self.size))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -32,16 +42,23 @@ class CausalSelfAttention(nn.Module):
             q, k = pe.rotate(q, k, positions, positions)
         return q, k, v
 
-    def forward(self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None, chunk: QueryChunks | None = None
+    ) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x, pe, positions)
-        # A float mask (bias + causal -inf) keeps SDPA on its fused kernels; no mask -> is_causal.
-        y = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None,
-        )
+        dropout = self.dropout if self.training else 0.0
+        if chunk is None:
+            # A float mask (bias + causal -inf) keeps SDPA on its fused kernels; no mask -> is_causal.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=attn_mask is None)
+        else:
+            # Long evaluation: query chunk [s, e) attends to keys [0, e) with a mask of only
+            # (heads, e - s, e), never the whole (heads, T, T).
+            parts = []
+            for s, e in chunk.bounds(T):
+                mask = chunk.mask(positions[s:e], positions[:e])
+                parts.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], attn_mask=mask))
+            y = torch.cat(parts, dim=2)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -66,8 +83,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), pe, positions, attn_mask)
+    def forward(
+        self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None, chunk: QueryChunks | None = None
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), pe, positions, attn_mask, chunk)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -104,13 +123,63 @@ class GPT(nn.Module):
             n -= sum(p.numel() for p in self.pe.parameters())
         return n
 
-    def attention_mask(self, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype) -> Tensor | None:
-        """Float mask (1, H, Tq, Tk): the scheme's bias plus -inf where j > i; None if no bias."""
-        if not self.pe.uses_bias:
-            return None
-        bias = self.pe.bias(q_positions, k_positions)
+    def attention_mask(
+        self, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype, always: bool = False
+    ) -> Tensor | None:
+        """Float mask (1, H, Tq, Tk): the scheme's bias plus -inf where j > i.
+
+        None when the scheme has no bias (SDPA's is_causal is faster), unless ``always``.
+        """
         future = k_positions[None, :] > q_positions[:, None]
+        if self.pe.uses_bias:
+            bias = self.pe.bias(q_positions, k_positions)
+        elif always:
+            bias = torch.zeros(future.shape, device=future.device).expand(self.config.n_head, -1, -1)
+        else:
+            return None
         return bias.masked_fill(future, float("-inf")).to(dtype).unsqueeze(0)
+
+    def positions_for(self, T: int, positions: Tensor | None, device: torch.device) -> Tensor:
+        """The default 0..T-1, checked against the scheme's table; or validated explicit ones."""
+        if positions is None:
+            limit = self.pe.max_positions
+            if limit is not None and T > limit:
+                raise ValueError(
+                    f"sequence length {T} exceeds the {limit} positions of pe={self.pe.name}; "
+                    f"this scheme cannot run past its table"
+                )
+            return torch.arange(T, device=device)
+        if positions.shape != (T,):
+            raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
+        return positions
+
+    def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
+        x = self.wte(idx)
+        if self.pe.uses_embed:
+            x = self.pe.embed(x, positions)
+        return self.drop(x)
+
+    def hidden(self, idx: Tensor, positions: Tensor | None = None, q_chunk: int | None = None) -> Tensor:
+        """Final normalised hidden states (B, T, C). ``q_chunk`` bounds attention memory for
+        long evaluation sequences (see QueryChunks); training leaves it None."""
+        T = idx.shape[1]
+        positions = self.positions_for(T, positions, idx.device)
+        dtype = self._compute_dtype(idx.device)
+        x = self.embed(idx, positions)
+        chunk, attn_mask = None, None
+        if q_chunk is not None and T > q_chunk:
+            chunk = QueryChunks(q_chunk, lambda qp, kp: self.attention_mask(qp, kp, dtype, always=True))
+        else:
+            attn_mask = self.attention_mask(positions, positions, dtype)
+        for block in self.blocks:
+            x = block(x, self.pe, positions, attn_mask, chunk)
+        return self.ln_f(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        logits = self.lm_head(h)
+        if logits.shape[-1] != self.config.vocab_size:
+            logits = logits[..., : self.config.vocab_size]  # padded rows never win a softmax
+        return logits
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, positions: Tensor | None = None
@@ -119,32 +188,25 @@ class GPT(nn.Module):
 
         Returns logits (B, T, V) and, with targets, the mean cross-entropy (ignore_index -1).
         """
-        B, T = idx.shape
-        if positions is None:
-            limit = self.pe.max_positions
-            if limit is not None and T > limit:
-                raise ValueError(
-                    f"sequence length {T} exceeds the {limit} positions of pe={self.pe.name}; "
-                    f"this scheme cannot run past its table"
-                )
-            positions = torch.arange(T, device=idx.device)
-        elif positions.shape != (T,):
-            raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
-
-        x = self.wte(idx)
-        if self.pe.uses_embed:
-            x = self.pe.embed(x, positions)
-        x = self.drop(x)
-        attn_mask = self.attention_mask(positions, positions, self._compute_dtype(idx.device))
-        for block in self.blocks:
-            x = block(x, self.pe, positions, attn_mask)
-        logits = self.lm_head(self.ln_f(x))
-        if logits.shape[-1] != self.config.vocab_size:
-            logits = logits[..., : self.config.vocab_size]  # padded rows never win a softmax
+        logits = self.logits(self.hidden(idx, positions))
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
+
+    def token_nll(
+        self, idx: Tensor, targets: Tensor, positions: Tensor | None = None, q_chunk: int | None = None
+    ) -> Tensor:
+        """Per-token negative log-likelihood (B, T) in float32, with the LM head applied in
+        chunks so that (B, T, V) logits never exist at once."""
+        h = self.hidden(idx, positions, q_chunk)
+        step = q_chunk or h.shape[1]
+        parts = [
+            F.cross_entropy(self.logits(h[:, s : s + step]).float().transpose(1, 2), targets[:, s : s + step],
+                            reduction="none")
+            for s in range(0, h.shape[1], step)
+        ]
+        return torch.cat(parts, dim=1)
 
     def _compute_dtype(self, device: torch.device) -> torch.dtype:
         if torch.is_autocast_enabled(device.type):
