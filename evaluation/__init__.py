@@ -1,0 +1,1 @@
+"""Evaluation of trained models: extrapolation perplexity, attention maps, run comparison."""
