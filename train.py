@@ -21,6 +21,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 
+# Overrides that do not change what is trained stay out of run names.
+NOT_IN_NAME = ("pe", "hydra.", "logger", "trainer.enable_", "trainer.devices", "data.num_workers", "ckpt_path")
+
+
 @dataclass
 class RunIdentity:
     """How a run shows up on W&B: one group per sweep/experiment, one named run per scheme."""
@@ -41,13 +45,14 @@ def describe_run(cfg: DictConfig) -> RunIdentity:
     if HydraConfig.initialized():
         hc = HydraConfig.get()
         choices = {k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
-        overrides = [o for o in hc.overrides.task if not o.split("=")[0].lstrip("+~") in ("pe", "hydra.run.dir")]
+        overrides = [o for o in hc.overrides.task if not o.split("=")[0].lstrip("+~").startswith(NOT_IN_NAME)]
         if hc.mode == RunMode.MULTIRUN:
             sweep = Path(hc.sweep.dir).name
     scheme = choices.get("pe") or cfg.pe._target_.rsplit(".", 1)[-1]
     name = cfg.run_name or "-".join([scheme, ",".join(overrides)]).rstrip("-")[:128]
     group = cfg.group or (f"{choices.get('experiment') or 'sweep'}-{sweep}" if sweep else None)
-    tags = [f"pe:{scheme}"] + [f"{k}:{choices[k]}" for k in ("model", "data") if k in choices] + list(cfg.tags)
+    tags = [f"pe:{scheme}"] + [f"{k}:{choices[k]}" for k in ("model", "data") if k in choices]
+    tags += [t for t in cfg.tags if t not in tags]
     return RunIdentity(name=name, group=group, tags=tags, choices={"pe": scheme, **choices})
 
 
@@ -64,6 +69,10 @@ def validate_config(cfg: DictConfig) -> None:
             f"model.block_size={model_cfg.block_size} exceeds the {pe.max_positions} positions of "
             f"pe={pe.name}; raise pe.max_positions or lower model.block_size"
         )
+    if cfg.get("eval") and cfg.eval.extrapolation.enabled:
+        from evaluation.extrapolation import ExtrapolationConfig
+
+        ExtrapolationConfig.from_dict(OmegaConf.to_container(cfg.eval.extrapolation, resolve=True))
     max_steps = cfg.trainer.get("max_steps", -1)
     if (max_steps is None or max_steps <= 0) and not cfg.optim.get("decay_steps"):
         raise ValueError(f"trainer.max_steps must be > 0 (got {max_steps}): it sets the LR schedule's length")
@@ -135,6 +144,26 @@ def build_callbacks(cfg: DictConfig) -> list:
     return [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c and "_target_" in c]
 
 
+def run_extrapolation(cfg: DictConfig, module, datamodule, loggers: list, output_dir: Path) -> list:
+    """The extrapolation table of the trained model: CSV/PNG/markdown on disk, W&B table and chart."""
+    from data.datamodule import load_tokens
+    from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
+
+    options = OmegaConf.to_container(cfg.eval.extrapolation, resolve=True)
+    config = ExtrapolationConfig.from_dict(options)
+    tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
+    rows = evaluate_extrapolation(module.model, tokens, cfg.model.block_size, config)
+    paths = save_results(rows, output_dir / "extrapolation", title=f"pe={module.pe_name}, trained at {cfg.model.block_size}")
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger":
+            log_to_wandb(rows, logger.experiment, png=paths["png"])
+        else:
+            logger.log_metrics({f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl
+                                for r in rows if r.ok})
+    print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md)", flush=True)
+    return rows
+
+
 def train(cfg: DictConfig) -> float | None:
     import warnings
 
@@ -149,6 +178,8 @@ def train(cfg: DictConfig) -> float | None:
     validate_config(cfg)
     identity = describe_run(cfg)
     output_dir = Path(cfg.paths.output_dir)
+    with open_dict(cfg):  # record how the run appears on W&B in its saved config
+        cfg.run_name, cfg.group, cfg.tags = identity.name, identity.group, identity.tags
 
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
@@ -175,6 +206,8 @@ def train(cfg: DictConfig) -> float | None:
     val_loss = trainer.callback_metrics.get("val/loss")
     val_loss = float(val_loss) if val_loss is not None else None
     if trainer.is_global_zero:
+        if cfg.eval.extrapolation.enabled:
+            run_extrapolation(cfg, module, datamodule, loggers, output_dir)
         baseline = datamodule.unigram_loss()
         for logger in loggers:
             logger.log_metrics({"val/unigram_loss": baseline}, step=trainer.global_step)

@@ -5,6 +5,8 @@ zeta^(n/B) and the key at m by zeta^(-m/B) on both the cos and sin terms, so q.k
 carries zeta^((n-m)/B). Exponents use positions centred on the keys' midpoint c (the
 factor depends only on n - m, so c cancels) to keep the float32 powers small.
 Meant for causal attention only: for m > n the key factor grows instead of decaying.
+A RoPE scaling (``set_scaling``) changes the rotation angles (and YaRN's attention factor)
+only; the zeta decay is unchanged.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class XPos(RoPE, name="xpos"):
 
     def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
         center = (k_positions.min() + k_positions.max()) // 2
-        q = self._rotate_one(q, q_positions, self.decay(q_positions, center, +1.0))
-        k = self._rotate_one(k, k_positions, self.decay(k_positions, center, -1.0))
+        freqs = self.frequencies(q_positions, k_positions)  # RoPE scaling (if set) moves the angles only
+        q = self._rotate_one(q, q_positions, self.decay(q_positions, center, +1.0), freqs)
+        k = self._rotate_one(k, k_positions, self.decay(k_positions, center, -1.0), freqs)
         return q, k
 
     def extra_repr(self) -> str:

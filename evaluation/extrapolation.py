@@ -1,0 +1,304 @@
+"""Extrapolation perplexity: a model trained at context L scored on held-out text at longer lengths.
+
+Two protocols, named in every row:
+
+- ``nonoverlapping``: the text is cut into consecutive windows of the eval length and every
+  target of every window is scored (the ALiBi paper's main protocol);
+- ``sliding``: windows of the eval length advance by ``stride`` and only the last ``stride``
+  targets of each window are scored, so every scored token sees at least
+  ``length - stride`` tokens of context. ``stride == length`` is exactly ``nonoverlapping``.
+
+A length that needs positions the scheme does not have (learned PE past its table) is
+reported as not applicable; a length longer than the held-out text is skipped with a
+message. Nothing is clamped and no number comes from fewer or shorter windows than stated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from model.gpt import GPT
+
+MODES = ("nonoverlapping", "sliding")
+
+
+@dataclass
+class ExtrapolationConfig:
+    multipliers: Sequence[float] = (1, 2, 4, 8, 16)  # eval lengths as multiples of the train length
+    lengths: Sequence[int] = ()  # absolute eval lengths, added to the multiples
+    modes: Sequence[str] = ("nonoverlapping",)
+    stride: int | None = None  # sliding stride; None = half the eval length
+    max_tokens: int | None = None  # scored tokens per length (whole windows); None = all held-out text
+    tokens_per_batch: int = 16384
+    q_chunk: int = 1024  # attention query chunk: bounds the (heads, T, T) mask at long lengths
+    rope_scaling: Sequence[str | None] = (None,)  # None (plain) and/or linear, ntk, dynamic_ntk, yarn
+    rope_scaling_factor: float | None = None  # None = eval length / train length
+    precision: str = "bf16-mixed"
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"unknown extrapolation mode(s) {bad}; valid choices: {', '.join(MODES)}")
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"stride must be a positive integer, got {self.stride}")
+        if any(m <= 0 for m in self.multipliers) or any(n < 1 for n in self.lengths):
+            raise ValueError(f"eval lengths must be positive, got multipliers={list(self.multipliers)} "
+                             f"lengths={list(self.lengths)}")
+        self.rope_scaling = [None if s in (None, "none", "None", "") else s for s in self.rope_scaling] or [None]
+
+    def eval_lengths(self, train_length: int) -> list[int]:
+        return sorted({int(round(m * train_length)) for m in self.multipliers} | {int(n) for n in self.lengths})
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ExtrapolationConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known - {"enabled"})
+        if unknown:
+            raise ValueError(f"unknown extrapolation option(s) {unknown}; valid: {', '.join(sorted(known))}")
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+@dataclass
+class ExtrapolationRow:
+    scheme: str
+    rope_scaling: str
+    train_length: int
+    eval_length: int
+    mode: str
+    stride: int
+    tokens: int
+    loss: float
+    ppl: float
+    seconds: float
+    status: str = "ok"  # "ok", "not applicable: ...", "skipped: ..."
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def window_starts(num_tokens: int, length: int, stride: int) -> range:
+    """Starts of windows [s, s + length] (length inputs + the one extra target) that fit."""
+    return range(0, num_tokens - length, stride)
+
+
+def scored_windows(num_tokens: int, length: int, mode: str, stride: int | None, max_tokens: int | None
+                   ) -> tuple[range, int]:
+    """(window starts, targets scored per window) for one eval length."""
+    step = length if mode == "nonoverlapping" else (stride or max(1, length // 2))
+    if step > length:
+        raise ValueError(f"sliding stride {step} is longer than the eval window {length}")
+    starts = window_starts(num_tokens, length, step)
+    if max_tokens is not None:
+        starts = starts[: max(1, max_tokens // step)]
+    return starts, step
+
+
+def _autocast(precision: str, device: torch.device):
+    if "bf16" in str(precision):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if str(precision).startswith("16"):
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _batches(starts: range, size: int) -> Iterator[range]:
+    for i in range(0, len(starts), size):
+        yield starts[i : i + size]
+
+
+@torch.no_grad()
+def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: int | None = None,
+                 max_tokens: int | None = None, tokens_per_batch: int = 16384, q_chunk: int | None = 1024,
+                 precision: str = "bf16-mixed") -> tuple[float, int, int]:
+    """(summed NLL, tokens scored, stride) over the held-out ``tokens`` at one eval length."""
+    device = next(gpt.parameters()).device
+    starts, step = scored_windows(len(tokens), length, mode, stride, max_tokens)
+    batch = max(1, tokens_per_batch // length)
+    total, count = 0.0, 0
+    for group in _batches(starts, batch):
+        chunk = np.stack([tokens[s : s + length + 1] for s in group]).astype(np.int64)
+        xy = torch.from_numpy(chunk).to(device)
+        with _autocast(precision, device):
+            nll = gpt.token_nll(xy[:, :-1], xy[:, 1:], q_chunk=q_chunk)
+        scored = nll[:, length - step :]  # the last `step` targets of every window
+        total += scored.double().sum().item()
+        count += scored.numel()
+    return total, count, step
+
+
+def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, config: ExtrapolationConfig,
+                           log=print) -> list[ExtrapolationRow]:
+    """Every (rope scaling, mode, length) row for one model on one held-out token stream."""
+    gpt = getattr(gpt, "_orig_mod", gpt)  # a torch.compile'd model: evaluate the eager one
+    was_training = gpt.training
+    gpt.eval()
+    pe = gpt.pe
+    rows: list[ExtrapolationRow] = []
+    try:
+        for scaling in config.rope_scaling:
+            for mode in config.modes:
+                for length in config.eval_lengths(train_length):
+                    row = ExtrapolationRow(pe.name, scaling or "none", train_length, length, mode,
+                                           length if mode == "nonoverlapping" else (config.stride or max(1, length // 2)),
+                                           0, math.nan, math.nan, 0.0)
+                    if scaling and not getattr(pe, "supports_rope_scaling", False):
+                        row.status = f"not applicable: rope_scaling={scaling} needs a rotary scheme"
+                    elif pe.max_positions is not None and length > pe.max_positions:
+                        row.status = f"not applicable: pe={pe.name} has {pe.max_positions} positions"
+                    elif len(tokens) < length + 1:
+                        row.status = f"skipped: held-out text has {len(tokens)} tokens, fewer than one window of {length + 1}"
+                    elif mode == "sliding" and row.stride > length:
+                        row.status = f"skipped: stride {row.stride} longer than the window {length}"
+                    else:
+                        if scaling:
+                            from model.pe.rope_scaling import RopeScaling
+
+                            factor = config.rope_scaling_factor or max(1.0, length / train_length)
+                            pe.set_scaling(RopeScaling(scaling, factor, train_length))
+                        t0 = time.perf_counter()
+                        try:
+                            total, count, _ = score_length(gpt, tokens, length, mode, config.stride, config.max_tokens,
+                                                           config.tokens_per_batch, config.q_chunk, config.precision)
+                        finally:
+                            if scaling:
+                                pe.set_scaling(None)
+                        row.seconds = time.perf_counter() - t0
+                        row.tokens, row.loss = count, total / count
+                        row.ppl = math.exp(row.loss)
+                    rows.append(row)
+                    log(format_row(row))
+    finally:
+        gpt.train(was_training)
+    return rows
+
+
+def format_row(row: ExtrapolationRow) -> str:
+    head = (f"[extrapolation] pe={row.scheme} scaling={row.rope_scaling} mode={row.mode} "
+            f"train={row.train_length} eval={row.eval_length} stride={row.stride}")
+    if not row.ok:
+        return f"{head}: {row.status}"
+    return f"{head}: ppl {row.ppl:.3f} (loss {row.loss:.4f}) over {row.tokens} tokens in {row.seconds:.1f}s"
+
+
+COLUMNS = [f.name for f in fields(ExtrapolationRow)]
+
+
+def write_csv(rows: Sequence[ExtrapolationRow], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(asdict(row))
+    return path
+
+
+def read_csv(path: Path) -> list[ExtrapolationRow]:
+    types = {f.name: f.type for f in fields(ExtrapolationRow)}
+    casts = {"int": int, "float": float, "str": str}
+    with open(path, newline="") as f:
+        return [ExtrapolationRow(**{k: casts[types[k]](v) for k, v in r.items() if k in types})
+                for r in csv.DictReader(f)]
+
+
+def series_label(row: ExtrapolationRow, by: Sequence[str]) -> str:
+    return " ".join(str(getattr(row, key)) for key in by)
+
+
+def plot_rows(rows: Sequence[ExtrapolationRow], series_by: Sequence[str] = ("mode", "rope_scaling"),
+              title: str = "Extrapolation"):
+    """ppl against eval length (log-x, log-y), one line per series; the train length is marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    series: dict[str, list[ExtrapolationRow]] = {}
+    for row in rows:
+        if row.ok:
+            series.setdefault(series_label(row, series_by), []).append(row)
+    for label, points in sorted(series.items()):
+        points.sort(key=lambda r: r.eval_length)
+        ax.plot([r.eval_length for r in points], [r.ppl for r in points], marker="o", label=label)
+    for train_length in sorted({r.train_length for r in rows}):
+        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ppls = [r.ppl for r in rows if r.ok]
+    if ppls and max(ppls) > 3 * min(ppls):  # log-y only when the range needs it
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("evaluation length (tokens); dotted: training length")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def markdown_table(rows: Sequence[ExtrapolationRow], row_by: Sequence[str] = ("scheme",)) -> str:
+    """ALiBi-paper style: one line per model, one column per eval length, ppl in the cells."""
+    lengths = sorted({r.eval_length for r in rows})
+    table: dict[str, dict[int, str]] = {}
+    for r in rows:
+        cell = f"{r.ppl:.2f}" if r.ok else ("n/a" if r.status.startswith("not applicable") else "—")
+        table.setdefault(series_label(r, row_by), {})[r.eval_length] = cell
+    train = sorted({r.train_length for r in rows})
+    header = "| " + " / ".join(row_by) + " | " + " | ".join(
+        f"{n}" + (" (train)" if n in train else "") for n in lengths) + " |"
+    lines = [header, "|" + "---|" * (len(lengths) + 1)]
+    for label, cells in table.items():
+        lines.append(f"| {label} | " + " | ".join(cells.get(n, "") for n in lengths) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save_results(rows: Sequence[ExtrapolationRow], out_dir: Path, title: str) -> dict[str, Path]:
+    """CSV + PNG (+ markdown) on disk, so nothing depends on W&B being reachable."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": write_csv(rows, out_dir / "extrapolation.csv")}
+    fig = plot_rows(rows, title=title)
+    paths["png"] = out_dir / "extrapolation.png"
+    fig.savefig(paths["png"])
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    paths["md"] = out_dir / "extrapolation.md"
+    paths["md"].write_text(markdown_table(rows, row_by=("scheme", "mode", "rope_scaling")))
+    return paths
+
+
+def log_to_wandb(rows: Sequence[ExtrapolationRow], run, png: Path | None = None, prefix: str = "extrapolation",
+                 series_by: Sequence[str] = ("mode", "rope_scaling")) -> None:
+    """A wandb.Table, a ppl-vs-length line chart per series, the log-x PNG, and summary scalars."""
+    import wandb
+
+    table = wandb.Table(columns=COLUMNS, data=[[getattr(r, c) for c in COLUMNS] for r in rows])
+    payload = {f"{prefix}/table": table}
+    series: dict[str, list[ExtrapolationRow]] = {}
+    for r in rows:
+        if r.ok:
+            series.setdefault(series_label(r, series_by), []).append(r)
+    if series:
+        lengths = sorted({r.eval_length for points in series.values() for r in points})
+        ys = [[next((r.ppl for r in points if r.eval_length == n), float("nan")) for n in lengths]
+              for points in series.values()]
+        payload[f"{prefix}/ppl_vs_length"] = wandb.plot.line_series(
+            xs=lengths, ys=ys, keys=list(series), title="perplexity vs eval length", xname="eval length")
+    if png is not None and Path(png).exists():
+        payload[f"{prefix}/plot"] = wandb.Image(str(png))
+    run.log(payload)
+    for r in rows:
+        if r.ok:
+            run.summary[f"{prefix}/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}"] = r.ppl

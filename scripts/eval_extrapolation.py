@@ -1,0 +1,109 @@
+"""Extrapolation perplexity of a trained checkpoint.
+
+    python scripts/eval_extrapolation.py ckpt=outputs/DATE/TIME/checkpoints/last.ckpt
+    python scripts/eval_extrapolation.py ckpt=... multipliers=1,2,4,8,16 mode=nonoverlapping,sliding stride=128
+    python scripts/eval_extrapolation.py ckpt=... rope_scaling=linear,ntk,yarn
+
+The data and training length come from the run's resolved config (checkpoints/config.yaml,
+written by train.py). Results go to RUN_DIR/extrapolation/eval-<ckpt>-<time>/ as CSV, PNG and
+markdown (earlier results are never overwritten) and, with wandb=true, to a W&B run in the
+training run's group.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from _common import ROOT, parse_key_values, split_list
+
+OPTIONS = {
+    "ckpt": "path to a Lightning checkpoint written by train.py (required)",
+    "multipliers": "eval lengths as multiples of the training length, e.g. 1,2,4,8,16",
+    "lengths": "absolute eval lengths, e.g. 300,1000",
+    "mode": "nonoverlapping and/or sliding, e.g. nonoverlapping,sliding",
+    "stride": "sliding stride (default: half the eval length)",
+    "max_tokens": "scored tokens per length (default: the run's setting; 'null' = all held-out text)",
+    "rope_scaling": "linear, ntk, dynamic_ntk and/or yarn (evaluated next to the plain model)",
+    "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
+    "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "device": "cpu or cuda (default: cuda when available)",
+    "out": "output directory (default: RUN_DIR/extrapolation/eval-<ckpt>-<time>)",
+    "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
+}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_key_values(argv, OPTIONS)
+    if "ckpt" not in args:
+        raise SystemExit("ckpt=PATH is required; options:\n" + "\n".join(f"  {k:20s} {h}" for k, h in OPTIONS.items()))
+
+    import hydra
+    import torch
+    from omegaconf import OmegaConf
+
+    from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
+    from model.lit import LitGPT
+    from data.datamodule import load_tokens
+
+    ckpt = Path(args["ckpt"])
+    if not ckpt.is_file():
+        raise SystemExit(f"ckpt={ckpt} does not exist")
+    run_config = ckpt.parent / "config.yaml"
+    if not run_config.is_file():
+        raise SystemExit(f"{run_config} not found: the run's resolved config (written by train.py) "
+                         "tells which data and training length to use")
+    cfg = OmegaConf.load(run_config)
+    defaults = OmegaConf.load(ROOT / "conf" / "eval" / "default.yaml").extrapolation
+    defaults.precision = cfg.trainer.precision
+    options = OmegaConf.to_container(cfg.get("eval", {}).get("extrapolation", defaults), resolve=True)
+    options.pop("enabled", None)
+    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
+        options["multipliers"] = [float(v) for v in split_list(args.get("multipliers", ""))]
+        options["lengths"] = [int(v) for v in split_list(args.get("lengths", ""))]
+    if "mode" in args:
+        options["modes"] = split_list(args["mode"])
+    for key, cast in (("stride", int), ("max_tokens", int), ("rope_scaling_factor", float)):
+        if key in args:
+            options[key] = None if args[key].lower() in ("null", "none") else cast(args[key])
+    if "precision" in args:
+        options["precision"] = args["precision"]
+    if "rope_scaling" in args:
+        options["rope_scaling"] = [None] + [s for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
+    config = ExtrapolationConfig.from_dict(options)
+
+    device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    module = LitGPT.load_from_checkpoint(ckpt, map_location=device)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("validate")
+    tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
+    train_length = module.config.block_size
+
+    rows = evaluate_extrapolation(module.model.to(device), tokens, train_length, config)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.get("out") or ckpt.parent.parent / "extrapolation" / f"eval-{ckpt.stem}-{stamp}")
+    paths = save_results(rows, out, title=f"pe={module.pe_name}, trained at {train_length}")
+    print(paths["md"].read_text())
+    print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
+
+    if args.get("wandb", "false").lower() in ("1", "true", "yes"):
+        import os
+
+        import wandb
+
+        from train import wandb_has_credentials, wandb_reachable
+
+        offline = os.environ.get("WANDB_MODE") == "offline" or not (wandb_has_credentials() and wandb_reachable())
+        run = wandb.init(project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
+                         name=f"{cfg.get('run_name') or module.pe_name}-extrapolation", dir=str(out),
+                         mode="offline" if offline else "online", config={"ckpt": str(ckpt), **options})
+        log_to_wandb(rows, run, png=paths["png"])
+        run.finish()
+        print(f"[pelab] W&B {'offline run in ' + str(out / 'wandb') if offline else 'run: ' + run.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
