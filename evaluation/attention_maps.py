@@ -229,7 +229,7 @@ def plot_attention_grid(
         p = np.where(future[None], np.nan, np.clip(p, vmin, 1.0))
         for c, head in enumerate(heads):
             ax = axes[r, c]
-            image = ax.imshow(p[c], cmap=cmap, norm=norm, interpolation="nearest", aspect="equal")
+            image = ax.imshow(p[c], cmap=cmap, norm=norm, interpolation="auto", aspect="equal")
             ax.set_title(f"L{layer} H{head}", fontsize=8)
             ax.set_xticks([])
             ax.set_yticks([])
