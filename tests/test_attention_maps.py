@@ -33,9 +33,9 @@ TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
 ALIBI = {"_target_": "model.pe.alibi.ALiBi"}
 
 
-def tiny_gpt(scheme: str, seed: int = 0) -> GPT:
+def tiny_gpt(scheme: str, seed: int = 0, **overrides) -> GPT:
     torch.manual_seed(seed)
-    config = GPTConfig(**TINY)
+    config = GPTConfig(**{**TINY, **overrides})
     gpt = GPT(config, SCHEMES[scheme](config))
     with torch.no_grad():  # larger weights than the init so attention is far from uniform
         for block in gpt.blocks:
@@ -90,25 +90,22 @@ def test_probs_match_fused_attention_and_hidden(scheme, monkeypatch):
     assert sorted(attention_probs(gpt, idx, layers=[-1])) == [1]
 
 
-def test_explicit_positions_and_mode_restored():
-    gpt = tiny_gpt("alibi")
-    gpt.train()
-    gpt.blocks[1].mlp.eval()  # a mixed state must come back exactly
+def test_explicit_positions_eval_mode_and_mode_restored():
+    gpt = tiny_gpt("alibi", dropout=0.5)  # dropout makes a train-mode pass differ
     idx = torch.randint(0, 64, (1, 12))
     positions = torch.arange(12) + 7
-    probs = attention_probs(gpt, idx, positions=positions)
     with torch.no_grad():
-        gpt.eval()
         fused = gpt.hidden(idx, positions)
-        gpt.train()
-        gpt.blocks[1].mlp.eval()
-    hidden = eager_attention_pass(gpt.eval(), idx, positions, return_hidden=True).hidden
-    torch.testing.assert_close(hidden, fused, atol=2e-6, rtol=1e-5)
+    result = eager_attention_pass(gpt, idx, positions, return_hidden=True)
+    torch.testing.assert_close(result.hidden, fused, atol=2e-6, rtol=1e-5)
+    assert torch.equal(result.positions, positions)
+
     gpt.train()
-    gpt.blocks[1].mlp.eval()
-    attention_probs(gpt, idx)
-    assert gpt.training and gpt.blocks[0].training and not gpt.blocks[1].mlp.training
-    assert (probs[0].triu(diagonal=1) == 0).all()
+    gpt.blocks[1].mlp.eval()  # a mixed state must come back exactly
+    probs = attention_probs(gpt, idx, positions=positions)
+    for layer in probs:  # computed in eval mode: no dropout
+        torch.testing.assert_close(probs[layer], result.probs[layer], atol=0, rtol=0)
+    assert gpt.training and gpt.blocks[0].attn.training and not gpt.blocks[1].mlp.training
     with pytest.raises(ValueError, match="layer"):
         attention_probs(gpt, idx, layers=[2])
 

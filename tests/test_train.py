@@ -19,6 +19,7 @@ FAST = [
     "data.batch_size=4", "trainer.max_steps=4", "trainer.val_check_interval=2",
     "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false", "optim.warmup_steps=1",
+    "eval.extrapolation.multipliers=[1,2,4]", "eval.extrapolation.max_tokens=512",
 ]
 
 
@@ -64,6 +65,30 @@ def test_multirun_one_output_dir_per_scheme(sweep):
         assert metrics["val/ppl"][-1] == pytest.approx(torch.tensor(metrics["val/loss"][-1]).exp().item(), rel=1e-4)
         assert all(v > 0 for v in metrics["train/tokens_per_sec"])
     assert seen == set(SCHEMES)
+
+
+def test_sweep_writes_extrapolation_tables_and_compares(sweep, tmp_path):
+    from evaluation.extrapolation import read_csv
+
+    out, proc = sweep
+    for scheme in SCHEMES:
+        rows = read_csv(next(out.glob(f"*-pe={scheme}")) / "extrapolation" / "extrapolation.csv")
+        assert [(r.eval_length, r.mode) for r in rows] == [(32, "nonoverlapping"), (64, "nonoverlapping"),
+                                                          (128, "nonoverlapping")]
+        for r in rows:
+            applicable = scheme != "learned" or r.eval_length <= 32
+            assert r.ok == applicable, (scheme, r)
+            assert r.scheme == scheme and r.train_length == 32
+            if r.ok:
+                assert r.tokens == 512 // r.eval_length * r.eval_length and 1 < r.ppl < 300
+    assert "[extrapolation] pe=alibi scaling=none mode=nonoverlapping train=32 eval=128" in proc.stdout
+    report = subprocess.run([sys.executable, "scripts/compare_runs.py", str(out), "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    table = (tmp_path / "comparison.md").read_text()
+    for scheme in SCHEMES:
+        assert f"| {scheme} |" in table
+    assert "| learned | " in table and "n/a" in table
 
 
 def test_checkpoint_from_sweep_rebuilds_its_scheme(sweep):

@@ -105,7 +105,7 @@ def _yarn(s: RopeScaling, inv_freq: Tensor, length: Tensor | int) -> RopeFrequen
     theta = inv_freq.double()
     rotations = s.original_length * theta / (2 * math.pi)  # r_k = L / wavelength_k
     gamma = ((rotations - s.beta_slow) / (s.beta_fast - s.beta_slow)).clamp(0.0, 1.0)
-    theta = gamma * theta / s.factor + (1 - gamma) * theta
+    theta = (1 - gamma) * theta / s.factor + gamma * theta
     return RopeFrequencies(theta.float(), attention_factor=0.1 * math.log(s.factor) + 1.0)
 
 
