@@ -150,7 +150,7 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
                     row = ExtrapolationRow(pe.name, scaling or "none", train_length, length, mode,
                                            length if mode == "nonoverlapping" else (config.stride or max(1, length // 2)),
                                            0, math.nan, math.nan, 0.0)
-                    if scaling and not getattr(pe, "supports_rope_scaling", False):
+                    if scaling and not pe.supports_rope_scaling:
                         row.status = f"not applicable: rope_scaling={scaling} needs a rotary scheme"
                     elif pe.max_positions is not None and length > pe.max_positions:
                         row.status = f"not applicable: pe={pe.name} has {pe.max_positions} positions"

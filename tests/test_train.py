@@ -91,6 +91,34 @@ def test_sweep_writes_extrapolation_tables_and_compares(sweep, tmp_path):
     assert "| learned | " in table and "n/a" in table
 
 
+def test_eval_script_sweeps_rope_scaling(sweep, tmp_path):
+    from evaluation.extrapolation import read_csv
+
+    out, _ = sweep
+    ckpt = next(out.glob("*-pe=rope")) / "checkpoints" / "last.ckpt"
+    proc = subprocess.run(
+        [sys.executable, "scripts/eval_extrapolation.py", f"ckpt={ckpt}", "multipliers=1,4", "mode=nonoverlapping,sliding",
+         "stride=16", "max_tokens=256", "rope_scaling=linear,ntk,yarn", f"out={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(tmp_path / "extrapolation.csv")
+    assert {(r.rope_scaling, r.mode, r.eval_length) for r in rows} == {
+        (s, m, n) for s in ("none", "linear", "ntk", "yarn") for m in ("nonoverlapping", "sliding") for n in (32, 128)}
+    assert all(r.ok for r in rows)
+    by = {(r.rope_scaling, r.mode, r.eval_length): r for r in rows}
+    for s in ("linear", "ntk", "yarn"):  # factor = eval/train length = 1 at the train length: identical
+        assert by[(s, "nonoverlapping", 32)].ppl == pytest.approx(by[("none", "nonoverlapping", 32)].ppl, rel=1e-6)
+        assert by[(s, "nonoverlapping", 128)].ppl != by[("none", "nonoverlapping", 128)].ppl
+    assert {r.stride for r in rows if r.mode == "sliding"} == {16}
+    assert (tmp_path / "extrapolation.png").exists()
+
+
+def test_eval_script_rejects_unknown_option(sweep):
+    proc = subprocess.run([sys.executable, "scripts/eval_extrapolation.py", "ckpt=x", "lenghts=5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown option 'lenghts'" in proc.stderr and "multipliers" in proc.stderr
+
+
 def test_checkpoint_from_sweep_rebuilds_its_scheme(sweep):
     from model.lit import LitGPT
 

@@ -28,6 +28,8 @@ class PositionEncoding(nn.Module):
     """Base class: every hook defaults to 'contributes nothing'."""
 
     name: ClassVar[str] = "none"
+    # Rotary schemes accept evaluation-time RoPE scaling (model/pe/rope_scaling.py).
+    supports_rope_scaling: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

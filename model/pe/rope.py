@@ -31,7 +31,6 @@ def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RoPE(PositionEncoding, name="rope"):
-    # Callers ask getattr(pe, "supports_rope_scaling", False), never the scheme's name.
     supports_rope_scaling: ClassVar[bool] = True
 
     def __init__(self, config: GPTConfig, base: float = 10000.0, rotary_fraction: float = 1.0) -> None:
