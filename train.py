@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 # Overrides that do not change what is trained stay out of run names.
-NOT_IN_NAME = ("pe", "hydra.", "logger", "trainer.enable_", "trainer.devices", "data.num_workers", "ckpt_path")
+NOT_IN_NAME = ("pe", "experiment", "hydra.", "logger", "trainer.enable_", "trainer.devices", "data.num_workers",
+               "ckpt_path")
 
 
 @dataclass

@@ -294,8 +294,10 @@ def log_to_wandb(rows: Sequence[ExtrapolationRow], run, png: Path | None = None,
         lengths = sorted({r.eval_length for points in series.values() for r in points})
         ys = [[next((r.ppl for r in points if r.eval_length == n), float("nan")) for n in lengths]
               for points in series.values()]
+        # W&B line charts have no log axis setting: plot against log2(length) instead.
         payload[f"{prefix}/ppl_vs_length"] = wandb.plot.line_series(
-            xs=lengths, ys=ys, keys=list(series), title="perplexity vs eval length", xname="eval length")
+            xs=[math.log2(n) for n in lengths], ys=ys, keys=list(series),
+            title="perplexity vs eval length", xname="log2(eval length)")
     if png is not None and Path(png).exists():
         payload[f"{prefix}/plot"] = wandb.Image(str(png))
     run.log(payload)
