@@ -5,6 +5,8 @@ zeta^(n/B) and the key at m by zeta^(-m/B) on both the cos and sin terms, so q.k
 carries zeta^((n-m)/B). Exponents use positions centred on the keys' midpoint c (the
 factor depends only on n - m, so c cancels) to keep the float32 powers small.
 Meant for causal attention only: for m > n the key factor grows instead of decaying.
+The factorised powers stay finite in float32 while (window span / 2) / B < ~70, i.e. for
+windows up to ~70k tokens at B = 512.
 A RoPE scaling (``set_scaling``) changes the rotation angles (and YaRN's attention factor)
 only; the zeta decay is unchanged.
 """
