@@ -202,7 +202,14 @@ def train(cfg: DictConfig) -> float | None:
     for logger in loggers:
         logger.log_hyperparams({"config": resolved, **identity.as_dict()})
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    except BaseException:
+        if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
+            import wandb
+
+            wandb.finish(exit_code=1)  # the next job of a sweep must not log into this run
+        raise
 
     val_loss = trainer.callback_metrics.get("val/loss")
     val_loss = float(val_loss) if val_loss is not None else None
