@@ -126,6 +126,7 @@ def finish_loggers(loggers: list) -> list[str]:
     lines = []
     for logger in loggers:
         if type(logger).__name__ != "WandbLogger":
+            logger.save()  # flush what was logged after fit (extrapolation, unigram baseline)
             lines.append(f"[pelab] {type(logger).__name__}: {logger.log_dir}")
             continue
         import wandb

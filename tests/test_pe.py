@@ -675,3 +675,21 @@ def test_rope_alibi_rotation_is_rope():
     a = SCHEMES["rope_alibi"](cfg, base=777.0).rotate(q, k, pos, pos)
     torch.testing.assert_close(a[0].double(), naive_rope(q, pos.tolist(), base=777.0), atol=1e-5, rtol=0)
     torch.testing.assert_close(a[1].double(), naive_rope(k, pos.tolist(), base=777.0), atol=1e-5, rtol=0)
+
+
+def test_sinusoidal_scale_null_is_inverse_sqrt_d_model():
+    """scale=None multiplies the exact formula by 1/sqrt(d_model); scale=1.0 is the formula."""
+    import math
+
+    from model.config import GPTConfig
+    from model.pe import SinusoidalPositionEmbedding
+
+    config = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    x = torch.zeros(1, 3, 16)
+    positions = torch.tensor([0, 5, 700])
+    exact = SinusoidalPositionEmbedding(config, scale=1.0).embed(x, positions)
+    scaled = SinusoidalPositionEmbedding(config, scale=None).embed(x, positions)
+    torch.testing.assert_close(scaled, exact / 4.0)  # 1/sqrt(16)
+    assert exact[0, 2, 0].item() == pytest.approx(math.sin(700.0), abs=1e-5)
+    with pytest.raises(ValueError, match="pe.scale"):
+        SinusoidalPositionEmbedding(config, scale=0.0)

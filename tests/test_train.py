@@ -64,6 +64,8 @@ def test_multirun_one_output_dir_per_scheme(sweep):
             assert key in metrics, (run.name, key, sorted(metrics))
         assert metrics["val/ppl"][-1] == pytest.approx(torch.tensor(metrics["val/loss"][-1]).exp().item(), rel=1e-4)
         assert all(v > 0 for v in metrics["train/tokens_per_sec"])
+        assert 3.0 < metrics["val/unigram_loss"][-1] < 3.5  # logged after fit, still flushed
+        assert "extrapolation/nonoverlapping/none/ppl@32" in metrics
     assert seen == set(SCHEMES)
 
 

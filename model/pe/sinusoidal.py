@@ -1,6 +1,10 @@
 """Fixed sinusoidal embeddings (Vaswani et al., 2017), added to token embeddings.
 
-PE(p, 2k) = sin(p / 10000^(2k/d_model)),  PE(p, 2k+1) = cos(p / 10000^(2k/d_model)).
+PE(p, 2k) = sin(p / 10000^(2k/d_model)),  PE(p, 2k+1) = cos(p / 10000^(2k/d_model)),
+times a constant ``scale``. Vaswani et al. multiply the token embeddings by sqrt(d_model)
+instead; with nanoGPT's N(0, 0.02) token embeddings an unscaled sinusoid (RMS 0.71 per dim)
+drowns the token signal, so ``scale=None`` uses 1/sqrt(d_model), which restores the same
+order of magnitude for both. ``scale=1.0`` is the formula exactly as printed.
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ def sinusoidal_table(positions: Tensor, d_model: int, base: float = 10000.0) -> 
 
 
 class SinusoidalPositionEmbedding(PositionEncoding, name="sinusoidal"):
-    def __init__(self, config: GPTConfig, base: float = 10000.0, scale: float = 1.0) -> None:
+    def __init__(self, config: GPTConfig, base: float = 10000.0, scale: float | None = 1.0) -> None:
         super().__init__(config)
         self.base = base
-        self.scale = scale  # exact formula at 1.0; exposed because token embeddings start at std 0.02
+        self.scale = config.n_embd**-0.5 if scale is None else scale
+        if self.scale <= 0:
+            raise ValueError(f"pe.scale must be positive or null (1/sqrt(n_embd)), got {scale}")
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         table = sinusoidal_table(positions, self.n_embd, self.base)
         return x + (self.scale * table).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, base={self.base}, scale={self.scale:.4g}"
