@@ -41,7 +41,7 @@ class ExtrapolationConfig:
     tokens_per_batch: int = 16384
     q_chunk: int = 1024  # attention query chunk: bounds the (heads, T, T) mask at long lengths
     rope_scaling: Sequence[str | None] = (None,)  # None (plain) and/or linear, ntk, dynamic_ntk, yarn
-    rope_scaling_factor: float | None = None  # None = eval length / train length
+    rope_scaling_factor: float | None = None  # None = eval length / train length (1 for dynamic_ntk)
     precision: str = "bf16-mixed"
 
     def __post_init__(self) -> None:
@@ -160,9 +160,9 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
                         row.status = f"skipped: stride {row.stride} longer than the window {length}"
                     else:
                         if scaling:
-                            from model.pe.rope_scaling import RopeScaling
+                            from model.pe.rope_scaling import RopeScaling, default_factor
 
-                            factor = config.rope_scaling_factor or max(1.0, length / train_length)
+                            factor = config.rope_scaling_factor or default_factor(scaling, length, train_length)
                             pe.set_scaling(RopeScaling(scaling, factor, train_length))
                         t0 = time.perf_counter()
                         try:

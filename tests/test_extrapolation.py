@@ -121,3 +121,18 @@ def test_results_round_trip_and_table(tmp_path):
     assert back[1].ppl == 19.5
     assert markdown_table(rows) == (
         "| scheme | 16 (train) | 32 |\n|---|---|---|\n| alibi | 20.00 | 19.50 |\n| learned |  | n/a |\n")
+
+
+def test_dynamic_ntk_in_the_harness_equals_ntk_at_the_length_ratio(tokens):
+    """dynamic_ntk takes s = T/L from the sequence; at T = 4L that is ntk with s = 4."""
+    gpt = toy("rope")
+    config = ExtrapolationConfig(multipliers=[4], rope_scaling=["ntk", "dynamic_ntk"], precision="32")
+    ntk, dynamic = evaluate_extrapolation(gpt, tokens, 16, config)
+    assert (ntk.rope_scaling, dynamic.rope_scaling) == ("ntk", "dynamic_ntk")
+    assert dynamic.loss == ntk.loss  # the same frequencies, bit for bit
+    plain = evaluate_extrapolation(gpt, tokens, 16, ExtrapolationConfig(multipliers=[4], precision="32"))[0]
+    assert plain.loss != ntk.loss
+    # a length-ratio factor on top of the dynamic scale would scale twice: a different model
+    doubled = evaluate_extrapolation(gpt, tokens, 16, ExtrapolationConfig(
+        multipliers=[4], rope_scaling=["dynamic_ntk"], rope_scaling_factor=4.0, precision="32"))[0]
+    assert doubled.loss != ntk.loss

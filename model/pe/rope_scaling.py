@@ -117,6 +117,15 @@ _METHODS: dict[str, Callable[[RopeScaling, Tensor, Tensor | int], RopeFrequencie
 }
 
 
+def default_factor(kind: str, eval_length: int, train_length: int) -> float:
+    """The factor an evaluation at ``eval_length`` uses unless one is given: the length
+    ratio for static methods; 1 for ``dynamic_ntk``, which takes its scale from T itself
+    (a factor > 1 there would scale twice)."""
+    if kind == "dynamic_ntk":
+        return 1.0
+    return max(1.0, eval_length / train_length)
+
+
 def scaled_frequencies(scaling: RopeScaling, inv_freq: Tensor, length: Tensor | int) -> RopeFrequencies:
     """Effective frequencies for one call from the unscaled float32 ``inv_freq``.
 
