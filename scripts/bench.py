@@ -112,6 +112,7 @@ def main(argv: list[str]) -> int:
         if attention_maps:
             callbacks.append(AttentionMaps(every_n_validations=1, output_subdir="bench-attention"))
         trainer = L.Trainer(max_steps=total, accelerator=device, devices=1, precision="bf16-mixed", logger=False,
+                            callbacks=callbacks,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             gradient_clip_val=1.0, val_check_interval=10, limit_val_batches=1,
                             num_sanity_val_steps=0, default_root_dir="/tmp/pelab-bench")
