@@ -202,3 +202,16 @@ def test_default_config_is_the_documented_one():
     assert cfg.trainer.precision == "bf16-mixed"
     assert "wandb" in cfg.logger
     assert cfg.data.corpus._target_ == "data.corpus.GutenbergCorpus"
+
+
+def test_ddp_on_two_cpu_processes_writes_artefacts_once(tmp_path):
+    """The multi-device path under Hydra: gloo DDP, rank-zero-only checkpoints and evaluation."""
+    run = tmp_path / "ddp"
+    proc = run_train(["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp", "logger=csv",
+                      f"hydra.run.dir={run}", *FAST], tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "MEMBER: 2/2" in proc.stderr + proc.stdout
+    assert proc.stdout.count("[pelab] extrapolation table") == 1
+    assert (run / "checkpoints" / "last.ckpt").exists() and (run / "extrapolation" / "extrapolation.csv").exists()
+    metrics = read_metrics(run / "csv" / "metrics.csv")
+    assert "val/loss" in metrics and "train/tokens_per_sec" in metrics
