@@ -7,7 +7,9 @@ Each corpus yields rows ``{"text": str}``; the data module tokenizes them with
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import socket
 from importlib import resources
 from pathlib import Path
 
@@ -87,6 +89,15 @@ class GutenbergCorpus:
         )
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    host = re.sub(r"^https?://", "", os.environ.get("HF_ENDPOINT", "https://huggingface.co")).split("/")[0]
+    try:
+        with socket.create_connection((host.split(":")[0], 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 class HubCorpus:
     """A corpus from the Hugging Face hub, e.g. ``Salesforce/wikitext`` / ``wikitext-103-raw-v1``.
 
@@ -113,15 +124,22 @@ class HubCorpus:
         slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{self.path}-{self.name or ''}").strip("_")
         return f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
+    def _failure(self, reason: str) -> RuntimeError:
+        return RuntimeError(
+            f"could not load hub corpus {self.path!r} (config {self.name!r}): {reason}\n"
+            "Hub corpora need network access to huggingface.co (or a filled HF cache with "
+            "HF_DATASETS_OFFLINE=1). Without network use the embedded corpus: data=gutenberg"
+        )
+
     def load(self, workdir: Path) -> datasets.DatasetDict:
+        offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes")
+                      for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+        if not offline and not hub_reachable():  # fail now instead of after minutes of retries
+            raise self._failure("the Hugging Face hub is unreachable")
         try:
             loaded = datasets.load_dataset(self.path, self.name, split=[self.train_split, self.val_split])
         except Exception as err:
-            raise RuntimeError(
-                f"could not load hub corpus {self.path!r} (config {self.name!r}): {type(err).__name__}: {err}\n"
-                "Hub corpora need network access to huggingface.co (or a filled HF cache with "
-                "HF_DATASETS_OFFLINE=1). Without network use the embedded corpus: data=gutenberg"
-            ) from err
+            raise self._failure(f"{type(err).__name__}: {err}") from err
         splits = dict(zip(("train", "val"), loaded))
         if self.text_column != "text":
             splits = {k: v.rename_column(self.text_column, "text") for k, v in splits.items()}

@@ -132,7 +132,27 @@ def test_unigram_baseline_is_entropy_like(prepared):
 def test_hub_corpus_offline_fails_clearly(tmp_path, monkeypatch):
     from data.corpus import HubCorpus
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # what a machine without network sees, without waiting
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import datasets
+    import huggingface_hub
+
+    # HF_DATASETS_OFFLINE=1 with an empty cache, as set before launch (the libraries read it at import)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
     with pytest.raises(RuntimeError, match="need network access.*data=gutenberg"):
         HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1").load(tmp_path)
+
+
+def test_hub_corpus_unreachable_fails_fast(tmp_path, monkeypatch):
+    import time
+
+    import data.corpus as corpus_module
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(corpus_module, "hub_reachable", lambda timeout=3.0: False)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="(?s)hub is unreachable.*data=gutenberg"):
+        corpus_module.HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1").load(tmp_path)
+    assert time.perf_counter() - t0 < 1.0
