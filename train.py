@@ -146,7 +146,7 @@ def build_callbacks(cfg: DictConfig) -> list:
     return [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c and "_target_" in c]
 
 
-def run_extrapolation(cfg: DictConfig, module, datamodule, loggers: list, output_dir: Path) -> list:
+def run_extrapolation(cfg: DictConfig, module, datamodule, loggers: list, output_dir: Path, step: int) -> list:
     """The extrapolation table of the trained model: CSV/PNG/markdown on disk, W&B table and chart."""
     from data.datamodule import load_tokens
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
@@ -161,7 +161,7 @@ def run_extrapolation(cfg: DictConfig, module, datamodule, loggers: list, output
             log_to_wandb(rows, logger.experiment, png=paths["png"])
         else:
             logger.log_metrics({f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl
-                                for r in rows if r.ok})
+                                for r in rows if r.ok}, step=step)
     print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md)", flush=True)
     return rows
 
@@ -216,7 +216,7 @@ def train(cfg: DictConfig) -> float | None:
     val_loss = float(val_loss) if val_loss is not None else None
     if trainer.is_global_zero:
         if cfg.eval.extrapolation.enabled:
-            run_extrapolation(cfg, module, datamodule, loggers, output_dir)
+            run_extrapolation(cfg, module, datamodule, loggers, output_dir, trainer.global_step)
         baseline = datamodule.unigram_loss()
         for logger in loggers:
             logger.log_metrics({"val/unigram_loss": baseline}, step=trainer.global_step)

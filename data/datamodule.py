@@ -85,9 +85,11 @@ def load_tokens(path: Path, dtype: str) -> np.ndarray:
 class RandomWindows(Dataset):
     """Sample i = a random window (x, y = x shifted by one) drawn from (seed, rank, i)."""
 
-    def __init__(self, path: Path, dtype: str, block_size: int, num_samples: int, seed: int = 0, rank: int = 0):
+    def __init__(self, path: Path, dtype: str, block_size: int, num_samples: int, seed: int = 0, rank: int = 0,
+                 offset: int = 0):
         self.path, self.dtype, self.block_size = path, dtype, block_size
         self.num_samples, self.seed, self.rank = num_samples, seed, rank
+        self.offset = offset  # samples already consumed (a resumed run continues the sequence)
         self._tokens: np.ndarray | None = None
         n = len(load_tokens(path, dtype))
         if n < block_size + 2:
@@ -95,10 +97,10 @@ class RandomWindows(Dataset):
         self.num_starts = n - block_size  # start s uses tokens s .. s + block_size
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples - self.offset
 
     def start(self, i: int) -> int:
-        key = splitmix64(splitmix64(splitmix64(self.seed) ^ self.rank) ^ i)
+        key = splitmix64(splitmix64(splitmix64(self.seed) ^ self.rank) ^ (i + self.offset))
         return key % self.num_starts
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +184,8 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        if self.trainer is not None:  # resumed: continue after the samples already trained on
+            self.train_set.offset = self.trainer.global_step * self.batch_size * self.trainer.accumulate_grad_batches
         return self._loader(self.train_set, self.batch_size, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -23,12 +23,12 @@ def fake_run(sweep: Path, name: str, scheme: str, ppls: dict[int, float | None],
 
 def test_compare_two_fake_runs(tmp_path):
     sweep = tmp_path / "multirun"
-    fake_run(sweep, "0-pe=learned", "learned", {64: 21.0, 128: None, 256: None})
-    fake_run(sweep, "1-pe=alibi", "alibi", {64: 20.5, 128: 19.75, 256: 19.5})
+    fake_run(sweep, "0-learned", "learned", {64: 21.0, 128: None, 256: None})
+    fake_run(sweep, "1-alibi", "alibi", {64: 20.5, 128: 19.75, 256: 19.5})
     # a later standalone evaluation of the alibi run, with a different token budget: it replaces
     # the whole alibi series instead of mixing points from both files
     time.sleep(0.01)
-    later = fake_run(sweep, "1-pe=alibi", "alibi", {64: 20.0, 128: 19.0}, sub="eval-last-20261121")
+    later = fake_run(sweep, "1-alibi", "alibi", {64: 20.0, 128: 19.0}, sub="eval-last-20261121")
     os.utime(later, (time.time() + 5, time.time() + 5))
 
     out = tmp_path / "report"

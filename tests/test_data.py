@@ -156,3 +156,18 @@ def test_hub_corpus_unreachable_fails_fast(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="(?s)hub is unreachable.*data=gutenberg"):
         corpus_module.HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1").load(tmp_path)
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_resumed_run_continues_the_window_sequence(prepared):
+    """After k optimisation steps, a resumed run's first batch is the fresh run's batch k."""
+    class FakeTrainer:
+        global_step, accumulate_grad_batches, global_rank = 3, 2, 0
+
+    fresh = list(zip(range(8), prepared.train_dataloader()))
+    prepared.trainer = FakeTrainer()
+    try:
+        resumed = next(iter(prepared.train_dataloader()))
+    finally:
+        prepared.trainer = None
+        prepared.train_set.offset = 0
+    assert torch.equal(resumed[0], fresh[6][1][0])  # 3 steps x 2 accumulated batches

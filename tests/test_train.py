@@ -54,7 +54,7 @@ def test_multirun_one_output_dir_per_scheme(sweep):
     seen = set()
     for run in runs:
         config = yaml.safe_load((run / "checkpoints" / "config.yaml").read_text())
-        scheme = next(s for s in SCHEMES if run.name.endswith(f"pe={s}") or f"pe={s}," in run.name)
+        scheme = run.name.split("-", 1)[1]
         seen.add(scheme)
         assert config["pe"]["_target_"].startswith(f"model.pe.{scheme}.")
         assert config["model"]["vocab_size"] == 256 and config["model"]["block_size"] == 32
@@ -74,7 +74,7 @@ def test_sweep_writes_extrapolation_tables_and_compares(sweep, tmp_path):
 
     out, proc = sweep
     for scheme in SCHEMES:
-        rows = read_csv(next(out.glob(f"*-pe={scheme}")) / "extrapolation" / "extrapolation.csv")
+        rows = read_csv(next(out.glob(f"*-{scheme}")) / "extrapolation" / "extrapolation.csv")
         assert [(r.eval_length, r.mode) for r in rows] == [(32, "nonoverlapping"), (64, "nonoverlapping"),
                                                           (128, "nonoverlapping")]
         for r in rows:
@@ -97,7 +97,7 @@ def test_eval_script_sweeps_rope_scaling(sweep, tmp_path):
     from evaluation.extrapolation import read_csv
 
     out, _ = sweep
-    ckpt = next(out.glob("*-pe=rope")) / "checkpoints" / "last.ckpt"
+    ckpt = next(out.glob("*-rope")) / "checkpoints" / "last.ckpt"
     proc = subprocess.run(
         [sys.executable, "scripts/eval_extrapolation.py", f"ckpt={ckpt}", "multipliers=1,4", "mode=nonoverlapping,sliding",
          "stride=16", "max_tokens=256", "rope_scaling=linear,ntk,yarn", f"out={tmp_path}"],
@@ -127,7 +127,7 @@ def test_checkpoint_from_sweep_rebuilds_its_scheme(sweep):
     out, _ = sweep
     for run in (p for p in out.iterdir() if (p / "checkpoints" / "last.ckpt").exists()):
         module = LitGPT.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu")
-        assert run.name.endswith(f"pe={module.pe_name}")
+        assert run.name.split("-", 1)[1] == module.pe_name
 
 
 def test_single_run_wandb_goes_offline_by_itself(tmp_path):
@@ -215,3 +215,21 @@ def test_ddp_on_two_cpu_processes_writes_artefacts_once(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").exists() and (run / "extrapolation" / "extrapolation.csv").exists()
     metrics = read_metrics(run / "csv" / "metrics.csv")
     assert "val/loss" in metrics and "train/tokens_per_sec" in metrics
+
+
+def test_resume_from_checkpoint_continues(sweep, tmp_path):
+    out, _ = sweep
+    ckpt = next(out.glob("*-alibi")) / "checkpoints" / "last.ckpt"
+    args = [a for a in FAST if not a.startswith("trainer.max_steps")]
+    proc = run_train(["pe=alibi", "logger=csv", f"ckpt_path={ckpt}", "trainer.max_steps=6",
+                      f"hydra.run.dir={tmp_path}", *args], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "finished at step 6" in proc.stdout
+    steps = read_metrics(tmp_path / "csv" / "metrics.csv")["step"]
+    assert min(steps) >= 4  # nothing re-trained from step 0
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
+def test_missing_resume_checkpoint_is_refused_early(tmp_path):
+    proc = run_train(["ckpt_path=/nonexistent/last.ckpt", "logger=none", f"hydra.run.dir={tmp_path}", *FAST], tmp_path)
+    assert proc.returncode != 0 and "ckpt_path=/nonexistent/last.ckpt does not exist" in proc.stderr
