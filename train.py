@@ -45,10 +45,10 @@ def describe_run(cfg: DictConfig) -> RunIdentity:
     sweep = None
     if HydraConfig.initialized():
         hc = HydraConfig.get()
-        choices = {k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
+        choices = {k: str(v) for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra")}
         overrides = [o for o in hc.overrides.task if not o.split("=")[0].lstrip("+~").startswith(NOT_IN_NAME)]
         if hc.mode == RunMode.MULTIRUN:
-            sweep = Path(hc.sweep.dir).name
+            sweep = "_".join(Path(hc.sweep.dir).parts[-2:])  # DATE_TIME of the default sweep dir
     scheme = choices.get("pe") or cfg.pe._target_.rsplit(".", 1)[-1]
     name = cfg.run_name or "-".join([scheme, ",".join(overrides)]).rstrip("-")[:128]
     group = cfg.group or (f"{choices.get('experiment') or 'sweep'}-{sweep}" if sweep else None)

@@ -58,6 +58,10 @@ def test_multirun_one_output_dir_per_scheme(sweep):
         seen.add(scheme)
         assert config["pe"]["_target_"].startswith(f"model.pe.{scheme}.")
         assert config["model"]["vocab_size"] == 256 and config["model"]["block_size"] == 32
+        # W&B identity: one group for the sweep, one run per scheme named by scheme + overrides
+        assert config["group"] == f"sweep-{out.parent.name}_{out.name}"
+        assert config["run_name"].startswith(f"{scheme}-model.n_layer=2,")
+        assert "logger" not in config["run_name"] and f"pe:{scheme}" in config["tags"]
         assert (run / "checkpoints" / "last.ckpt").exists()
         metrics = read_metrics(run / "csv" / "metrics.csv")
         for key in ("train/loss", "val/loss", "val/ppl", "lr", "train/tokens_per_sec"):
