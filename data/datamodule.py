@@ -191,12 +191,13 @@ class TextDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, self.val_batch_size, drop_last=False)
 
-    def unigram_loss(self) -> float:
+    def unigram_loss(self, max_tokens: int = 50_000_000) -> float:
         """Cross-entropy (nats) of the train-split unigram distribution on the val split:
-        the loss a model with no context would reach. Learning means going well below it."""
+        the loss a model with no context would reach. Learning means going well below it.
+        Counted on at most ``max_tokens`` of each split, so hub-scale corpora stay quick."""
         meta = self.meta or prepare_token_files(self.corpus, self.tokenizer, self.token_dir)
-        train = load_tokens(self.split_path("train"), meta["dtype"])
-        val = load_tokens(self.split_path("val"), meta["dtype"])
+        train = load_tokens(self.split_path("train"), meta["dtype"])[:max_tokens]
+        val = load_tokens(self.split_path("val"), meta["dtype"])[:max_tokens]
         counts = np.bincount(train, minlength=self.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
         logp = np.log(counts / counts.sum())
         return float(-logp[val].mean())
