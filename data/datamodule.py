@@ -145,6 +145,7 @@ class TextDataModule(L.LightningDataModule):
         seed: int = 1337,
         data_dir: str | None = None,
         train_samples: int = 2**40,
+        tokenize_num_proc: int | None = None,
     ) -> None:
         super().__init__()
         self.corpus = corpus
@@ -152,6 +153,7 @@ class TextDataModule(L.LightningDataModule):
         self.block_size, self.batch_size = block_size, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.seed, self.train_samples = num_workers, seed, train_samples
+        self.tokenize_num_proc = tokenize_num_proc  # datasets.map processes for big hub corpora
         root = Path(data_dir) if data_dir else cache_dir() / "data"
         self.token_dir = root / corpus.cache_name / self.tokenizer.name
         self.meta: dict | None = None
@@ -166,10 +168,10 @@ class TextDataModule(L.LightningDataModule):
         return self.token_dir / f"{split}.bin"
 
     def prepare_data(self) -> None:
-        prepare_token_files(self.corpus, self.tokenizer, self.token_dir)
+        prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc)
 
     def setup(self, stage: str | None = None) -> None:
-        self.meta = prepare_token_files(self.corpus, self.tokenizer, self.token_dir)
+        self.meta = prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc)
         rank = self.trainer.global_rank if self.trainer is not None else 0
         dtype = self.meta["dtype"]
         self.train_set = RandomWindows(self.split_path("train"), dtype, self.block_size,
