@@ -28,6 +28,8 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from model.gpt import uncompiled
+
 __all__ = [
     "AttentionPass",
     "eager_attention_pass",
@@ -42,11 +44,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 # the eager pass
 # --------------------------------------------------------------------------------------
-
-
-def _unwrap(gpt: nn.Module) -> nn.Module:
-    """The plain GPT behind a ``torch.compile`` wrapper (the eager pass must not be traced)."""
-    return getattr(gpt, "_orig_mod", gpt)
 
 
 @contextlib.contextmanager
@@ -94,7 +91,7 @@ def eager_attention_pass(
     whatever mode they are in (call under eval for dropout-free probabilities; ``attention_probs``
     does). Without ``return_hidden`` the walk stops after the last requested layer.
     """
-    gpt = _unwrap(gpt)
+    gpt = uncompiled(gpt)
     wanted = _layer_set(layers, len(gpt.blocks))
     last = len(gpt.blocks) - 1 if return_hidden else max(wanted, default=-1)
     B, T = idx.shape
@@ -129,7 +126,7 @@ def attention_probs(
     Rows sum to one; entries with key position > query position are exactly zero. Runs
     under ``torch.no_grad`` with every module temporarily in eval mode (modes restored).
     """
-    module = _unwrap(gpt)
+    module = uncompiled(gpt)
     with eval_mode(module):
         return eager_attention_pass(module, idx, positions, layers).probs
 
@@ -344,7 +341,7 @@ class AttentionMaps(L.Callback):
         if idx is None:
             rank_zero_warn("AttentionMaps: no validation sample available; skipping attention maps")
             return
-        gpt = _unwrap(getattr(pl_module, "model", pl_module))
+        gpt = uncompiled(getattr(pl_module, "model", pl_module))
         idx = idx.to(pl_module.device)
         step = trainer.global_step
         with eval_mode(pl_module):

@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from model.gpt import GPT
+from model.gpt import GPT, uncompiled
 
 MODES = ("nonoverlapping", "sliding")
 
@@ -90,10 +90,15 @@ def window_starts(num_tokens: int, length: int, stride: int) -> range:
     return range(0, num_tokens - length, stride)
 
 
+def window_step(length: int, mode: str, stride: int | None) -> int:
+    """How far consecutive windows start apart, which is also the targets scored per window."""
+    return length if mode == "nonoverlapping" else (stride or max(1, length // 2))
+
+
 def scored_windows(num_tokens: int, length: int, mode: str, stride: int | None, max_tokens: int | None
                    ) -> tuple[range, int]:
     """(window starts, targets scored per window) for one eval length."""
-    step = length if mode == "nonoverlapping" else (stride or max(1, length // 2))
+    step = window_step(length, mode, stride)
     if step > length:
         raise ValueError(f"sliding stride {step} is longer than the eval window {length}")
     starts = window_starts(num_tokens, length, step)
@@ -138,47 +143,57 @@ def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: i
 def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, config: ExtrapolationConfig,
                            log=print) -> list[ExtrapolationRow]:
     """Every (rope scaling, mode, length) row for one model on one held-out token stream."""
-    gpt = getattr(gpt, "_orig_mod", gpt)  # a torch.compile'd model: evaluate the eager one
+    gpt = uncompiled(gpt)
     was_training = gpt.training
     gpt.eval()
-    pe = gpt.pe
     rows: list[ExtrapolationRow] = []
     try:
         for scaling in config.rope_scaling:
             for mode in config.modes:
                 for length in config.eval_lengths(train_length):
-                    row = ExtrapolationRow(pe.name, scaling or "none", train_length, length, mode,
-                                           length if mode == "nonoverlapping" else (config.stride or max(1, length // 2)),
-                                           0, math.nan, math.nan, 0.0)
-                    if scaling and not pe.supports_rope_scaling:
-                        row.status = f"not applicable: rope_scaling={scaling} needs a rotary scheme"
-                    elif pe.max_positions is not None and length > pe.max_positions:
-                        row.status = f"not applicable: pe={pe.name} has {pe.max_positions} positions"
-                    elif len(tokens) < length + 1:
-                        row.status = f"skipped: held-out text has {len(tokens)} tokens, fewer than one window of {length + 1}"
-                    elif mode == "sliding" and row.stride > length:
-                        row.status = f"skipped: stride {row.stride} longer than the window {length}"
-                    else:
-                        if scaling:
-                            from model.pe.rope_scaling import RopeScaling, default_factor
-
-                            factor = config.rope_scaling_factor or default_factor(scaling, length, train_length)
-                            pe.set_scaling(RopeScaling(scaling, factor, train_length))
-                        t0 = time.perf_counter()
-                        try:
-                            total, count, _ = score_length(gpt, tokens, length, mode, config.stride, config.max_tokens,
-                                                           config.tokens_per_batch, config.q_chunk, config.precision)
-                        finally:
-                            if scaling:
-                                pe.set_scaling(None)
-                        row.seconds = time.perf_counter() - t0
-                        row.tokens, row.loss = count, total / count
-                        row.ppl = math.exp(row.loss)
+                    row = ExtrapolationRow(gpt.pe.name, scaling or "none", train_length, length, mode,
+                                           window_step(length, mode, config.stride), 0, math.nan, math.nan, 0.0)
+                    row.status = _why_not_scored(gpt.pe, row, len(tokens)) or "ok"
+                    if row.ok:
+                        _score_row(gpt, tokens, row, config)
                     rows.append(row)
                     log(format_row(row))
     finally:
         gpt.train(was_training)
     return rows
+
+
+def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
+    """The status of a row that cannot be measured honestly, or None when it can."""
+    if row.rope_scaling != "none" and not pe.supports_rope_scaling:
+        return f"not applicable: rope_scaling={row.rope_scaling} needs a rotary scheme"
+    if pe.max_positions is not None and row.eval_length > pe.max_positions:
+        return f"not applicable: pe={pe.name} has {pe.max_positions} positions"
+    if num_tokens < row.eval_length + 1:
+        return f"skipped: held-out text has {num_tokens} tokens, fewer than one window of {row.eval_length + 1}"
+    if row.stride > row.eval_length:
+        return f"skipped: stride {row.stride} longer than the window {row.eval_length}"
+    return None
+
+
+def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: ExtrapolationConfig) -> None:
+    """Fill tokens, loss, ppl and seconds, with the row's RoPE scaling on for this length only."""
+    scaling = None if row.rope_scaling == "none" else row.rope_scaling
+    if scaling:
+        from model.pe.rope_scaling import RopeScaling, default_factor
+
+        factor = config.rope_scaling_factor or default_factor(scaling, row.eval_length, row.train_length)
+        gpt.pe.set_scaling(RopeScaling(scaling, factor, row.train_length))
+    t0 = time.perf_counter()
+    try:
+        total, count, _ = score_length(gpt, tokens, row.eval_length, row.mode, config.stride, config.max_tokens,
+                                       config.tokens_per_batch, config.q_chunk, config.precision)
+    finally:
+        if scaling:
+            gpt.pe.set_scaling(None)
+    row.seconds = time.perf_counter() - t0
+    row.tokens, row.loss = count, total / count
+    row.ppl = math.exp(row.loss)
 
 
 def format_row(row: ExtrapolationRow) -> str:

@@ -12,7 +12,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 
 class TokensPerSecond(L.Callback):
     """Logs ``train/tokens_per_sec`` (summed over ranks) and, where the device's peak is
-    known (CUDA), ``train/mfu`` from ``LitGPT.flops_per_batch``.
+    known (CUDA), ``train/mfu`` from ``LitGPT.flops_per_token``.
 
     Timed between logging steps and excluding validation; the device is synchronised only
     at those steps, so the training step itself is untouched.
@@ -21,7 +21,6 @@ class TokensPerSecond(L.Callback):
     def __init__(self) -> None:
         self._t0: float | None = None
         self._tokens = 0
-        self._flops = 0
         self._peak_flops: float | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -34,7 +33,7 @@ class TokensPerSecond(L.Callback):
 
     def _restart(self, pl_module: L.LightningModule) -> None:
         self._sync(pl_module)
-        self._t0, self._tokens, self._flops = time.perf_counter(), 0, 0
+        self._t0, self._tokens = time.perf_counter(), 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restart(pl_module)
@@ -46,7 +45,6 @@ class TokensPerSecond(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self._tokens += batch[0].numel()
-        self._flops += getattr(pl_module, "flops_per_batch", None) or 0
         if trainer.global_step % trainer.log_every_n_steps or trainer.fit_loop._should_accumulate():
             return
         self._sync(pl_module)
@@ -54,6 +52,8 @@ class TokensPerSecond(L.Callback):
         if self._tokens and elapsed > 0:
             world = trainer.world_size
             pl_module.log("train/tokens_per_sec", self._tokens * world / elapsed, on_step=True, on_epoch=False)
-            if self._peak_flops and self._flops:
-                pl_module.log("train/mfu", self._flops / elapsed / self._peak_flops, on_step=True, on_epoch=False)
-        self._t0, self._tokens, self._flops = time.perf_counter(), 0, 0
+            flops_per_token = getattr(pl_module, "flops_per_token", None)
+            if self._peak_flops and flops_per_token:  # per device: this rank's tokens
+                mfu = self._tokens * flops_per_token / elapsed / self._peak_flops
+                pl_module.log("train/mfu", mfu, on_step=True, on_epoch=False)
+        self._t0, self._tokens = time.perf_counter(), 0

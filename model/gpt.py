@@ -15,6 +15,11 @@ from model.config import GPTConfig
 from model.pe.base import PositionEncoding
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The eager module behind a ``torch.compile`` wrapper (evaluation probes must not be traced)."""
+    return getattr(model, "_orig_mod", model)
+
+
 class QueryChunks:
     """Evaluate attention in query chunks of ``size``; ``mask`` builds each chunk's float mask."""
 

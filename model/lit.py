@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import hydra
@@ -62,6 +62,10 @@ class LitGPT(L.LightningModule):
         self.model = GPT(self.config, pe_factory(self.config))
         self.compile = compile
         self.val_loss = MeanMetric()
+        # PaLM appendix B: 6N + 12·L·d·T model FLOPs per trained token (tied weights counted once)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        c = self.config
+        self.flops_per_token = 6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size
 
     @property
     def pe_name(self) -> str:
@@ -91,20 +95,6 @@ class LitGPT(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss))
-
-    @property
-    def flops_per_batch(self) -> int | None:
-        """Model FLOPs of one optimisation step's batch (PaLM appendix B: 6N + 12·L·d·T per
-        token), read by the TokensPerSecond callback to log MFU on GPUs."""
-        batch = getattr(self, "_last_batch_tokens", None)
-        if batch is None:
-            return None
-        c = self.config
-        n_params = sum(p.numel() for p in self.model.parameters())  # tied weights counted once
-        return (6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size) * batch
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._last_batch_tokens = batch[0].numel()
 
     def configure_optimizers(self) -> dict:
         decay, no_decay = [], []

@@ -74,13 +74,9 @@ class RoPE(PositionEncoding, name="rope"):
 
     def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = self.frequencies(q_positions, k_positions)
-        return self._rotate_one(q, q_positions, freqs=freqs), self._rotate_one(k, k_positions, freqs=freqs)
+        return self._rotate_one(q, q_positions, freqs), self._rotate_one(k, k_positions, freqs)
 
-    def _rotate_one(
-        self, x: Tensor, positions: Tensor, scale: Tensor | None = None, freqs: RopeFrequencies | None = None
-    ) -> Tensor:
-        if freqs is None:
-            freqs = self.frequencies(positions)
+    def _rotate_one(self, x: Tensor, positions: Tensor, freqs: RopeFrequencies, scale: Tensor | None = None) -> Tensor:
         angles = self.angles(positions, freqs)
         cos, sin = angles.cos(), angles.sin()
         if freqs.attention_factor != 1.0:  # YaRN: on q and on k, so the logits scale by its square

@@ -44,8 +44,8 @@ class XPos(RoPE, name="xpos"):
     def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
         center = (k_positions.min() + k_positions.max()) // 2
         freqs = self.frequencies(q_positions, k_positions)  # RoPE scaling (if set) moves the angles only
-        q = self._rotate_one(q, q_positions, self.decay(q_positions, center, +1.0), freqs)
-        k = self._rotate_one(k, k_positions, self.decay(k_positions, center, -1.0), freqs)
+        q = self._rotate_one(q, q_positions, freqs, self.decay(q_positions, center, +1.0))
+        k = self._rotate_one(k, k_positions, freqs, self.decay(k_positions, center, -1.0))
         return q, k
 
     def extra_repr(self) -> str:
