@@ -100,6 +100,15 @@ def wandb_has_credentials() -> bool:
         return False
 
 
+def wandb_offline_reason() -> str | None:
+    """Why a W&B run cannot go online from here (no credentials, no route), or None."""
+    if not wandb_has_credentials():
+        return "no W&B credentials (WANDB_API_KEY or `wandb login`)"
+    if not wandb_reachable():
+        return "W&B server unreachable"
+    return None
+
+
 def build_loggers(cfg: DictConfig, identity: RunIdentity) -> list:
     loggers = []
     for key, logger_cfg in (cfg.get("logger") or {}).items():
@@ -110,8 +119,7 @@ def build_loggers(cfg: DictConfig, identity: RunIdentity) -> list:
             extra = {"name": identity.name, "group": identity.group, "tags": identity.tags}
             mode = os.environ.get("WANDB_MODE", "")
             if mode not in ("offline", "disabled") and not logger_cfg.get("offline"):
-                why = None if wandb_has_credentials() else "no W&B credentials (WANDB_API_KEY or `wandb login`)"
-                why = why or (None if wandb_reachable() else "W&B server unreachable")
+                why = wandb_offline_reason()
                 if why:
                     print(f"[pelab] {why}: logging to W&B in offline mode", flush=True)
                     extra["offline"] = True

@@ -10,6 +10,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def describe_options(allowed: dict[str, str]) -> str:
+    return "\n".join(f"  {k:20s} {help}" for k, help in allowed.items())
+
+
 def parse_key_values(argv: list[str], allowed: dict[str, str]) -> dict[str, str]:
     """``key=value`` arguments (Hydra style); unknown keys fail with the list of valid ones."""
     values = {}
@@ -18,10 +22,38 @@ def parse_key_values(argv: list[str], allowed: dict[str, str]) -> dict[str, str]
         if not sep:
             raise SystemExit(f"expected key=value, got {arg!r}; keys: {', '.join(allowed)}")
         if key not in allowed:
-            raise SystemExit(f"unknown option {key!r}; valid options:\n" +
-                             "\n".join(f"  {k:20s} {help}" for k, help in allowed.items()))
+            raise SystemExit(f"unknown option {key!r}; valid options:\n{describe_options(allowed)}")
         values[key] = value
     return values
+
+
+def checkpoint_arg(args: dict[str, str], allowed: dict[str, str]) -> Path:
+    """The required ``ckpt=PATH``, checked to exist."""
+    if "ckpt" not in args:
+        raise SystemExit(f"ckpt=PATH is required; options:\n{describe_options(allowed)}")
+    ckpt = Path(args["ckpt"])
+    if not ckpt.is_file():
+        raise SystemExit(f"ckpt={ckpt} does not exist")
+    return ckpt
+
+
+def log_rows_to_new_wandb_run(rows, png: Path, out: Path, prefix: str, series_by=("mode", "rope_scaling"),
+                              **init) -> None:
+    """One W&B run holding an extrapolation table and chart; offline (and said so) when the
+    server cannot be reached or there are no credentials, as train.py does."""
+    import os
+
+    import wandb
+
+    from evaluation.extrapolation import log_to_wandb
+    from train import wandb_offline_reason
+
+    why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
+    run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)
+    log_to_wandb(rows, run, png=png, prefix=prefix, series_by=series_by)
+    run.finish()
+    print(f"[pelab] W&B offline run in {out / 'wandb'} ({why}; upload later with wandb sync)" if why
+          else f"[pelab] W&B run: {run.url}")
 
 
 def split_list(value: str) -> list[str]:

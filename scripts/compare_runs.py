@@ -14,15 +14,14 @@ Writes comparison.csv, comparison.md and comparison.png (one line per scheme, pp
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from _common import ROOT  # noqa: F401  (puts the project on sys.path)
+from _common import log_rows_to_new_wandb_run
 
-from evaluation.extrapolation import COLUMNS, ExtrapolationRow, markdown_table, plot_rows, read_csv
+from evaluation.extrapolation import ExtrapolationRow, markdown_table, plot_rows, read_csv, write_csv
 
 
 def find_result_files(patterns: list[str]) -> list[Path]:
@@ -101,10 +100,7 @@ def main(argv: list[str]) -> int:
     out = args.out or (first if first.is_dir() else Path("."))
     out.mkdir(parents=True, exist_ok=True)
 
-    with open(out / "comparison.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    write_csv(rows, out / "comparison.csv")
     sections = []
     for mode in sorted({r.mode for r in rows}):
         mode_rows = [r for r in rows if r.mode == mode]
@@ -119,19 +115,9 @@ def main(argv: list[str]) -> int:
     print(f"[pelab] {len(files)} result file(s) -> {out / 'comparison.csv'}, comparison.md, comparison.png")
 
     if args.wandb:
-        import os
-
-        import wandb
-
-        from evaluation.extrapolation import log_to_wandb
-        from train import wandb_has_credentials, wandb_reachable
-
-        group = args.group or _group_of(files)
-        offline = os.environ.get("WANDB_MODE") == "offline" or not (wandb_has_credentials() and wandb_reachable())
-        run = wandb.init(project=args.project, group=group, job_type="compare", name="comparison", dir=str(out),
-                         mode="offline" if offline else "online")
-        log_to_wandb(rows, run, png=out / "comparison.png", prefix="comparison", series_by=("scheme", "mode"))
-        run.finish()
+        log_rows_to_new_wandb_run(rows, out / "comparison.png", out, prefix="comparison", series_by=("scheme", "mode"),
+                                  project=args.project, group=args.group or _group_of(files), job_type="compare",
+                                  name="comparison")
     return 0
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, parse_key_values, split_list
+from _common import ROOT, checkpoint_arg, log_rows_to_new_wandb_run, parse_key_values, split_list
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py (required)",
@@ -36,20 +36,16 @@ OPTIONS = {
 
 def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
-    if "ckpt" not in args:
-        raise SystemExit("ckpt=PATH is required; options:\n" + "\n".join(f"  {k:20s} {h}" for k, h in OPTIONS.items()))
+    ckpt = checkpoint_arg(args, OPTIONS)
 
     import hydra
     import torch
     from omegaconf import OmegaConf
 
-    from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
+    from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
     from model.lit import LitGPT
     from data.datamodule import load_tokens
 
-    ckpt = Path(args["ckpt"])
-    if not ckpt.is_file():
-        raise SystemExit(f"ckpt={ckpt} does not exist")
     run_config = ckpt.parent / "config.yaml"
     if not run_config.is_file():
         raise SystemExit(f"{run_config} not found: the run's resolved config (written by train.py) "
@@ -89,19 +85,10 @@ def main(argv: list[str]) -> int:
     print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
 
     if args.get("wandb", "false").lower() in ("1", "true", "yes"):
-        import os
-
-        import wandb
-
-        from train import wandb_has_credentials, wandb_reachable
-
-        offline = os.environ.get("WANDB_MODE") == "offline" or not (wandb_has_credentials() and wandb_reachable())
-        run = wandb.init(project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
-                         name=f"{cfg.get('run_name') or module.pe_name}-extrapolation", dir=str(out),
-                         mode="offline" if offline else "online", config={"ckpt": str(ckpt), **options})
-        log_to_wandb(rows, run, png=paths["png"])
-        run.finish()
-        print(f"[pelab] W&B {'offline run in ' + str(out / 'wandb') if offline else 'run: ' + run.url}")
+        log_rows_to_new_wandb_run(rows, paths["png"], out, prefix="extrapolation",
+                                  project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
+                                  name=f"{cfg.get('run_name') or module.pe_name}-extrapolation",
+                                  config={"ckpt": str(ckpt), **options})
     return 0
 
 

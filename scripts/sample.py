@@ -10,9 +10,8 @@ length, and learned PE stops at its table size with a clear message.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from _common import parse_key_values
+from _common import checkpoint_arg, parse_key_values
 
 OPTIONS = {
     "ckpt": "path to a checkpoint written by train.py (required)",
@@ -27,17 +26,13 @@ OPTIONS = {
 
 def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
-    if "ckpt" not in args:
-        raise SystemExit("ckpt=PATH is required")
+    ckpt = checkpoint_arg(args, OPTIONS)
     import torch
     from omegaconf import OmegaConf
 
     from data.tokenizers import get_tokenizer
     from model.lit import LitGPT
 
-    ckpt = Path(args["ckpt"])
-    if not ckpt.is_file():
-        raise SystemExit(f"ckpt={ckpt} does not exist")
     run_config = ckpt.parent / "config.yaml"
     tokenizer_name = OmegaConf.load(run_config).data.tokenizer if run_config.is_file() else "bytes"
     tokenizer = get_tokenizer(tokenizer_name)
