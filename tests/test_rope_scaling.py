@@ -1,8 +1,9 @@
 """Evaluation-time RoPE scaling (linear, NTK, dynamic NTK, YaRN) against naive references.
 
 The references are written from the formulas (Chen et al. 2023; the NTK-aware base change;
-Hugging Face's dynamic NTK; Peng et al. 2023, YaRN) with explicit per-pair loops in
-float64 and math.cos / math.sin / math.log / math.pi; none calls model/pe/rope_scaling.py.
+Hugging Face's dynamic NTK; YaRN as in the reference code, jquesnelle/yarn and Hugging Face)
+with explicit per-pair loops in float64 and math.cos / math.sin / math.log / math.pi /
+math.floor / math.ceil; none calls model/pe/rope_scaling.py.
 """
 
 from __future__ import annotations
@@ -54,20 +55,22 @@ def naive_rotate(x, p: float, thetas: list[float], factor: float = 1.0, decay=No
     return torch.tensor(out, dtype=torch.float64)
 
 
-def naive_yarn_thetas(r: int, base: float, s: float, L: int, beta_fast=32.0, beta_slow=1.0):
-    """Per pair: (theta'_k, rotations r_k) from the YaRN paper's formula."""
+def naive_yarn(d: int, base: float, s: float, L: int, beta_fast=32.0, beta_slow=1.0, truncate=True):
+    """(theta'_k per pair, low, high) from the YaRN reference code's formula, d = rotary dim."""
+    def corr(rotations):  # the fractional pair index whose pair turns `rotations` times over L
+        return d * math.log(L / (2 * math.pi * rotations)) / (2 * math.log(base))
+
+    low, high = corr(beta_fast), corr(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
     out = []
-    for theta in naive_thetas(r, base):
-        wavelength = 2 * math.pi / theta
-        rot = L / wavelength
-        if rot < beta_slow:
-            gamma = 0.0
-        elif rot > beta_fast:
-            gamma = 1.0
-        else:
-            gamma = (rot - beta_slow) / (beta_fast - beta_slow)
-        out.append(((1 - gamma) * theta / s + gamma * theta, rot))
-    return out
+    for k, theta in enumerate(naive_thetas(d, base)):
+        ramp = min(max((k - low) / (high - low), 0.0), 1.0)
+        out.append((theta / s) * ramp + theta * (1 - ramp))
+    return out, low, high
 
 
 def rotate_at(pe, x: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -193,38 +196,76 @@ def test_dynamic_ntk_q_and_k_share_the_length():
 # --------------------------------------------------------------------------------------
 
 
-def test_yarn_frequencies_match_the_paper_per_pair():
+def yarn_pe(d: int, s: float, L: int, rotary_fraction: float = 1.0, **kwargs):
+    """A RoPE of head dim d with YaRN set."""
+    return scaled("rope", RopeScaling("yarn", s, original_length=L, **kwargs),
+                  tiny_config(n_embd=4 * d), rotary_fraction=rotary_fraction)
+
+
+def effective_thetas(pe) -> list[float]:
+    return pe.angles(torch.tensor([1]))[0].double().tolist()  # angle at p = 1
+
+
+@pytest.mark.parametrize("s", [4.0, 8.0])
+@pytest.mark.parametrize("L", [256, 4096])
+@pytest.mark.parametrize("d", [64, 128])
+def test_yarn_frequencies_match_the_reference_per_pair(d, L, s):
+    ref, low, high = naive_yarn(d, 10000.0, s, L)
+    assert 0 <= low < high < d // 2  # every case has kept, ramp and interpolated pairs
+    got = effective_thetas(yarn_pe(d, s, L))
+    assert len(got) == d // 2
+    for k in range(d // 2):
+        assert got[k] == pytest.approx(ref[k], rel=1e-6, abs=0), k
+
+
+def test_yarn_correction_dims_by_hand():
+    # corr(r) = d ln(L / (2 pi r)) / (2 ln 10000), 2 ln 10000 = 18.42068
+    # d = 64, L = 256: corr(32) = 64 ln(1.27324) / 18.42068 = 0.839 -> low 0
+    #                  corr(1) = 64 ln(40.7437) / 18.42068 = 12.880 -> high 13
+    # d = 128, L = 4096: corr(32) = 128 ln(20.3718) / 18.42068 = 20.944 -> low 20
+    #                    corr(1) = 128 ln(651.899) / 18.42068 = 45.027 -> high 46
+    # d = 32, L = 128 (the ablation: head dim 32, train length 128; corr does not depend on s):
+    #                  corr(32) = 32 ln(0.63662) / 18.42068 = -0.784 -> low 0
+    #                  corr(1) = 32 ln(20.3718) / 18.42068 = 5.236 -> high 6
+    assert naive_yarn(64, 10000.0, 4.0, 256)[1:] == (0, 13)
+    assert naive_yarn(128, 10000.0, 4.0, 4096)[1:] == (20, 46)
+    for s in [2.0, 4.0, 8.0, 16.0]:
+        assert naive_yarn(32, 10000.0, s, 128)[1:] == (0, 6)
+    s = 4.0
+    plain = naive_thetas(64)
+    got = effective_thetas(yarn_pe(64, s, 256))
+    assert got[0] == pytest.approx(plain[0], rel=1e-7)  # k <= low: kept
+    for k in range(13, 32):  # k >= high: divided by s
+        assert got[k] == pytest.approx(plain[k] / s, rel=1e-6)
+    # pair 8: theta = 10000^(-16/64) = 0.1, r = 256 * 0.1 / (2 pi) = 4.074 rotations; ramp 8/13,
+    # so it keeps 5/13 = 0.385 of theta: theta' = 0.1 * (8/13 / 4 + 5/13) = 0.1 * 7/13.
+    # The paper's text would keep (4.074 - 1) / 31 = 0.099.
+    assert got[8] == pytest.approx(0.1 * 7 / 13, rel=1e-6)
+    kept = (got[8] / 0.1 - 1 / s) / (1 - 1 / s)
+    assert kept == pytest.approx(0.3846, abs=1e-4)
+    assert abs(kept - 0.099) > 0.25
+
+
+def test_yarn_attention_factor_literal():
+    for s, m in [(4.0, 1.1386294361), (8.0, 1.2079441542), (1.0, 1.0)]:  # 0.1 ln s + 1
+        freqs = yarn_pe(16, s, 16).frequencies(torch.tensor([0]))
+        assert freqs.attention_factor == pytest.approx(m, abs=1e-10)
+
+
+def test_yarn_rotation_matches_the_reference():
+    """Full rotation: reference frequencies, cos and sin times m = 0.1 ln s + 1."""
     torch.manual_seed(6)
-    s, L, d, base = 4.0, 1024, 16, 10000.0
+    s, L, d = 4.0, 1024, 16
     pe = scaled("rope", RopeScaling("yarn", s, original_length=L))
-    ref = naive_yarn_thetas(d, base, s, L)
-    plain = naive_thetas(d, base)
-    rotations = [rot for _, rot in ref]
-    # the setup covers all three regimes: r = 163, 51.5 | 16.3, 5.15, 1.63 | 0.515, 0.163, 0.0515
-    kept = [k for k, rot in enumerate(rotations) if rot > 32]
-    ramp = [k for k, rot in enumerate(rotations) if 1 <= rot <= 32]
-    interpolated = [k for k, rot in enumerate(rotations) if rot < 1]
-    assert kept == [0, 1] and ramp == [2, 3, 4] and interpolated == [5, 6, 7]
-    # effective frequency = angle at p = 1
-    theta_eff = pe.angles(torch.tensor([1]))[0].double()
-    for k, (theta_ref, _) in enumerate(ref):
-        assert theta_eff[k].item() == pytest.approx(theta_ref, rel=1e-6)
-    for k in kept:
-        assert theta_eff[k].item() == pytest.approx(plain[k], rel=1e-6)
-    for k in interpolated:
-        assert theta_eff[k].item() == pytest.approx(plain[k] / s, rel=1e-6)
-    for k in ramp:  # strictly between interpolated and kept; pair 2 by hand: r = 1024/(2 pi)*0.1
-        assert plain[k] / s < theta_eff[k].item() < plain[k]
-    gamma2 = (1024 * 0.1 / (2 * math.pi) - 1) / 31
-    assert theta_eff[2].item() == pytest.approx((1 - gamma2) * 0.1 / s + gamma2 * 0.1, rel=1e-6)
-    # full rotation: paper frequencies, cos and sin times m = 0.1 ln s + 1
+    ref, low, high = naive_yarn(d, 10000.0, s, L)
+    assert (low, high) == (1, 5)  # 16 ln(1024 / (64 pi)) / 18.42 = 1.41, 16 ln(1024 / (2 pi)) / 18.42 = 4.42
     m = 0.1 * math.log(s) + 1
     x = torch.randn(16)
     positions = [0, 1, 100, 3000]
     out = rotate_at(pe, x, positions)
     for t, p in enumerate(positions):
-        ref_vec = naive_rotate(x, p, [th for th, _ in ref], factor=m)
-        torch.testing.assert_close(out[t].double(), ref_vec, atol=5e-4 if p > 1000 else 1e-5, rtol=0)
+        torch.testing.assert_close(out[t].double(), naive_rotate(x, p, ref, factor=m),
+                                   atol=5e-4 if p > 1000 else 1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ROPE_FAMILY)
@@ -242,13 +283,27 @@ def test_yarn_attention_factor_scales_logits_by_its_square(name):
     assert rq16.dtype == torch.bfloat16
 
 
-def test_yarn_ramp_bounds_are_configurable():
-    s, L = 4.0, 1024
-    pe = scaled("rope", RopeScaling("yarn", s, original_length=L, beta_fast=100.0, beta_slow=10.0))
-    ref = naive_yarn_thetas(16, 10000.0, s, L, beta_fast=100.0, beta_slow=10.0)
-    theta_eff = pe.angles(torch.tensor([1]))[0].double()
-    for k, (theta_ref, _) in enumerate(ref):
-        assert theta_eff[k].item() == pytest.approx(theta_ref, rel=1e-6)
+@pytest.mark.parametrize(
+    "d, L, rotary_fraction, kwargs",
+    [
+        (64, 256, 1.0, dict(truncate=False)),  # low 0.839, high 12.880 unrounded
+        (128, 4096, 1.0, dict(truncate=False)),
+        (64, 1024, 1.0, dict(beta_fast=100.0, beta_slow=10.0)),
+        (64, 1024, 0.5, {}),  # corr uses the rotary dim (32), not the head dim
+        (16, 4, 1.0, {}),  # corr(1) = -0.39: low = high = 0, so high = 0.001
+        (16, 1024, 0.125, {}),  # rotary dim 2: the single pair is kept
+    ],
+)
+def test_yarn_options_match_the_reference(d, L, rotary_fraction, kwargs):
+    s = 4.0
+    rotary_dim = int(d * rotary_fraction)
+    ref, low, high = naive_yarn(rotary_dim, 10000.0, s, L, **kwargs)
+    if (d, L) == (16, 4):
+        assert (low, high) == (0, 0.001)
+    got = effective_thetas(yarn_pe(d, s, L, rotary_fraction, **kwargs))
+    assert len(got) == rotary_dim // 2
+    for k in range(rotary_dim // 2):
+        assert got[k] == pytest.approx(ref[k], rel=1e-6, abs=0), k
 
 
 # --------------------------------------------------------------------------------------
@@ -352,7 +407,7 @@ def test_bad_factor(factor):
 @pytest.mark.parametrize(
     "kwargs",
     [dict(original_length=0), dict(original_length=16.0), dict(beta_fast=1.0, beta_slow=1.0),
-     dict(beta_fast=32.0, beta_slow=-1.0)],
+     dict(beta_fast=32.0, beta_slow=-1.0), dict(beta_slow=0.0), dict(truncate=1)],
 )
 def test_bad_length_or_ramp(kwargs):
     kwargs = {"original_length": 16, **kwargs}

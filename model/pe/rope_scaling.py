@@ -11,14 +11,19 @@ attention_factor (for q and for k, so the logits scale by its square). L = origi
   (lowest frequency) pair is divided by exactly s.
 - ``dynamic_ntk``: ``ntk`` with s = max(1, factor * T/L - (factor - 1)), T = largest
   position of the call + 1 (Hugging Face's formula). Exactly plain RoPE while T <= L.
-- ``yarn`` (Peng et al. 2023): pair k turns r_k = L / (2 pi / theta_k) times over the
-  training context. gamma = clamp((r - beta_slow) / (beta_fast - beta_slow), 0, 1);
-  theta'_k = (1 - gamma) theta_k / s + gamma theta_k, so pairs with r < beta_slow are
-  interpolated, pairs with r > beta_fast kept; attention factor 0.1 ln(s) + 1.
-  The ramp here is the paper's: continuous and linear in r. Hugging Face's implementation
-  ramps linearly in the pair index k instead (linear in log r), between the indices where
-  r = beta_fast and r = beta_slow rounded with floor / ceil, so pairs inside the ramp
-  differ slightly from this one; the pairs outside it are the same.
+- ``yarn`` (Peng et al. 2023), as in the code behind the paper's numbers (jquesnelle/yarn)
+  and Hugging Face's ``_compute_yarn_parameters``: corr(r) = d ln(L / (2 pi r)) / (2 ln base)
+  is the fractional pair index whose pair turns r times over L;
+  low = max(floor(corr(beta_fast)), 0), high = min(ceil(corr(beta_slow)), d - 1) (high +=
+  0.001 if they are equal); ramp_k = clamp((k - low) / (high - low), 0, 1);
+  theta'_k = ramp_k theta_k / s + (1 - ramp_k) theta_k; attention factor 0.1 ln(s) + 1.
+  ``truncate=False`` (Hugging Face's option) skips the floor / ceil.
+  The paper's text ramps linearly in the rotations r instead, with no rounding:
+  gamma = clamp((r - beta_slow) / (beta_fast - beta_slow), 0, 1) is the share of theta kept.
+  Both keep pairs with r > beta_fast and divide those with r < beta_slow by s, but inside
+  the ramp they differ a lot (d = 64, L = 256: the pair at r = 4.07 keeps 5/13 = 0.38 of
+  theta in the code, 0.10 by the text). pelab follows the code, so its numbers compare
+  with published YaRN results.
 
 Everything is computed in float64 from the float32 ``inv_freq`` and returned in float32.
 """
@@ -40,13 +45,15 @@ ROPE_SCALINGS: tuple[str, ...] = ("linear", "ntk", "dynamic_ntk", "yarn")
 class RopeScaling:
     """An evaluation-time RoPE scaling: ``kind`` (one of ROPE_SCALINGS), scale ``factor``
     (>= 1; 1 is the identity for every kind), the training context ``original_length`` L,
-    and YaRN's ramp bounds in rotations over L (``beta_slow`` < ``beta_fast``)."""
+    and YaRN's ramp bounds in rotations over L (0 < ``beta_slow`` < ``beta_fast``) and whether
+    its correction dims are rounded outwards to integers (``truncate``)."""
 
     kind: str
     factor: float
     original_length: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALINGS:
@@ -59,11 +66,13 @@ class RopeScaling:
                 f"rope scaling original_length (the training context) must be an integer >= 1; "
                 f"got {self.original_length!r}"
             )
-        if not (_real(self.beta_fast) and _real(self.beta_slow) and 0 <= self.beta_slow < self.beta_fast):
-            raise ValueError(
-                f"rope scaling needs 0 <= beta_slow < beta_fast; got beta_slow={self.beta_slow!r}, "
+        if not (_real(self.beta_fast) and _real(self.beta_slow) and 0 < self.beta_slow < self.beta_fast):
+            raise ValueError(  # beta_slow = 0 would put YaRN's correction dim at infinity
+                f"rope scaling needs 0 < beta_slow < beta_fast; got beta_slow={self.beta_slow!r}, "
                 f"beta_fast={self.beta_fast!r}"
             )
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"rope scaling truncate must be True or False; got {self.truncate!r}")
 
 
 def _real(x) -> bool:
@@ -101,11 +110,32 @@ def _dynamic_ntk(s: RopeScaling, inv_freq: Tensor, length: Tensor | int) -> Rope
     return RopeFrequencies(ntk_inv_freq(inv_freq, scale))
 
 
+def _yarn_ramp(s: RopeScaling, inv_freq: Tensor) -> Tensor:
+    """ramp_k: the share of pair k that is interpolated (divided by s)."""
+    n, d = inv_freq.numel(), 2 * inv_freq.numel()
+    k = torch.arange(n, dtype=torch.float64, device=inv_freq.device)
+    if n == 1:  # low >= 0, so pair 0 is always kept (and theta_0 = 1 says nothing of the base)
+        return torch.zeros_like(k)
+    # Only inv_freq is passed in, so ln(base) comes from the lowest frequency
+    # theta_{n-1} = base^(-(d-2)/d) (float32 rounding: < 1e-8 relative in corr for base 10000).
+    # Tensor ops throughout: no host sync on GPU.
+    log_base = -inv_freq[-1].double().log() * d / (d - 2)
+
+    def corr(rotations: float) -> Tensor:
+        return d * math.log(s.original_length / (2 * math.pi * rotations)) / (2 * log_base)
+
+    low, high = corr(s.beta_fast), corr(s.beta_slow)
+    if s.truncate:
+        low, high = low.floor(), high.ceil()
+    low, high = low.clamp(min=0), high.clamp(max=d - 1)  # d - 1, not n - 1: as the reference
+    high = torch.where(low == high, high + 0.001, high)
+    return ((k - low) / (high - low)).clamp(0.0, 1.0)
+
+
 def _yarn(s: RopeScaling, inv_freq: Tensor, length: Tensor | int) -> RopeFrequencies:
     theta = inv_freq.double()
-    rotations = s.original_length * theta / (2 * math.pi)  # r_k = L / wavelength_k
-    gamma = ((rotations - s.beta_slow) / (s.beta_fast - s.beta_slow)).clamp(0.0, 1.0)
-    theta = (1 - gamma) * theta / s.factor + gamma * theta
+    ramp = _yarn_ramp(s, inv_freq)
+    theta = ramp * theta / s.factor + (1 - ramp) * theta
     return RopeFrequencies(theta.float(), attention_factor=0.1 * math.log(s.factor) + 1.0)
 
 
