@@ -20,6 +20,14 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
+def causal_future(Tq: int, Tk: int, device: torch.device | None = None) -> Tensor:
+    """(Tq, Tk) bool, True where key j comes after query i in token order, the queries being
+    the last Tq of the Tk tokens. Causality is decided by order, never by position values:
+    packed documents, randomized positions and cache offsets repeat or reset positions."""
+    q_index = torch.arange(Tk - Tq, Tk, device=device)
+    return torch.arange(Tk, device=device)[None, :] > q_index[:, None]
+
+
 class QueryChunks:
     """Evaluate attention in query chunks of ``size``; ``mask`` builds each chunk's float mask."""
 
@@ -131,11 +139,13 @@ class GPT(nn.Module):
     def attention_mask(
         self, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype, always: bool = False
     ) -> Tensor | None:
-        """Float mask (1, H, Tq, Tk): the scheme's bias plus -inf where j > i.
+        """Float mask (1, H, Tq, Tk): the scheme's bias plus -inf on keys after the query.
 
-        None when the scheme has no bias (SDPA's is_causal is faster), unless ``always``.
+        The Tq queries are the last Tq of the Tk tokens (a query chunk, or new tokens after
+        a cache). None when the scheme has no bias (SDPA's is_causal is faster), unless
+        ``always``.
         """
-        future = k_positions[None, :] > q_positions[:, None]
+        future = causal_future(len(q_positions), len(k_positions), q_positions.device)
         if self.pe.uses_bias:
             bias = self.pe.bias(q_positions, k_positions)
         elif always:

@@ -25,6 +25,7 @@ ALL_SCHEMES = ["learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"]
 VARIANTS = [
     ("learned", {}),
     ("sinusoidal", {}),
+    ("sinusoidal", {"scale": 1.0}),
     ("rope", {}),
     ("rope", {"base": 300.0, "rotary_fraction": 0.5}),
     ("alibi", {}),
@@ -179,13 +180,23 @@ def build(name, opts, seed=0, **cfg_overrides):
 # --------------------------------------------------------------------------------------
 
 
+# Positions as the model sees them: from 0, offset (sliding windows, caches), and reset and
+# repeated (packed documents). Causality is token order whatever the positions say.
+POSITIONS = {
+    "from0": list(range(9)),
+    "offset37": list(range(37, 46)),
+    "reset": [0, 1, 2, 3, 4, 0, 1, 2, 3],
+    "repeat": [5, 5, 5, 2, 2, 7, 0, 0, 9],
+}
+
+
 @pytest.mark.parametrize("name, opts", VARIANTS, ids=VARIANT_IDS)
-@pytest.mark.parametrize("offset", [0, 37])
-def test_attention_fp32_matches_naive(name, opts, offset):
+@pytest.mark.parametrize("pos", list(POSITIONS), ids=list(POSITIONS))
+def test_attention_fp32_matches_naive(name, opts, pos):
     cfg, model, attn = build(name, opts)
     T = 9
     x = torch.randn(2, T, cfg.n_embd)
-    positions = torch.arange(T) + offset
+    positions = torch.tensor(POSITIONS[pos])
     mask = model.attention_mask(positions, positions, torch.float32)
     if model.pe.uses_bias:
         assert mask.shape == (1, cfg.n_head, T, T) and mask.dtype == torch.float32
@@ -349,7 +360,8 @@ def naive_gpt(model, name, opts, idx, targets, positions: list[int]):
             for k in range(d // 2):
                 a = p / 10000.0 ** (2.0 * k / d)
                 table[t, 2 * k], table[t, 2 * k + 1] = math.sin(a), math.cos(a)
-        x = x + table
+        scale = opts.get("scale")
+        x = x + table * (1 / math.sqrt(d) if scale is None else scale)  # default: 1/sqrt(d_model)
     for block in model.blocks:
         x = x + naive_attention(block.attn, naive_layer_norm(x, block.ln_1), positions, spec)
         h = naive_linear(block.mlp.c_fc, naive_layer_norm(x, block.ln_2))

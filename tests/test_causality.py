@@ -1,0 +1,88 @@
+"""Causality is token order, on every attention path, whatever the positions say.
+
+Positions only carry what a scheme encodes; packed documents, randomized positions and
+cache offsets reset or repeat them. For every scheme and every path (the training forward,
+query-chunked evaluation, the attention-map probe), changing token t must leave every
+output before t bit-for-bit unchanged, and must change the output at t (so the check can
+fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evaluation.attention_maps import attention_probs, eager_attention_pass
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.pe import SCHEMES
+
+torch.set_num_threads(2)
+
+ALL_SCHEMES = sorted(SCHEMES)
+T = 16
+# Two packed documents (positions reset) and a run of repeats: later tokens carry position
+# values smaller than, or equal to, earlier ones.
+POSITION_SETS = {
+    "reset": list(range(8)) + list(range(8)),
+    "repeat": [3, 3, 3, 0, 9, 9, 1, 1, 1, 12, 2, 2, 5, 5, 0, 4],
+}
+CHANGED = (1, 6, 9, 13)  # tokens to change, inside and across the reset
+
+
+def build(name: str) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=37, block_size=T, n_layer=2, n_head=4, n_embd=32)
+    model = GPT(config, SCHEMES[name](config)).eval()
+    with torch.no_grad():  # sharper attention than GPT-2 init, so a leak would show
+        for block in model.blocks:
+            torch.nn.init.normal_(block.attn.c_attn.weight, std=0.3)
+    return model
+
+
+def outputs(model: GPT, idx: torch.Tensor, positions: torch.Tensor, path: str) -> torch.Tensor:
+    """(B, T, ...) per-token outputs of one attention path."""
+    with torch.no_grad():
+        if path == "forward":  # the training path: fused SDPA, is_causal or the float mask
+            return model(idx, positions=positions)[0]
+        if path == "chunked":  # long evaluation: query chunks of 5 against all earlier keys
+            targets = torch.arange(idx.numel()).view_as(idx) % 37  # fixed: only inputs change
+            return model.token_nll(idx, targets, positions=positions, q_chunk=5)[..., None]
+        if path == "probe":  # eager pass materialising probabilities
+            run = eager_attention_pass(model, idx, positions, return_hidden=True)
+            probs = torch.cat([p.transpose(1, 2).flatten(2) for p in run.probs.values()], dim=-1)
+            return torch.cat([run.hidden, probs], dim=-1)
+    raise AssertionError(path)
+
+
+@pytest.mark.parametrize("path", ["forward", "chunked", "probe"])
+@pytest.mark.parametrize("positions_name", list(POSITION_SETS))
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_changing_token_t_changes_nothing_before_t(name, positions_name, path):
+    model = build(name)
+    positions = torch.tensor(POSITION_SETS[positions_name])
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 37, (2, T), generator=generator)
+    base = outputs(model, idx, positions, path)
+    for t in CHANGED:
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1 + torch.randint(0, 35, (2,), generator=generator)) % 37
+        out = outputs(model, changed, positions, path)
+        torch.testing.assert_close(out[:, :t], base[:, :t], atol=1e-6, rtol=0,
+                                   msg=lambda m: f"token {t} leaked into earlier outputs ({path}): {m}")
+        assert (out[:, t] - base[:, t]).abs().max() > 1e-4, f"changing token {t} changed nothing at {t}"
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_probe_rows_put_zero_weight_on_later_tokens(name):
+    """With reset positions an earlier key can have a larger position than the query:
+    order, not value, decides what is masked."""
+    model = build(name)
+    positions = torch.tensor(POSITION_SETS["reset"])
+    idx = torch.randint(0, 37, (1, T), generator=torch.Generator().manual_seed(2))
+    for p in attention_probs(model, idx, positions).values():
+        later = torch.ones(T, T, dtype=torch.bool).triu(1)
+        assert torch.all(p[..., later] == 0)
+        earlier = ~later
+        assert torch.all(p[..., earlier] > 0)  # keys 0..i all visible, e.g. key 7 from query 8
+        torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[:-1]))
