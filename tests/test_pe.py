@@ -245,7 +245,7 @@ def test_learned_embed_adds_table_rows():
 
 def test_sinusoidal_matches_formula():
     cfg = tiny_config(n_embd=32, n_head=4)
-    pe = SCHEMES["sinusoidal"](cfg)
+    pe = SCHEMES["sinusoidal"](cfg, scale=1.0)  # the formula as printed
     positions = [0, 1, 7, 100, 511, 3000]
     out = pe.embed(torch.zeros(1, len(positions), 32), torch.tensor(positions))
     assert out.dtype == torch.float32
@@ -263,7 +263,7 @@ def test_sinusoidal_matches_formula():
 def test_sinusoidal_is_added_and_has_no_parameters():
     torch.manual_seed(5)
     cfg = tiny_config()
-    pe = SCHEMES["sinusoidal"](cfg)
+    pe = SCHEMES["sinusoidal"](cfg, scale=1.0)
     assert sum(p.numel() for p in pe.parameters()) == 0
     x = torch.randn(3, 4, cfg.n_embd)
     pos = torch.tensor([2, 9, 4, 0])
@@ -693,3 +693,34 @@ def test_sinusoidal_scale_null_is_inverse_sqrt_d_model():
     assert exact[0, 2, 0].item() == pytest.approx(math.sin(700.0), abs=1e-5)
     with pytest.raises(ValueError, match="pe.scale"):
         SinusoidalPositionEmbedding(config, scale=0.0)
+
+
+def test_scheme_yaml_values_equal_constructor_defaults(project_root):
+    """A scheme option has one default: the constructor's. Each conf/pe yaml may list an
+    option (so `pe.KEY=` overrides work) only with that same value, so building a scheme in
+    code (bench, tests, scripts) and from its yaml give the same model."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    yamls = sorted((project_root / "conf" / "pe").glob("*.yaml"))
+    assert {p.stem for p in yamls} >= {"learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"}
+    for path in yamls:
+        cfg = OmegaConf.to_container(OmegaConf.load(path))
+        module, _, cls_name = cfg.pop("_target_").rpartition(".")
+        cls = getattr(__import__(module, fromlist=[cls_name]), cls_name)
+        params = inspect.signature(cls.__init__).parameters
+        for key, value in cfg.items():
+            assert key in params, f"{path.name}: {key} is not an option of {cls_name}"
+            assert params[key].default == value, (
+                f"{path.name}: {key}: {value!r} differs from the constructor default {params[key].default!r}")
+
+
+def test_sinusoidal_default_is_the_scaled_sinusoid():
+    """Built without options (as scripts/bench.py does) the sinusoid has amplitude 1/sqrt(d_model)."""
+    from model.config import GPTConfig
+    from model.pe import SinusoidalPositionEmbedding
+
+    config = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=64)
+    out = SinusoidalPositionEmbedding(config).embed(torch.zeros(1, 1, 64), torch.tensor([0]))
+    assert out[0, 0, 1].item() == pytest.approx(1 / 8)  # cos(0) / sqrt(64)

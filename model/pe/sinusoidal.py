@@ -26,7 +26,7 @@ def sinusoidal_table(positions: Tensor, d_model: int, base: float = 10000.0) -> 
 
 
 class SinusoidalPositionEmbedding(PositionEncoding, name="sinusoidal"):
-    def __init__(self, config: GPTConfig, base: float = 10000.0, scale: float | None = 1.0) -> None:
+    def __init__(self, config: GPTConfig, base: float = 10000.0, scale: float | None = None) -> None:
         super().__init__(config)
         self.base = base
         self.scale = config.n_embd**-0.5 if scale is None else scale
