@@ -1,7 +1,7 @@
 """Attention with each position scheme against a naive float64 reference.
 
 The reference recomputes q, k, v from the raw ``c_attn`` weights, applies each scheme's
-definition from DESIGN.md (rotation tables from ``math.cos``/``math.sin``, ALiBi slopes
+definition in docs/design.md (rotation tables from ``math.cos``/``math.sin``, ALiBi slopes
 typed in by hand, xPos decay from the zeta formula), then softmax(QK^T/sqrt(d) + bias +
 causal mask) V with explicit masks, and ``c_proj``. It never calls ``pe.rotate``/``pe.bias``.
 """
@@ -36,7 +36,7 @@ VARIANTS = [
 ]
 VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in VARIANTS]
 
-# Slopes typed in from DESIGN.md: 4 heads -> 2^(-8h/4) = 2^-2, 2^-4, 2^-6, 2^-8.
+# Slopes typed in from docs/design.md: 4 heads -> 2^(-8h/4) = 2^-2, 2^-4, 2^-6, 2^-8.
 SLOPES_4 = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
 SLOPES_2 = [2.0 ** -4, 2.0 ** -8]
 

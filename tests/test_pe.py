@@ -1,7 +1,7 @@
 """Position-encoding schemes checked against naive, independent references.
 
-Every reference below is written from the definitions in DESIGN.md ("Schemes and their
-exact definitions") with explicit per-pair / per-element loops in float64 and
+Every reference below is written from the definitions in docs/design.md ("Schemes,
+exactly") with explicit per-pair / per-element loops in float64 and
 ``math.sin``/``math.cos``; none of them calls the scheme code it checks.
 """
 
