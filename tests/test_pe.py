@@ -724,3 +724,13 @@ def test_sinusoidal_default_is_the_scaled_sinusoid():
     config = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=64)
     out = SinusoidalPositionEmbedding(config).embed(torch.zeros(1, 1, 64), torch.tensor([0]))
     assert out[0, 0, 1].item() == pytest.approx(1 / 8)  # cos(0) / sqrt(64)
+
+
+def test_registering_a_taken_scheme_name_is_an_error():
+    from model.pe.base import PositionEncoding
+
+    before = dict(SCHEMES)
+    with pytest.raises(ValueError, match="'rope' is already registered by model.pe.rope.RoPE"):
+        class MyRoPE(PositionEncoding, name="rope"):
+            pass
+    assert SCHEMES == before

@@ -34,6 +34,9 @@ class PositionEncoding(nn.Module):
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if name is not None:
+            if name in SCHEMES:  # a second class under one name would silently replace the first
+                raise ValueError(f"position scheme {name!r} is already registered by "
+                                 f"{SCHEMES[name].__module__}.{SCHEMES[name].__qualname__}")
             cls.name = name
             SCHEMES[name] = cls
 
