@@ -5,7 +5,15 @@ A corpus is tokenized once with ``datasets.map`` (cached by ``datasets``) and fl
 written last and atomically so an interrupted preparation is redone, never half-read.
 Training batches are random windows (nanoGPT style); window ``i`` on rank ``r`` is a pure
 function of (seed, r, i), so every DDP rank sees different text and a resumed run can
-continue the exact sequence from its step counter.
+continue the exact sequence from its step counter. Validation uses ``val_windows`` windows
+spread evenly over the whole held-out split (every document is represented, not just the
+first one), the same in every run.
+
+``meta.json`` records the format version, tokenizer name and fingerprint, corpus
+fingerprint, dtype and per-split token counts and document offsets. A cache is reused only
+when all of them match and every ``.bin`` has exactly ``num_tokens x itemsize`` bytes;
+otherwise one line says what differed and the files are rebuilt (meta.json is removed
+first and written last, so a crash never leaves it pointing at half-written bins).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data.tokenizers import Tokenizer, cache_dir, get_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: hashes in meta.json, bytes separator 0x1E
 _MASK64 = (1 << 64) - 1
 
 
@@ -37,38 +45,75 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
+def cache_mismatch(meta: dict, out_dir: Path, tokenizer: Tokenizer, tokenizer_hash: str, corpus_hash: str
+                   ) -> str | None:
+    """What makes the cache described by ``meta`` unusable, or None when it matches. Cheap:
+    compares hashes and file sizes, never re-tokenizes."""
+    if meta.get("version") != FORMAT_VERSION:
+        return f"format version {meta.get('version')}, expected {FORMAT_VERSION}"
+    if meta.get("tokenizer") != tokenizer.name:
+        return f"tokenizer {meta.get('tokenizer')!r}, expected {tokenizer.name!r}"
+    if meta.get("tokenizer_hash") != tokenizer_hash:
+        return (f"tokenizer {tokenizer.name!r} changed (fingerprint {str(meta.get('tokenizer_hash'))[:12]} "
+                f"-> {tokenizer_hash[:12]})")
+    if meta.get("corpus_hash") != corpus_hash:
+        return f"corpus text changed (hash {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
+    dtype = token_dtype(tokenizer.vocab_size)
+    if meta.get("dtype") != dtype.name:
+        return f"dtype {meta.get('dtype')}, expected {dtype.name}"
+    for split in ("train", "val"):
+        path = out_dir / f"{split}.bin"
+        expected = meta["splits"][split]["num_tokens"] * dtype.itemsize
+        if not path.is_file():
+            return f"{path.name} is missing"
+        if path.stat().st_size != expected:
+            return (f"{path.name} has {path.stat().st_size} bytes, expected {expected} "
+                    f"({meta['splits'][split]['num_tokens']} tokens x {dtype.itemsize})")
+    return None
+
+
 def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: int | None = None) -> dict:
-    """Tokenize ``corpus`` into ``out_dir/{train,val}.bin``; no-op when already prepared."""
+    """Tokenize ``corpus`` into ``out_dir/{train,val}.bin``; reuse them when ``meta.json``
+    matches the corpus, the tokenizer and the files, else say what differed and rebuild."""
     meta_path = out_dir / "meta.json"
+    tokenizer_hash, corpus_hash = tokenizer.fingerprint(), corpus.fingerprint()
     if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("version") == FORMAT_VERSION and meta.get("tokenizer") == tokenizer.name:
-            return meta
+        try:
+            why = cache_mismatch(json.loads(meta_path.read_text()), out_dir, tokenizer, tokenizer_hash, corpus_hash)
+        except (ValueError, KeyError, TypeError) as err:  # unreadable or incomplete meta.json
+            why = f"meta.json unreadable ({type(err).__name__}: {err})"
+        if why is None:
+            return json.loads(meta_path.read_text())
+        print(f"[pelab] token cache {out_dir} is stale: {why}; rebuilding", flush=True)
+        meta_path.unlink()  # first: a crash mid-rebuild must leave no meta.json over half-written bins
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = corpus.load(out_dir)
-    eot = [tokenizer.eot_token] if tokenizer.eot_token is not None and getattr(corpus, "rows_are_documents", True) else []
+    separate = getattr(corpus, "rows_are_documents", True)
 
     def encode(batch: dict) -> dict:
-        ids = [doc + eot for doc in tokenizer.encode_batch(batch["text"])]
+        ids = tokenizer.encode_documents(batch["text"], separate=separate)
         return {"ids": ids, "len": [len(x) for x in ids]}
 
     dtype = token_dtype(tokenizer.vocab_size)
-    meta = {"version": FORMAT_VERSION, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-            "dtype": dtype.name, "corpus": corpus.cache_name, "splits": {}}
+    meta = {"version": FORMAT_VERSION, "tokenizer": tokenizer.name, "tokenizer_hash": tokenizer_hash,
+            "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token if separate else None,
+            "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": corpus_hash, "splits": {}}
     for split, dataset in splits.items():
         tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names,
                                 num_proc=num_proc, desc=f"tokenizing {split} ({tokenizer.name})")
         lengths = np.asarray(tokenized["len"], dtype=np.int64)
         total = int(lengths.sum())
         tmp_path = out_dir / f"{split}.bin.partial"
-        arr = np.memmap(tmp_path, dtype=dtype, mode="w+", shape=(max(total, 1),))
-        pos = 0
-        for batch in tokenized.iter(batch_size=1024):
-            for ids in batch["ids"]:
-                arr[pos : pos + len(ids)] = ids
-                pos += len(ids)
-        arr.flush()
-        del arr
+        tmp_path.write_bytes(b"")
+        if total:
+            arr = np.memmap(tmp_path, dtype=dtype, mode="w+", shape=(total,))
+            pos = 0
+            for batch in tokenized.iter(batch_size=1024):
+                for ids in batch["ids"]:
+                    arr[pos : pos + len(ids)] = ids
+                    pos += len(ids)
+            arr.flush()
+            del arr
         os.replace(tmp_path, out_dir / f"{split}.bin")
         offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         meta["splits"][split] = {"num_tokens": total, "doc_offsets": offsets}
@@ -79,6 +124,8 @@ def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: i
 
 
 def load_tokens(path: Path, dtype: str) -> np.ndarray:
+    if path.stat().st_size == 0:  # an empty split: numpy cannot map an empty file
+        return np.zeros(0, dtype=np.dtype(dtype))
     return np.memmap(path, dtype=np.dtype(dtype), mode="r")
 
 
@@ -111,24 +158,41 @@ class RandomWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class ContiguousWindows(Dataset):
-    """Non-overlapping windows covering the split in order: deterministic validation."""
+def spread_starts(num_tokens: int, block_size: int, num_windows: int | None) -> np.ndarray:
+    """Starts of ``num_windows`` validation windows (block_size inputs + 1 target) spread evenly
+    over the whole split, first at 0 and last at the last possible start; never overlapping:
+    at most (num_tokens - 1) // block_size windows (None = that many: nearly the whole split).
+    A pure function of the split's length, so every run, resume and rank sees the same windows."""
+    fit = (num_tokens - 1) // block_size
+    count = fit if num_windows is None else min(num_windows, fit)
+    if count < 1:
+        return np.zeros(0, dtype=np.int64)
+    last = num_tokens - 1 - block_size
+    # integer arithmetic: exact and platform-independent. Gaps are >= block_size because
+    # count <= fit implies last >= (count - 1) * block_size.
+    return np.array([i * last // max(count - 1, 1) for i in range(count)], dtype=np.int64)
 
-    def __init__(self, path: Path, dtype: str, block_size: int):
+
+class ValidationWindows(Dataset):
+    """Validation window i (0..N-1) = tokens from ``starts[i]``: ``num_windows`` windows spread
+    evenly over the held-out split (``spread_starts``). Indexed 0..N-1 so a sampler can shard
+    them across ranks."""
+
+    def __init__(self, path: Path, dtype: str, block_size: int, num_windows: int | None = None):
         self.path, self.dtype, self.block_size = path, dtype, block_size
         self._tokens: np.ndarray | None = None
         n = len(load_tokens(path, dtype))
-        self.count = (n - 1) // block_size
-        if self.count < 1:
+        self.starts = spread_starts(n, block_size, num_windows)
+        if len(self.starts) < 1:
             raise ValueError(f"{path} holds {n} tokens, fewer than one validation window of {block_size + 1}")
 
     def __len__(self) -> int:
-        return self.count
+        return len(self.starts)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tokens is None:
             self._tokens = load_tokens(self.path, self.dtype)
-        s = i * self.block_size
+        s = int(self.starts[i])
         chunk = torch.from_numpy(self._tokens[s : s + self.block_size + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 
@@ -146,8 +210,14 @@ class TextDataModule(L.LightningDataModule):
         data_dir: str | None = None,
         train_samples: int = 2**40,
         tokenize_num_proc: int | None = None,
+        val_windows: int | None = 256,
     ) -> None:
         super().__init__()
+        if val_windows is not None and (isinstance(val_windows, bool) or not isinstance(val_windows, int)
+                                        or val_windows < 1):
+            raise ValueError(f"data.val_windows must be a positive integer (windows spread over the held-out "
+                             f"split) or null (every non-overlapping window), got {val_windows!r}")
+        self.val_windows = val_windows
         self.corpus = corpus
         self.tokenizer = get_tokenizer(tokenizer)
         self.block_size, self.batch_size = block_size, batch_size
@@ -158,7 +228,7 @@ class TextDataModule(L.LightningDataModule):
         self.token_dir = root / corpus.cache_name / self.tokenizer.name
         self.meta: dict | None = None
         self.train_set: RandomWindows | None = None
-        self.val_set: ContiguousWindows | None = None
+        self.val_set: ValidationWindows | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -176,7 +246,7 @@ class TextDataModule(L.LightningDataModule):
         dtype = self.meta["dtype"]
         self.train_set = RandomWindows(self.split_path("train"), dtype, self.block_size,
                                        self.train_samples, self.seed, rank)
-        self.val_set = ContiguousWindows(self.split_path("val"), dtype, self.block_size)
+        self.val_set = ValidationWindows(self.split_path("val"), dtype, self.block_size, self.val_windows)
 
     def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:
         return DataLoader(

@@ -4,12 +4,24 @@
   ranks from a blob store; when that fails (no network), the identical ranks file is taken
   from the ``openai-whisper`` source distribution on the package index, verified against a
   pinned sha256 and cached, with no manual step.
-- ``bytes``: byte-level encoding, 256 ids, no special tokens: fast for CPU experiments.
+- ``bytes``: byte-level encoding, 256 ids (token id == byte value): fast for CPU experiments.
+  Its end-of-text token is byte 0x1E, ASCII "record separator" (``BYTES_EOT``): a control
+  character that never occurs in the embedded corpus (nor in ordinary prose), that is a
+  single byte (so it cannot be half of a UTF-8 sequence: bytes >= 0x80 are), and whose ASCII
+  meaning is exactly "boundary between records". So that it marks document boundaries and
+  nothing else, ``encode_documents`` deletes every U+001E character from document text
+  before encoding (``encode``, used for prompts, keeps text as given).
+
+Documents are separated by appending ``eot_token`` after each one (gpt2: ``<|endoftext|>``,
+bytes: 0x1E). ``fingerprint()`` identifies what a tokenizer produces (vocabulary, ranks,
+special tokens, separator, the encoding of a fixed probe) so token caches built by another
+tokenizer under the same name are detected.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -24,6 +36,9 @@ import tiktoken
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 WHISPER_SDIST = "openai-whisper==20250625"
 GPT2_EOT = 50256
+BYTES_EOT = 0x1E  # ASCII record separator: the bytes tokenizer's end-of-text (see the module docstring)
+# Fixed probe for fingerprints: ASCII, digits, whitespace runs, accents, CJK, emoji, both separators.
+_PROBE = "Hello world!  It's 3.14159 -- naïve café, Ωμέγα, 東京, 🙂\n\n\tend\x1e<|endoftext|>"
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,9 @@ class Tokenizer:
     name: str
     encoding: tiktoken.Encoding
     eot_token: int | None  # appended after each document when the encoding has one
+    # A text character that ordinary encoding maps to eot_token (bytes: "\x1e"): deleted from
+    # documents so the separator only ever appears between them.
+    eot_char: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -42,8 +60,27 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.encoding.encode_ordinary_batch(texts, num_threads=1)
 
+    def encode_documents(self, texts: list[str], separate: bool = True) -> list[list[int]]:
+        """Each text encoded, ``eot_char`` removed, and (``separate``) ``eot_token`` appended."""
+        if self.eot_char is not None:
+            texts = [t.replace(self.eot_char, "") for t in texts]
+        eot = [self.eot_token] if separate and self.eot_token is not None else []
+        return [ids + eot for ids in self.encode_batch(texts)]
+
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
+
+    def fingerprint(self) -> str:
+        """sha256 of everything that decides the token ids: a tokenizer switched under the same
+        name gets a different fingerprint. Cheap (~0.1 s for gpt2's 50k ranks)."""
+        enc = self.encoding
+        ranks = getattr(enc, "_mergeable_ranks", {})  # tiktoken keeps the ranks here
+        ranks_digest = hashlib.sha256(b"".join(
+            k + v.to_bytes(4, "little") for k, v in sorted(ranks.items(), key=lambda kv: kv[1]))).hexdigest()
+        key = {"name": self.name, "n_vocab": enc.n_vocab, "eot_token": self.eot_token, "eot_char": self.eot_char,
+               "pat_str": getattr(enc, "_pat_str", None), "special_tokens": sorted(enc._special_tokens.items()),
+               "ranks": ranks_digest, "probe": self.encode_documents([_PROBE])}
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
 def cache_dir() -> Path:
@@ -128,7 +165,7 @@ def bytes_encoding() -> tiktoken.Encoding:
 
 _BUILDERS = {
     "gpt2": lambda: Tokenizer("gpt2", gpt2_encoding(), GPT2_EOT),
-    "bytes": lambda: Tokenizer("bytes", bytes_encoding(), None),
+    "bytes": lambda: Tokenizer("bytes", bytes_encoding(), BYTES_EOT, chr(BYTES_EOT)),
 }
 TOKENIZERS = tuple(_BUILDERS)
 

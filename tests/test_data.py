@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -6,8 +7,13 @@ import pytest
 import torch
 
 from data.corpus import GutenbergCorpus, gutenberg_books, split_tail
-from data.datamodule import ContiguousWindows, RandomWindows, TextDataModule, prepare_token_files
+import datasets
+import tiktoken
+
+from data.datamodule import RandomWindows, TextDataModule, ValidationWindows, prepare_token_files, spread_starts
 from data.tokenizers import get_tokenizer
+
+SEP = 0x1E  # the bytes tokenizer's document separator (ASCII record separator)
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +66,10 @@ def test_memmap_matches_tokenizer(prepared, corpus):
     val_docs = corpus.documents()["val"]
     val = np.memmap(prepared.split_path("val"), dtype=meta["dtype"], mode="r")
     assert meta["dtype"] == "uint16"
-    assert len(val) == sum(len(tok.encode(body)) for _, body in val_docs)
+    assert len(val) == sum(len(body.encode("utf-8")) + 1 for _, body in val_docs)  # + one separator each
     offsets = meta["splits"]["val"]["doc_offsets"]
     first = val_docs[0][1]
-    assert val[offsets[0] : offsets[1]].tolist() == tok.encode(first)
+    assert val[offsets[0] : offsets[1]].tolist() == list(first.encode("utf-8")) + [SEP]
 
 
 def test_prepare_is_idempotent_and_atomic(prepared, corpus):
@@ -99,14 +105,147 @@ def test_ranks_draw_different_windows(prepared):
     assert len(set(s0) & {r1.start(i) for i in range(1000)}) < 5
 
 
-def test_validation_windows_cover_val_split_in_order(prepared):
+def docs_without_a_window(starts, offsets) -> list[int]:
+    """Indices of documents [offsets[d], offsets[d+1]) in which no window starts."""
+    starts = np.asarray(starts)
+    return [d for d in range(len(offsets) - 1)
+            if not ((starts >= offsets[d]) & (starts < offsets[d + 1])).any()]
+
+
+def test_validation_windows_cover_every_held_out_document(prepared):
     ds = prepared.val_set
     tokens = np.memmap(prepared.split_path("val"), dtype=prepared.meta["dtype"], mode="r")
-    assert len(ds) == (len(tokens) - 1) // 64
-    x0, y0 = ds[0]
-    x1, _ = ds[1]
-    assert torch.equal(x1[:1], y0[-1:])  # windows tile the stream
-    assert x0.tolist() == tokens[:64].tolist()
+    offsets = prepared.meta["splits"]["val"]["doc_offsets"]
+    assert len(offsets) == 5 and len(ds) == 256  # four books, the default 256 windows
+    assert docs_without_a_window(ds.starts, offsets) == []
+    # spread from the first to the last possible window, evenly (gaps differ by at most one token)
+    gaps = np.diff(ds.starts)
+    assert ds.starts[0] == 0 and ds.starts[-1] == len(tokens) - 65
+    assert gaps.min() >= 64 and gaps.max() - gaps.min() <= 1
+    # at the default run's context (256) too
+    assert docs_without_a_window(spread_starts(len(tokens), 256, 256), offsets) == []
+    x, y = ds[100]
+    s = int(ds.starts[100])
+    assert x.tolist() == tokens[s : s + 64].tolist() and y.tolist() == tokens[s + 1 : s + 65].tolist()
+
+
+def test_validation_windows_hand_computed_and_deterministic(prepared):
+    # 1001 tokens, windows of 100 (+1 target): the last start is 900, three windows at 0, 450, 900
+    assert spread_starts(1001, 100, 3).tolist() == [0, 450, 900]
+    assert spread_starts(1001, 100, 1).tolist() == [0]
+    # more windows than fit without overlap: capped at (n - 1) // block_size; null = all that fit
+    assert spread_starts(1001, 100, 50).tolist() == list(range(0, 1000, 100))
+    assert spread_starts(1001, 100, None).tolist() == list(range(0, 1000, 100))
+    assert spread_starts(50, 100, 3).tolist() == []
+    path, dtype = prepared.split_path("val"), prepared.meta["dtype"]
+    a, b = ValidationWindows(path, dtype, 64, 256), ValidationWindows(path, dtype, 64, 256)
+    assert a.starts.tolist() == b.starts.tolist() and torch.equal(a[255][0], b[255][0])
+
+
+def test_val_windows_bad_value_fails_early(corpus):
+    for bad in (0, -3, 2.5, "many"):
+        with pytest.raises(ValueError, match=rf"data\.val_windows.*positive integer.*null.*got {bad!r}"):
+            TextDataModule(corpus, val_windows=bad)
+
+
+def test_bytes_separator_exactly_between_documents(prepared, corpus):
+    raw = corpus.raw_text()
+    assert chr(SEP) not in raw  # the separator never occurs in the embedded corpus
+    for split in ("train", "val"):
+        tokens = np.memmap(prepared.split_path(split), dtype=prepared.meta["dtype"], mode="r")
+        offsets = prepared.meta["splits"][split]["doc_offsets"]
+        assert np.flatnonzero(tokens == SEP).tolist() == [end - 1 for end in offsets[1:]]
+
+
+class EditableCorpus(GutenbergCorpus):
+    """A corpus whose documents the test chooses (and edits)."""
+
+    def __init__(self, docs: dict[str, list[tuple[str, str]]]):
+        super().__init__()
+        self.docs = docs
+
+    def documents(self):
+        return {split: list(docs) for split, docs in self.docs.items()}
+
+
+def small_docs(val_text="The cat sat on the mat.\n"):
+    return {"train": [("A", "First training document.\n"), ("B", "Second one, naïve.\n")],
+            "val": [("A", val_text), ("B", "Held-out text of B.\n")]}
+
+
+def read_bin(out_dir: Path, split: str) -> list[int]:
+    return np.fromfile(out_dir / f"{split}.bin", dtype=np.uint16).tolist()
+
+
+def test_separator_in_document_text_cannot_fake_a_boundary(tmp_path):
+    corpus = EditableCorpus({"train": [("A", "one\x1etwo\n"), ("B", "\x1e\x1e")], "val": [("A", "x\x1ey")]})
+    prepare_token_files(corpus, get_tokenizer("bytes"), tmp_path)
+    assert read_bin(tmp_path, "train") == list(b"onetwo\n") + [SEP] + [SEP]
+    assert read_bin(tmp_path, "val") == list(b"xy") + [SEP]
+
+
+def stale_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if "token cache" in line]
+
+
+def test_cache_detects_truncated_bin(tmp_path, capsys):
+    corpus, tok = EditableCorpus(small_docs()), get_tokenizer("bytes")
+    prepare_token_files(corpus, tok, tmp_path)
+    good = read_bin(tmp_path, "val")
+    with open(tmp_path / "val.bin", "r+b") as f:
+        f.truncate(2 * (len(good) - 3))  # lose the last three tokens
+    capsys.readouterr()
+    meta = prepare_token_files(corpus, tok, tmp_path)
+    assert read_bin(tmp_path, "val") == good and meta["splits"]["val"]["num_tokens"] == len(good)
+    lines = stale_lines(capsys)
+    assert len(lines) == 1 and "val.bin" in lines[0] and "rebuilding" in lines[0]
+
+
+def test_cache_detects_edited_corpus_text(tmp_path, capsys):
+    tok = get_tokenizer("bytes")
+    prepare_token_files(EditableCorpus(small_docs("The cat sat on the mat.\n")), tok, tmp_path)
+    capsys.readouterr()
+    # same length, same tokenizer: only the text differs
+    prepare_token_files(EditableCorpus(small_docs("The dog sat on the mat.\n")), tok, tmp_path)
+    assert read_bin(tmp_path, "val")[:24] == list(b"The dog sat on the mat.\n")
+    lines = stale_lines(capsys)
+    assert len(lines) == 1 and "corpus" in lines[0]
+    # unchanged corpus: reused, nothing printed
+    prepare_token_files(EditableCorpus(small_docs("The dog sat on the mat.\n")), tok, tmp_path)
+    assert stale_lines(capsys) == []
+
+
+def test_cache_detects_switched_tokenizer(tmp_path, capsys):
+    corpus, tok = EditableCorpus(small_docs()), get_tokenizer("bytes")
+    prepare_token_files(corpus, tok, tmp_path)
+    capsys.readouterr()
+    # another tokenizer under the same name: byte b -> id 255 - b
+    flipped = tiktoken.Encoding(name="bytes", pat_str=r"[\s\S]{1,64}", special_tokens={}, explicit_n_vocab=256,
+                                mergeable_ranks={bytes([i]): 255 - i for i in range(256)})
+    switched = dataclasses.replace(tok, encoding=flipped)
+    prepare_token_files(corpus, switched, tmp_path)
+    assert read_bin(tmp_path, "val")[:3] == [255 - b for b in b"The"]
+    lines = stale_lines(capsys)
+    assert len(lines) == 1 and "tokenizer 'bytes' changed" in lines[0]
+
+
+def test_crash_during_rebuild_leaves_no_meta(tmp_path):
+    tok = get_tokenizer("bytes")
+    prepare_token_files(EditableCorpus(small_docs()), tok, tmp_path)
+
+    class CrashesOnVal(EditableCorpus):  # train.bin is rewritten, then tokenizing val fails
+        def load(self, workdir):
+            splits = super().load(workdir)
+            splits["val"] = datasets.Dataset.from_dict({"text": [None]})
+            return splits
+
+    edited = small_docs("Edited.\n")
+    with pytest.raises(AttributeError, match="replace"):  # None has no .replace
+        prepare_token_files(CrashesOnVal(edited), tok, tmp_path)
+    assert not (tmp_path / "meta.json").exists()  # nothing points at the half-rebuilt files
+    meta = prepare_token_files(EditableCorpus(edited), tok, tmp_path)
+    assert read_bin(tmp_path, "val")[:9] == list(b"Edited.\n") + [SEP]
+    assert meta["splits"]["val"]["num_tokens"] == len(read_bin(tmp_path, "val"))
 
 
 def test_dataloader_batches(prepared):
@@ -121,7 +260,7 @@ def test_windows_refuse_too_short_file(tmp_path):
     with pytest.raises(ValueError, match="fewer than one training window"):
         RandomWindows(path, "uint16", 64, 10)
     with pytest.raises(ValueError, match="fewer than one validation window"):
-        ContiguousWindows(path, "uint16", 64)
+        ValidationWindows(path, "uint16", 64)
 
 
 def test_unigram_baseline_is_entropy_like(prepared):

@@ -51,8 +51,35 @@ def test_bytes_roundtrip_arbitrary_utf8(text):
 
 def test_bytes_vocab():
     tok = get_tokenizer("bytes")
-    assert tok.vocab_size == 256 and tok.eot_token is None
+    assert tok.vocab_size == 256 and tok.eot_token == 0x1E  # ASCII record separator
     assert tok.encode("é") == [0xC3, 0xA9]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet=st.characters(blacklist_categories=["Cs"]) | st.just("\x1e")), max_size=4))
+def test_bytes_documents_separated_exactly_once(texts):
+    tok = get_tokenizer("bytes")
+    docs = tok.encode_documents(texts)
+    for text, ids in zip(texts, docs, strict=True):
+        # the text's own U+001E characters are dropped; one separator ends the document
+        assert ids == list(text.replace("\x1e", "").encode("utf-8")) + [0x1E]
+        assert ids.count(0x1E) == 1
+    assert tok.encode_documents(["a\x1eb"], separate=False) == [[97, 98]]
+
+
+def test_fingerprint_identifies_the_tokenizer():
+    import dataclasses
+
+    import tiktoken
+
+    tok = get_tokenizer("bytes")
+    assert tok.fingerprint() == get_tokenizer("bytes").fingerprint()  # stable across builds
+    other_sep = dataclasses.replace(tok, eot_token=0x04, eot_char="\x04")
+    flipped = dataclasses.replace(tok, encoding=tiktoken.Encoding(
+        name="bytes", pat_str=r"[\s\S]{1,64}", special_tokens={}, explicit_n_vocab=256,
+        mergeable_ranks={bytes([i]): 255 - i for i in range(256)}))
+    prints = {tok.fingerprint(), other_sep.fingerprint(), flipped.fingerprint(), get_tokenizer("gpt2").fingerprint()}
+    assert len(prints) == 4
 
 
 def test_unknown_tokenizer_lists_choices():
