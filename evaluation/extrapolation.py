@@ -96,14 +96,24 @@ def window_step(length: int, mode: str, stride: int | None) -> int:
 
 
 def scored_windows(num_tokens: int, length: int, mode: str, stride: int | None, max_tokens: int | None
-                   ) -> tuple[range, int]:
-    """(window starts, targets scored per window) for one eval length."""
+                   ) -> tuple[Sequence[int], int]:
+    """(window starts, targets scored per window) for one eval length.
+
+    Uncapped (``max_tokens`` None): every window of ``window_starts``. Capped: the
+    ``max(1, max_tokens // step)`` windows spread evenly over all of them (first and last
+    included, index j * (M - 1) // (k - 1) of M), so a token budget still samples the whole
+    held-out split rather than its beginning. Deterministic; each chosen window keeps its full
+    context and scores its own last ``step`` targets, as uncapped."""
     step = window_step(length, mode, stride)
     if step > length:
         raise ValueError(f"sliding stride {step} is longer than the eval window {length}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"eval.extrapolation.max_tokens must be a positive integer or null (the whole "
+                         f"held-out split), got {max_tokens}")
     starts = window_starts(num_tokens, length, step)
-    if max_tokens is not None:
-        starts = starts[: max(1, max_tokens // step)]
+    keep = len(starts) if max_tokens is None else min(len(starts), max(1, max_tokens // step))
+    if keep < len(starts):
+        starts = [starts[j * (len(starts) - 1) // max(keep - 1, 1)] for j in range(keep)]
     return starts, step
 
 
@@ -124,7 +134,8 @@ def _batches(starts: range, size: int) -> Iterator[range]:
 def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: int | None = None,
                  max_tokens: int | None = None, tokens_per_batch: int = 16384, q_chunk: int | None = 1024,
                  precision: str = "bf16-mixed") -> tuple[float, int, int]:
-    """(summed NLL, tokens scored, stride) over the held-out ``tokens`` at one eval length."""
+    """(summed NLL, tokens scored, stride) over the held-out ``tokens`` at one eval length, on
+    the windows of ``scored_windows`` (spread over the whole text when ``max_tokens`` caps them)."""
     device = next(gpt.parameters()).device
     starts, step = scored_windows(len(tokens), length, mode, stride, max_tokens)
     batch = max(1, tokens_per_batch // length)

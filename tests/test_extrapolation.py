@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from evaluation.extrapolation import (
     ExtrapolationConfig, ExtrapolationRow, evaluate_extrapolation, markdown_table, read_csv, save_results, score_length,
+    scored_windows, window_starts,
 )
 from model import GPT, GPTConfig
 from model.pe import SCHEMES
@@ -24,10 +25,14 @@ def tokens():
     return np.random.default_rng(0).integers(0, 50, size=700).astype(np.uint16)
 
 
-def naive_nll(gpt, tokens, length, stride):
-    """Sum of -log p over the last `stride` targets of windows starting at 0, stride, 2*stride, ..."""
+def naive_nll(gpt, tokens, length, stride, starts=None):
+    """Sum of -log p over the last `stride` targets of windows starting at 0, stride, 2*stride, ...
+    (or at the given `starts`)."""
     total, count, s = 0.0, 0, 0
-    while s + length + 1 <= len(tokens):
+    todo = None if starts is None else list(starts)
+    while (s + length + 1 <= len(tokens)) if todo is None else todo:
+        if todo is not None:
+            s = todo.pop(0)
         window = torch.tensor(tokens[s : s + length + 1].astype(np.int64))[None]
         with torch.no_grad():
             logits, _ = gpt(window[:, :-1])
@@ -74,6 +79,59 @@ def test_query_chunks_do_not_change_the_result(tokens):
 def test_max_tokens_counts_whole_windows(tokens):
     total, count, _ = score_length(toy(), tokens, 32, "nonoverlapping", max_tokens=100, precision="32")
     assert count == 96  # three whole windows of 32, never a partial one
+
+
+def test_max_tokens_scores_windows_spread_over_the_text(tokens):
+    # 700 tokens, windows of 32: 21 windows start at 0, 32, ..., 640; a budget of 100 keeps
+    # three of them, the first, middle and last: 0, 320, 640
+    gpt = toy()
+    total, count, _ = score_length(gpt, tokens, 32, "nonoverlapping", max_tokens=100, precision="32")
+    ref_total, ref_count = naive_nll(gpt, tokens, 32, 32, starts=[0, 320, 640])
+    assert count == ref_count == 96 and total == pytest.approx(ref_total, rel=1e-5)
+    # sliding, window 48, stride 16: 41 windows at 0, 16, ..., 640; 40 tokens -> 2 windows: 0, 640
+    total, count, _ = score_length(gpt, tokens, 48, "sliding", stride=16, max_tokens=40, precision="32")
+    ref_total, ref_count = naive_nll(gpt, tokens, 48, 16, starts=[0, 640])
+    assert count == ref_count == 32 and total == pytest.approx(ref_total, rel=1e-5)
+
+
+def test_capped_windows_hand_computed():
+    # 1000 tokens, window 100: nine windows at 0, 100, ..., 800
+    assert scored_windows(1000, 100, "nonoverlapping", None, None) == (range(0, 900, 100), 100)  # uncapped
+    assert scored_windows(1000, 100, "nonoverlapping", None, 300) == ([0, 400, 800], 100)
+    assert scored_windows(1000, 100, "nonoverlapping", None, 99) == ([0], 100)  # at least one window
+    assert list(scored_windows(1000, 100, "nonoverlapping", None, 10**6)[0]) == list(range(0, 900, 100))
+    # sliding, stride 50: 18 windows at 0, 50, ..., 850; 200 tokens -> 4 windows, indices 0, 5, 11, 17
+    assert scored_windows(1000, 100, "sliding", 50, 200) == ([0, 250, 550, 850], 50)
+    with pytest.raises(ValueError, match=r"max_tokens.*positive integer or null.*got 0"):
+        scored_windows(1000, 100, "nonoverlapping", None, 0)
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    """The embedded corpus's held-out split (bytes) and its document offsets."""
+    from data.corpus import GutenbergCorpus
+    from data.datamodule import TextDataModule, load_tokens
+
+    dm = TextDataModule(GutenbergCorpus(0.1), tokenizer="bytes")
+    dm.setup()
+    return len(load_tokens(dm.split_path("val"), dm.meta["dtype"])), dm.meta["splits"]["val"]["doc_offsets"]
+
+
+@pytest.mark.parametrize("mode", ["nonoverlapping", "sliding"])
+@pytest.mark.parametrize("length", [256, 4096])
+def test_capped_windows_cover_every_held_out_document(held_out, mode, length, project_root):
+    from omegaconf import OmegaConf
+
+    num_tokens, offsets = held_out
+    max_tokens = OmegaConf.load(project_root / "conf/eval/default.yaml").extrapolation.max_tokens
+    starts, step = scored_windows(num_tokens, length, mode, None, max_tokens)
+    assert len(starts) == max_tokens // step and starts == scored_windows(num_tokens, length, mode, None, max_tokens)[0]
+    starts = np.asarray(starts)
+    for doc in range(len(offsets) - 1):
+        assert ((starts >= offsets[doc]) & (starts < offsets[doc + 1])).any(), f"document {doc} has no window"
+    # spread evenly from the first window to the last one, on the uncapped grid
+    assert starts[0] == 0 and starts[-1] == window_starts(num_tokens, length, step)[-1]
+    assert np.all(starts % step == 0) and np.ptp(np.diff(starts)) <= step
 
 
 def test_rows_name_everything_and_learned_is_not_applicable(tokens, capsys):
