@@ -57,7 +57,7 @@ def cache_mismatch(meta: dict, out_dir: Path, tokenizer: Tokenizer, tokenizer_ha
         return (f"tokenizer {tokenizer.name!r} changed (fingerprint {str(meta.get('tokenizer_hash'))[:12]} "
                 f"-> {tokenizer_hash[:12]})")
     if meta.get("corpus_hash") != corpus_hash:
-        return f"corpus text changed (hash {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
+        return f"corpus changed (fingerprint {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
     dtype = token_dtype(tokenizer.vocab_size)
     if meta.get("dtype") != dtype.name:
         return f"dtype {meta.get('dtype')}, expected {dtype.name}"
@@ -80,7 +80,7 @@ def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: i
     if meta_path.exists():
         try:
             why = cache_mismatch(json.loads(meta_path.read_text()), out_dir, tokenizer, tokenizer_hash, corpus_hash)
-        except (ValueError, KeyError, TypeError) as err:  # unreadable or incomplete meta.json
+        except (ValueError, KeyError, TypeError, AttributeError) as err:  # unreadable or incomplete meta.json
             why = f"meta.json unreadable ({type(err).__name__}: {err})"
         if why is None:
             return json.loads(meta_path.read_text())
@@ -170,7 +170,7 @@ def spread_starts(num_tokens: int, block_size: int, num_windows: int | None) -> 
     last = num_tokens - 1 - block_size
     # integer arithmetic: exact and platform-independent. Gaps are >= block_size because
     # count <= fit implies last >= (count - 1) * block_size.
-    return np.array([i * last // max(count - 1, 1) for i in range(count)], dtype=np.int64)
+    return np.arange(count, dtype=np.int64) * last // max(count - 1, 1)
 
 
 class ValidationWindows(Dataset):

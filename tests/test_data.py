@@ -184,6 +184,26 @@ def test_separator_in_document_text_cannot_fake_a_boundary(tmp_path):
     assert read_bin(tmp_path, "val") == list(b"xy") + [SEP]
 
 
+def test_hub_rows_documents_or_lines(tmp_path, monkeypatch, capsys):
+    """rows_are_documents (true by default; WikiText sets false): a separator after every row
+    or none; switching it rebuilds the cache (the cache directory name does not include it)."""
+    from data.corpus import HubCorpus
+
+    rows = {"train": ["line one\n", "line two\n"], "val": ["held out\n", "more\n"]}
+    monkeypatch.setattr(HubCorpus, "_load", lambda self: datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()}))
+    tok = get_tokenizer("bytes")
+    prepare_token_files(HubCorpus("x/wiki", rows_are_documents=False), tok, tmp_path)
+    assert read_bin(tmp_path, "val") == list(b"held out\nmore\n")  # lines of one running text
+    capsys.readouterr()
+    prepare_token_files(HubCorpus("x/wiki", rows_are_documents=True), tok, tmp_path)
+    assert read_bin(tmp_path, "val") == list(b"held out\n") + [SEP] + list(b"more\n") + [SEP]
+    assert len(stale_lines(capsys)) == 1
+    rows["val"][1] = "MORE\n"  # the hub data changed: its datasets fingerprint changes
+    prepare_token_files(HubCorpus("x/wiki", rows_are_documents=True), tok, tmp_path)
+    assert read_bin(tmp_path, "val")[-6:-1] == list(b"MORE\n")
+
+
 def stale_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().out.splitlines() if "token cache" in line]
 
@@ -199,6 +219,16 @@ def test_cache_detects_truncated_bin(tmp_path, capsys):
     assert read_bin(tmp_path, "val") == good and meta["splits"]["val"]["num_tokens"] == len(good)
     lines = stale_lines(capsys)
     assert len(lines) == 1 and "val.bin" in lines[0] and "rebuilding" in lines[0]
+
+
+def test_cache_with_broken_meta_is_rebuilt(tmp_path, capsys):
+    corpus, tok = EditableCorpus(small_docs()), get_tokenizer("bytes")
+    prepare_token_files(corpus, tok, tmp_path)
+    (tmp_path / "meta.json").write_text('{"version": 2, "tokenizer"')  # cut off mid-write by another tool
+    capsys.readouterr()
+    meta = prepare_token_files(corpus, tok, tmp_path)
+    assert "meta.json unreadable" in stale_lines(capsys)[0]
+    assert json.loads((tmp_path / "meta.json").read_text()) == meta
 
 
 def test_cache_detects_edited_corpus_text(tmp_path, capsys):
