@@ -115,9 +115,12 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
 
-        self.apply(self._init_weights)
+        # GPT-2 init for the network; a scheme initialises its own parameters (a T5 bucket
+        # table or a FIRE MLP has its own rule), so the scheme's modules are left alone.
+        for module in (self.wte, self.blocks, self.ln_f, self.lm_head):
+            module.apply(self._init_weights)
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layer).
-        for name, p in self.named_parameters():
+        for name, p in self.blocks.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 

@@ -734,3 +734,23 @@ def test_registering_a_taken_scheme_name_is_an_error():
         class MyRoPE(PositionEncoding, name="rope"):
             pass
     assert SCHEMES == before
+
+
+def test_model_init_leaves_scheme_parameters_to_the_scheme():
+    """GPT-2's global init must not overwrite what a scheme initialised itself."""
+    from torch import nn
+
+    from model.pe.base import PositionEncoding
+
+    class OwnInit(PositionEncoding):  # unregistered: no name
+        def __init__(self, config):
+            super().__init__(config)
+            self.table = nn.Embedding(5, 3)
+            self.proj = nn.Linear(3, 2)
+            for p in self.parameters():
+                nn.init.constant_(p, 0.75)
+
+    config = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(config, OwnInit(config))
+    assert all(torch.all(p == 0.75) for p in model.pe.parameters())
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.3)  # the network still gets GPT-2 init
