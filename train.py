@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import netrc
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +21,57 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from pelab.hydra_callbacks import check_writable_dir
+from pelab.redact import redact
 
-# Overrides that do not change what is trained stay out of run names.
-NOT_IN_NAME = ("pe", "experiment", "hydra.", "logger", "trainer.enable_", "trainer.devices", "data.num_workers",
-               "ckpt_path")
+
+# Overrides that do not change what is trained stay out of run names and sweep subdirs: an
+# exact key, or a whole group given with its dot ("logger."). Never a bare prefix: "pe" is
+# the scheme choice only (it leads the name), "pe.base=100" does change the model.
+NOT_IN_NAME = (
+    "pe", "logger", "logger.", "hydra.", "paths.", "callbacks", "callbacks.", "eval", "eval.",
+    "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
+    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.enable_checkpointing",
+    "trainer.log_every_n_steps", "trainer.val_check_interval", "trainer.limit_val_batches",
+    "trainer.num_sanity_val_steps", "data.num_workers", "data.data_dir", "data.tokenize_num_proc",
+    "data.val_batch_size", "ckpt_path", "compile", "run_name", "group", "tags", "project",
+)
+NAME_LIMIT = 128
+
+
+def name_overrides(overrides) -> list[str]:
+    """The command-line overrides that change what is trained, as typed (never a secret)."""
+    from pelab.redact import looks_secret, redact_text
+
+    groups = tuple(k for k in NOT_IN_NAME if k.endswith("."))
+    kept = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in NOT_IN_NAME and not key.startswith(groups) and not looks_secret(key):
+            kept.append(redact_text(override))
+    return kept
+
+
+def _bounded(text: str) -> str:
+    """At most NAME_LIMIT characters; a longer text is cut and keeps a hash of the whole, so
+    runs differing only past the cut still get different names."""
+    if len(text) <= NAME_LIMIT:
+        return text
+    import hashlib
+
+    return f"{text[:NAME_LIMIT - 9]}~{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+
+
+def run_slug(scheme: str, overrides) -> str:
+    """The run name as a sweep subdir: one path component that is also a plain Hydra override
+    value (Lightning's DDP launcher passes it back as hydra.run.dir=DIR), so '=' -> '_',
+    ',' between overrides -> '+', anything else outside [A-Za-z0-9._+-] -> '_'.
+    Used by conf/hydra/default.yaml as ${pelab.run_slug:SCHEME,${hydra.overrides.task}}."""
+    items = [re.sub(r"[^A-Za-z0-9._+-]", "_", o) for o in name_overrides(overrides)]
+    return _bounded("-".join([scheme, "+".join(items)]).rstrip("-"))
+
+
+OmegaConf.register_new_resolver("pelab.run_slug", run_slug, replace=True)
 
 
 @dataclass
@@ -46,11 +94,11 @@ def describe_run(cfg: DictConfig) -> RunIdentity:
     if HydraConfig.initialized():
         hc = HydraConfig.get()
         choices = {k: str(v) for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra")}
-        overrides = [o for o in hc.overrides.task if not o.split("=")[0].lstrip("+~").startswith(NOT_IN_NAME)]
+        overrides = name_overrides(hc.overrides.task)
         if hc.mode == RunMode.MULTIRUN:
             sweep = "_".join(Path(hc.sweep.dir).parts[-2:])  # DATE_TIME of the default sweep dir
     scheme = choices.get("pe") or cfg.pe._target_.rsplit(".", 1)[-1]
-    name = cfg.run_name or "-".join([scheme, ",".join(overrides)]).rstrip("-")[:128]
+    name = cfg.run_name or _bounded("-".join([scheme, ",".join(overrides)]).rstrip("-"))
     group = cfg.group or (f"{choices.get('experiment') or 'sweep'}-{sweep}" if sweep else None)
     tags = [f"pe:{scheme}"] + [f"{k}:{choices[k]}" for k in ("model", "data") if k in choices]
     tags += [t for t in cfg.tags if t not in tags]
@@ -58,25 +106,109 @@ def describe_run(cfg: DictConfig) -> RunIdentity:
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Fail early, with the bad value and the valid range, before data or compute is spent."""
+    """Fail early, naming the key, the bad value and what is allowed, before data or compute
+    is spent. Types come from the consumers' annotations (pelab/config.py), ranges and
+    combinations are checked here and in GPTConfig, OptimConfig and the schemes."""
+    import lightning as L
+    from hydra.utils import get_class
+
+    from data.tokenizers import TOKENIZERS
+    from evaluation.extrapolation import ExtrapolationConfig
     from model.config import GPTConfig
     from model.lit import OptimConfig
+    from pelab.config import ConfigError, check_options, describe, fail, matches, require
 
-    model_cfg = GPTConfig(**{"vocab_size": 1, **OmegaConf.to_container(cfg.model, resolve=True)})
-    OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
-    pe = hydra.utils.instantiate(cfg.pe, _partial_=True)(model_cfg)
-    if pe.max_positions is not None and model_cfg.block_size > pe.max_positions:
-        raise ValueError(
-            f"model.block_size={model_cfg.block_size} exceeds the {pe.max_positions} positions of "
+    def plain(node) -> dict:
+        return OmegaConf.to_container(node, resolve=True)
+
+    def target(section: str, values: dict):
+        try:
+            return get_class(values["_target_"])
+        except Exception as err:  # noqa: BLE001 - a missing or unimportable _target_
+            raise ConfigError(f"{section}._target_={values.get('_target_')!r} is not an importable class: "
+                              f"{err}") from None
+
+    def build(section: str, fn, *args, **kwargs):
+        """Run a constructor's own checks; its ValueError becomes a ConfigError (clean CLI message)
+        that names the section."""
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError:
+            raise
+        except ValueError as err:
+            raise ConfigError(str(err) if str(err).startswith(section) else f"{section}: {err}") from None
+
+    top = {"seed": int, "compile": bool, "project": str, "run_name": str | None, "group": str | None,
+           "tags": list[str]}
+    for key, hint in top.items():
+        value = cfg.get(key)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if key in cfg and not matches(value, hint):
+            fail(key, value, describe(hint))
+
+    model_values = plain(cfg.model)
+    check_options("model", model_values, GPTConfig)  # unknown keys before GPTConfig(**) sees them
+    model = GPTConfig(**{"vocab_size": 1, **model_values})
+
+    optim_values = plain(cfg.optim)
+    check_options("optim", optim_values, OptimConfig)
+    optim = OptimConfig(**optim_values)
+
+    pe_values = plain(cfg.pe)
+    check_options("pe", pe_values, target("pe", pe_values), ignore=("config",))
+    pe = build("pe", hydra.utils.instantiate(cfg.pe, _partial_=True), model)
+    if pe.max_positions is not None and model.block_size > pe.max_positions:
+        raise ConfigError(
+            f"model.block_size={model.block_size} exceeds the {pe.max_positions} positions of "
             f"pe={pe.name}; raise pe.max_positions or lower model.block_size"
         )
-    if cfg.get("eval") and cfg.eval.extrapolation.enabled:
-        from evaluation.extrapolation import ExtrapolationConfig
 
-        ExtrapolationConfig.from_dict(OmegaConf.to_container(cfg.eval.extrapolation, resolve=True))
-    max_steps = cfg.trainer.get("max_steps", -1)
-    if (max_steps is None or max_steps <= 0) and not cfg.optim.get("decay_steps"):
-        raise ValueError(f"trainer.max_steps must be > 0 (got {max_steps}): it sets the LR schedule's length")
+    data = plain(cfg.data)
+    corpus = data.pop("corpus", None)
+    check_options("data", data, target("data", data))
+    if isinstance(corpus, dict):
+        corpus_class = target("data.corpus", corpus)
+        check_options("data.corpus", corpus, corpus_class)
+        build("data.corpus", corpus_class, **{k: v for k, v in corpus.items() if not k.startswith("_")})
+    for key, low in (("batch_size", 1), ("val_batch_size", 1), ("val_windows", 1), ("num_workers", 0),
+                     ("tokenize_num_proc", 1)):
+        if data.get(key) is not None:
+            require(data[key] >= low, f"data.{key}", data[key], f">= {low}")
+    if "tokenizer" in data:
+        require(data["tokenizer"] in TOKENIZERS, "data.tokenizer", data["tokenizer"], f"one of {', '.join(TOKENIZERS)}")
+    if "block_size" in data:
+        require(data["block_size"] == model.block_size, "data.block_size", data["block_size"],
+                f"model.block_size={model.block_size} (set model.block_size; data follows it)")
+
+    trainer = plain(cfg.trainer)
+    check_options("trainer", trainer, L.Trainer)
+    max_steps = trainer.get("max_steps", -1)
+    if not (max_steps > 0 or (max_steps == -1 and optim.decay_steps)):
+        fail("trainer.max_steps", max_steps, "> 0 (it sets the LR schedule's length; -1 only with optim.decay_steps)")
+    devices = trainer.get("devices")
+    require(devices >= 1 or devices == -1 if isinstance(devices, int) else
+            not isinstance(devices, str) or re.fullmatch(r"auto|-1|\d+|(\d+,)+\d*", devices.replace(" ", "")),
+            "trainer.devices", devices, "an integer >= 1, -1 (all), 'auto', or device ids as a list or '0,1'")
+    for key in ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"):
+        if trainer.get(key) is not None:
+            require(trainer[key] >= 1, f"trainer.{key}", trainer[key], ">= 1")
+    for key in ("gradient_clip_val", "limit_val_batches"):
+        if trainer.get(key) is not None:
+            require(trainer[key] >= 0, f"trainer.{key}", trainer[key], ">= 0 or null")
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, (int, float)):
+        require(interval > 0, "trainer.val_check_interval", interval, "> 0 (steps, or a fraction of an epoch)")
+
+    extrapolation = plain(cfg.eval.extrapolation) if cfg.get("eval") else {}
+    enabled = extrapolation.pop("enabled", False)
+    require(isinstance(enabled, bool), "eval.extrapolation.enabled", enabled, "true or false")
+    if enabled:
+        # precision mirrors trainer.precision (checked above), which may be an int
+        check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))
+        for key in ("stride", "max_tokens", "tokens_per_batch", "q_chunk"):
+            if extrapolation.get(key) is not None:
+                require(extrapolation[key] >= 1, f"eval.extrapolation.{key}", extrapolation[key], ">= 1")
+        build("eval.extrapolation", ExtrapolationConfig.from_dict, extrapolation)
     if cfg.ckpt_path and not Path(cfg.ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path} does not exist")
 
@@ -110,12 +242,14 @@ def wandb_offline_reason() -> str | None:
 
 
 def build_loggers(cfg: DictConfig, identity: RunIdentity) -> list:
+    from lightning.pytorch.loggers import WandbLogger
+
     loggers = []
     for key, logger_cfg in (cfg.get("logger") or {}).items():
         if logger_cfg is None or "_target_" not in logger_cfg:
             continue
         extra = {}
-        if logger_cfg._target_.endswith("WandbLogger"):
+        if issubclass(hydra.utils.get_class(logger_cfg._target_), WandbLogger):
             extra = {"name": identity.name, "group": identity.group, "tags": identity.tags}
             mode = os.environ.get("WANDB_MODE", "")
             if mode not in ("offline", "disabled") and not logger_cfg.get("offline"):
@@ -124,30 +258,26 @@ def build_loggers(cfg: DictConfig, identity: RunIdentity) -> list:
                     print(f"[pelab] {why}: logging to W&B in offline mode", flush=True)
                     extra["offline"] = True
             os.environ.setdefault("WANDB_SILENT", "true")
-            Path(logger_cfg.save_dir).mkdir(parents=True, exist_ok=True)
         loggers.append(hydra.utils.instantiate(logger_cfg, **extra))
     return loggers
 
 
 def finish_loggers(loggers: list) -> list[str]:
-    """Close the W&B run and say where an offline run lives and how to upload it."""
+    """Flush file loggers and close the W&B run, saying where each went."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    from pelab.loggers import SafeWandbLogger
+
     lines = []
     for logger in loggers:
-        if type(logger).__name__ != "WandbLogger":
-            logger.save()  # flush what was logged after fit (extrapolation, unigram baseline)
-            lines.append(f"[pelab] {type(logger).__name__}: {logger.log_dir}")
-            continue
-        import wandb
-
-        run = logger.experiment
-        run_dir = Path(run.dir).parent
-        offline = run.settings._offline
-        wandb.finish()
-        if offline:
-            lines.append(f"[pelab] W&B offline run: {run_dir}  (upload later: wandb sync {run_dir})")
+        if isinstance(logger, SafeWandbLogger):
+            lines.append(logger.finish())
+        elif isinstance(logger, WandbLogger):  # Lightning's own, if configured
+            logger.experiment.finish()
         else:
-            lines.append(f"[pelab] W&B run: {run.url}")
-    return lines
+            logger.save()  # flush what was logged after fit (extrapolation, unigram baseline)
+            lines.append(f"[pelab] {type(logger).__name__}: {getattr(logger, 'log_dir', None) or logger.save_dir}")
+    return [line for line in lines if line]
 
 
 def build_callbacks(cfg: DictConfig) -> list:
@@ -158,6 +288,9 @@ def run_extrapolation(cfg: DictConfig, module, datamodule, loggers: list, output
     """The extrapolation table of the trained model: CSV/PNG/markdown on disk, W&B table and chart."""
     from data.datamodule import load_tokens
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
+    from lightning.pytorch.loggers import WandbLogger
+
+    from pelab.loggers import SafeWandbLogger
 
     options = OmegaConf.to_container(cfg.eval.extrapolation, resolve=True)
     config = ExtrapolationConfig.from_dict(options)
@@ -165,7 +298,9 @@ def run_extrapolation(cfg: DictConfig, module, datamodule, loggers: list, output
     rows = evaluate_extrapolation(module.model, tokens, cfg.model.block_size, config)
     paths = save_results(rows, output_dir / "extrapolation", title=f"pe={module.pe_name}, trained at {cfg.model.block_size}")
     for logger in loggers:
-        if type(logger).__name__ == "WandbLogger":
+        if isinstance(logger, SafeWandbLogger):  # a W&B failure here must not lose the table on disk
+            logger.run_safely(log_to_wandb, rows, logger.experiment, png=paths["png"])
+        elif isinstance(logger, WandbLogger):
             log_to_wandb(rows, logger.experiment, png=paths["png"])
         else:
             logger.log_metrics({f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl
@@ -184,10 +319,12 @@ def train(cfg: DictConfig) -> float | None:
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
     from model.lit import LitGPT
+    from pelab.loggers import SafeWandbLogger
 
     validate_config(cfg)
     identity = describe_run(cfg)
     output_dir = Path(cfg.paths.output_dir)
+    check_writable_dir(output_dir)  # Hydra checked its run dir; paths.output_dir may point elsewhere
     with open_dict(cfg):  # record how the run appears on W&B in its saved config
         cfg.run_name, cfg.group, cfg.tags = identity.name, identity.group, identity.tags
 
@@ -203,7 +340,7 @@ def train(cfg: DictConfig) -> float | None:
     loggers = build_loggers(cfg, identity)
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=build_callbacks(cfg))
 
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = redact(OmegaConf.to_container(cfg, resolve=True))  # saved and logged: no secrets
     if trainer.is_global_zero:
         ckpt_dir = output_dir / "checkpoints"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -214,10 +351,9 @@ def train(cfg: DictConfig) -> float | None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except BaseException:
-        if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
-            import wandb
-
-            wandb.finish(exit_code=1)  # the next job of a sweep must not log into this run
+        for logger in loggers:
+            if isinstance(logger, SafeWandbLogger):
+                logger.finish(exit_code=1)  # the next job of a sweep must not log into this run
         raise
 
     val_loss = trainer.callback_metrics.get("val/loss")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from pelab.config import check_options, require
 
 
 @dataclass
@@ -18,20 +20,14 @@ class GPTConfig:
     pad_vocab_multiple: int = 1
 
     def __post_init__(self) -> None:
+        check_options("model", {f.name: getattr(self, f.name) for f in fields(self)}, GPTConfig)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head dim n_embd/n_head = {self.head_dim} must be even (rotary schemes rotate pairs)"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+            require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "a positive integer")
+        require(self.n_embd % self.n_head == 0, "model.n_embd", self.n_embd,
+                f"divisible by model.n_head={self.n_head}")
+        # rotary schemes rotate pairs of head dims
+        require(self.head_dim % 2 == 0, "model.n_embd / model.n_head", self.head_dim, "even")
+        require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "in [0, 1)")
 
     @property
     def head_dim(self) -> int:

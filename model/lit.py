@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import hydra
@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 
 from model.config import GPTConfig
 from model.gpt import GPT
+from pelab.config import check_options, require
 
 
 @dataclass
@@ -27,12 +28,16 @@ class OptimConfig:
     decay_steps: int | None = None  # cosine reaches min_lr here; default: trainer.max_steps
 
     def __post_init__(self) -> None:
+        check_options("optim", {f.name: getattr(self, f.name) for f in fields(self)}, OptimConfig)
         self.betas = tuple(self.betas)
-        if not 0 < self.min_lr <= self.lr:
-            raise ValueError(f"need 0 < optim.min_lr <= optim.lr, got min_lr={self.min_lr}, lr={self.lr}")
-        if self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError(f"optim.warmup_steps and optim.weight_decay must be >= 0, got "
-                             f"{self.warmup_steps}, {self.weight_decay}")
+        require(self.lr > 0, "optim.lr", self.lr, "> 0")
+        require(0 < self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in (0, optim.lr={self.lr}]")
+        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        require(all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas), "two numbers in [0, 1)")
+        require(self.eps > 0, "optim.eps", self.eps, "> 0")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.decay_steps is None or self.decay_steps >= 1, "optim.decay_steps", self.decay_steps,
+                "null (= trainer.max_steps) or an integer >= 1")
 
     def lr_at(self, step: int, decay_steps: int) -> float:
         """Linear warmup from 0, then cosine decay to min_lr at decay_steps, then flat."""

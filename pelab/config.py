@@ -1,0 +1,105 @@
+"""Config checks: a bad value fails early with its key, the value and what is allowed.
+
+Types come from the annotations of whatever consumes a section (GPTConfig, OptimConfig, a
+scheme's ``__init__``, Lightning's ``Trainer.__init__`` ...), so a new option is checked
+without being listed here.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import inspect
+import types
+import typing
+from typing import Any, Literal, Union
+
+from hydra.errors import CompactHydraException
+
+
+class ConfigError(CompactHydraException, ValueError):
+    """A bad config value. Hydra's CLI prints a CompactHydraException as its message alone,
+    without a traceback (HYDRA_FULL_ERROR=1 still shows one)."""
+
+
+def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        fail(key, value, allowed)
+
+
+_SEQUENCES = (list, tuple, collections.abc.Sequence, collections.abc.Iterable)
+
+
+def matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (plain YAML data: None, bool, int, float, str, list, dict) fits ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    if isinstance(value, dict) and "_target_" in value:  # Hydra instantiates it: the consumer checks it
+        return True
+    if origin in (Union, types.UnionType):
+        return any(matches(value, a) for a in args)
+    if origin is Literal:  # type-exact: True is not 1, 16.0 is not 16
+        return any(type(value) is type(a) and value == a for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:  # YAML and Hydra read 1 as an int
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in _SEQUENCES:
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(matches(v, a) for v, a in zip(value, args))
+        return not args or all(matches(v, args[0]) for v in value)
+    if origin in (dict, collections.abc.Mapping):
+        return isinstance(value, dict)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # a hint we do not model: the consumer checks it
+
+
+def describe(hint: Any) -> str:
+    """``hint`` in words, for error messages."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        literals = [v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a)]
+        parts = [describe(Literal[tuple(literals)])] if literals else []
+        parts += [describe(a) for a in args if a is not type(None) and typing.get_origin(a) is not Literal]
+        return " or ".join(parts + (["null"] if type(None) in args else []))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in _SEQUENCES:
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return f"[{', '.join(describe(a) for a in args)}]"
+        plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+        return f"a list of {plural.get(args[0]) or describe(args[0])}" if args else "a list"
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return words.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_options(section: str, values: dict, target: Any, ignore: tuple[str, ...] = ()) -> None:
+    """Unknown keys and wrong types in ``values``, the keyword arguments of ``target`` (a class
+    or dataclass). Keys starting with '_' (Hydra's ``_target_`` ...) and ``ignore`` are skipped."""
+    params = inspect.signature(target).parameters
+    init = target if hasattr(target, "__dataclass_fields__") else getattr(target, "__init__", target)
+    hints = typing.get_type_hints(init)
+    options = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and n not in ignore]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    name = getattr(target, "__qualname__", str(target))
+    for key, value in values.items():
+        if key.startswith("_") or key in ignore:
+            continue
+        if key not in params and not takes_any:
+            raise ConfigError(f"{section}.{key}={value!r} is not an option of {section} ({name}); "
+                              f"valid options: {', '.join(options) or '(none)'}")
+        hint = hints.get(key)
+        if hint is not None and not matches(value, hint):
+            fail(f"{section}.{key}", value, describe(hint))

@@ -1,0 +1,58 @@
+"""Hydra callbacks (conf/hydra/default.yaml ``callbacks``): checks and clean-up around Hydra's
+own steps that train.py cannot reach, because Hydra runs them before the task function."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from pelab.config import ConfigError
+from pelab.redact import redact_yaml_file
+
+HOW_TO_MOVE = "choose a writable directory with hydra.run.dir=PATH (hydra.sweep.dir=PATH for -m sweeps)"
+
+
+def check_writable_dir(path: Path) -> None:
+    """``path`` is, or can be created as, a writable directory. Creates nothing."""
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output directory {path} cannot be created: {existing} is a file; {HOW_TO_MOVE}")
+    try:  # a real write: permission bits say nothing for root or read-only mounts
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as err:
+        raise ConfigError(f"output directory {path} is not writable ({existing}: {err.strerror or err}); "
+                          f"{HOW_TO_MOVE}") from None
+
+
+def _stop_unless_writable(path: Path) -> None:
+    try:
+        check_writable_dir(path)
+    except ConfigError as err:
+        # Hydra turns a callback's exception into a warning and goes on to create the dir.
+        print(f"Error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+class PelabCallback(Callback):
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _stop_unless_writable(Path(config.hydra.run.dir))  # before Hydra creates it
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _stop_unless_writable(Path(config.hydra.sweep.dir))
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra has just saved the composed config and the command-line overrides: mask secrets.
+        hc = config.hydra
+        if hc.output_subdir is not None:
+            for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+                redact_yaml_file(Path(hc.runtime.output_dir) / hc.output_subdir / name)
+        if hc.mode == RunMode.MULTIRUN:
+            redact_yaml_file(Path(hc.sweep.dir) / "multirun.yaml")

@@ -1,0 +1,118 @@
+"""Lightning's WandbLogger, made unable to stop a training run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers.logger import DummyExperiment
+
+from pelab.redact import redact, redact_text
+
+
+@contextmanager
+def _redacted_argv() -> Iterator[None]:
+    """W&B records ``sys.argv`` in the run's metadata: let it see the command line redacted."""
+    saved = sys.argv[:]
+    sys.argv[1:] = [redact_text(a) for a in saved[1:]]
+    try:
+        yield
+    finally:
+        sys.argv[:] = saved
+
+
+class SafeWandbLogger(WandbLogger):
+    """``WandbLogger`` for which W&B failing (unwritable offline directory, network gone, any
+    exception from wandb) costs the W&B run, never the training run: the first error is
+    reported once, on one line, and every later W&B call is a no-op. Hyperparameters are
+    logged with secrets masked."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failure: str | None = None  # why W&B was switched off, once it was
+        self._last_step: int | None = None
+
+    def run_safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, unless W&B already failed; an exception switches W&B off
+        instead of propagating. For code that talks to the wandb run directly."""
+        if self.failure is not None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - whatever W&B raises, training goes on
+            at = f" at step {self._last_step}" if self._last_step is not None else ""
+            self.failure = f"W&B logging failed{at}: {type(err).__name__}: {err}"
+            print(f"[pelab] {self.failure}; training continues, W&B logging disabled for this run",
+                  file=sys.stderr, flush=True)
+            return None
+
+    @property
+    def experiment(self) -> Any:
+        if self.failure is None and self._experiment is None:
+            def start() -> None:
+                if self.save_dir:
+                    Path(self.save_dir).mkdir(parents=True, exist_ok=True)
+                super(SafeWandbLogger, self).experiment
+
+            with _redacted_argv():
+                self.run_safely(start)
+        if self.failure is not None:
+            return DummyExperiment()  # every attribute a no-op, as on ranks > 0
+        return super().experiment
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        if step is not None:
+            self._last_step = step
+        self.run_safely(super().log_metrics, metrics, step)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(params, argparse.Namespace):
+            params = vars(params)
+        self.run_safely(super().log_hyperparams, redact(dict(params)), *args, **kwargs)
+
+    def log_table(self, *args: Any, **kwargs: Any) -> None:
+        self.run_safely(super().log_table, *args, **kwargs)
+
+    def log_text(self, *args: Any, **kwargs: Any) -> None:
+        self.run_safely(super().log_text, *args, **kwargs)
+
+    def log_image(self, *args: Any, **kwargs: Any) -> None:
+        self.run_safely(super().log_image, *args, **kwargs)
+
+    def log_audio(self, *args: Any, **kwargs: Any) -> None:
+        self.run_safely(super().log_audio, *args, **kwargs)
+
+    def log_video(self, *args: Any, **kwargs: Any) -> None:
+        self.run_safely(super().log_video, *args, **kwargs)
+
+    def after_save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        self.run_safely(super().after_save_checkpoint, *args, **kwargs)
+
+    def finalize(self, status: str) -> None:
+        self.run_safely(super().finalize, status)
+
+    def finish(self, exit_code: int = 0) -> str | None:
+        """Close the W&B run; one line saying where it went (offline: how to upload it)."""
+        run = self._experiment
+        if run is None:
+            return None
+        if self.failure is not None:
+            try:  # best effort, so that the next job of a sweep starts its own run
+                run.finish(exit_code=1, quiet=True)
+            except Exception:  # noqa: BLE001
+                pass
+            return "[pelab] W&B run incomplete: logging stopped at the error reported above"
+
+        def close() -> str:
+            run_dir = Path(run.dir).parent
+            offline = run.offline
+            run.finish(exit_code=exit_code)
+            if offline:
+                return f"[pelab] W&B offline run: {run_dir}  (upload later: wandb sync {run_dir})"
+            return f"[pelab] W&B run: {run.url}"
+
+        return self.run_safely(close) or f"[pelab] {self.failure}"
