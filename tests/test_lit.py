@@ -80,3 +80,31 @@ def test_checkpoint_rebuilds_the_model(tmp_path):
     x = torch.randint(0, 64, (2, 16))
     module.eval(), loaded.eval()
     torch.testing.assert_close(module(x)[0], loaded(x)[0])
+
+
+def test_tokens_per_sec_counts_every_micro_batch_and_logs_once_per_log_step(monkeypatch):
+    """With gradient accumulation the callback logs at optimizer steps only (public API: a change of
+    trainer.global_step), over the tokens of every micro-batch since the previous log."""
+    import types
+
+    import model.callbacks as callbacks
+
+    clock = iter(range(1000))  # perf_counter advances by 1 s per call: tokens/s = tokens since the last log
+    monkeypatch.setattr(callbacks, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+
+    class Recording(LitGPT):
+        logged: list = []
+
+        def log(self, name, value, *args, **kwargs):
+            if name == "train/tokens_per_sec":
+                self.logged.append((self.trainer.global_step, float(value)))
+            super().log(name, value, *args, **kwargs)
+
+    x = torch.randint(0, 64, (32, 17))
+    loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)  # 64 tokens per micro-batch
+    module = Recording(model=TINY, pe={"_target_": PE_TARGETS["rope"]}, optim={"warmup_steps": 1})
+    trainer = L.Trainer(max_steps=4, accumulate_grad_batches=2, log_every_n_steps=2, accelerator="cpu",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[callbacks.TokensPerSecond()])
+    trainer.fit(module, train_dataloaders=loader)
+    assert module.logged == [(2, 2 * 2 * 64.0), (4, 2 * 2 * 64.0)]  # 2 steps x 2 micro-batches x 64 tokens
