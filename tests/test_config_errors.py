@@ -1,0 +1,141 @@
+"""Bad configurations fail before any data is read or compute spent, with a message naming the
+key, the bad value and what is allowed, and leave nothing behind.
+
+In-process: Hydra's compose API, then train.train() (its validation runs first; data
+preparation and fitting are booby-trapped). A few real `python train.py` runs prove the CLI.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (overrides, text the message must contain: key, bad value, what is allowed)
+CASES = [
+    # wrong types
+    ("model.n_layer=two", ["model.n_layer must be an integer, got 'two'"]),
+    ("model.n_layer=true", ["model.n_layer must be an integer, got True"]),
+    ("model.bias=yes", ["model.bias must be true or false, got 'yes'"]),
+    ("trainer.max_steps=1.5", ["trainer.max_steps must be an integer, got 1.5"]),
+    ("optim.lr=fast", ["optim.lr must be a number, got 'fast'"]),
+    ("optim.betas=[0.9]", ["optim.betas must be [a number, a number], got [0.9]"]),
+    ("pe.base=abc", ["pe.base must be a number, got 'abc'"]),
+    ("seed=abc", ["seed must be an integer, got 'abc'"]),
+    ("eval.extrapolation.enabled=maybe", ["eval.extrapolation.enabled must be true or false, got 'maybe'"]),
+    # ranges
+    ("model.dropout=1.5", ["model.dropout must be in [0, 1), got 1.5"]),
+    ("model.block_size=0", ["model.block_size must be a positive integer, got 0"]),
+    ("optim.lr=-1", ["optim.lr must be > 0, got -1"]),
+    ("optim.min_lr=1.0", ["optim.min_lr must be in (0, optim.lr=0.001], got 1.0"]),
+    ("optim.warmup_steps=-5", ["optim.warmup_steps must be an integer >= 0, got -5"]),
+    ("pe.base=1", ["pe.base must be > 1, got 1"]),
+    ("pe.rotary_fraction=0", ["pe.rotary_fraction must be in (0, 1], got 0"]),
+    ("data.batch_size=0", ["data.batch_size must be >= 1, got 0"]),
+    ("data.val_batch_size=0", ["data.val_batch_size must be >= 1, got 0"]),  # was silently batch_size
+    ("data.corpus.val_fraction=0.7", ["data.corpus.val_fraction must be in (0, 0.5), got 0.7"]),
+    ("data.tokenizer=words", ["data.tokenizer must be one of", "bytes", "gpt2", "got 'words'"]),
+    ("eval.extrapolation.stride=0", ["eval.extrapolation.stride must be >= 1, got 0"]),
+    ("eval.extrapolation.modes=[slide]", ["eval.extrapolation", "['slide']", "nonoverlapping, sliding"]),
+    ("trainer.max_steps=0", ["trainer.max_steps must be > 0", "got 0"]),
+    ("trainer.precision=17", ["trainer.precision must be one of", "'bf16-mixed'", "got 17"]),
+    ("trainer.devices=0", ["trainer.devices must be an integer >= 1", "'auto'", "got 0"]),
+    ("trainer.accumulate_grad_batches=0", ["trainer.accumulate_grad_batches must be >= 1, got 0"]),
+    # unknown keys (with "+": Hydra's struct mode lets them through to us)
+    ("+model.n_layers=4", ["model.n_layers=4 is not an option of model", "n_layer, n_head"]),
+    ("+pe.foo=1", ["pe.foo=1 is not an option of pe (RoPE); valid options: base, rotary_fraction"]),
+    ("pe=alibi +pe.base=5", ["pe.base=5 is not an option of pe (ALiBi); valid options: (none)"]),
+    ("+optim.momentum=0.9", ["optim.momentum=0.9 is not an option of optim", "betas"]),
+    ("+data.corpus.foo=1", ["data.corpus.foo=1 is not an option of data.corpus", "val_fraction"]),
+    ("+trainer.max_step=5", ["trainer.max_step=5 is not an option of trainer", "max_steps"]),
+    # impossible combinations
+    ("model.n_head=5", ["model.n_embd must be divisible by model.n_head=5, got 128"]),
+    ("model.n_embd=12 model.n_head=4", ["model.n_embd / model.n_head must be even, got 3"]),
+    ("pe=learned pe.max_positions=16", ["model.block_size=256 exceeds the 16 positions of pe=learned",
+                                        "raise pe.max_positions or lower model.block_size"]),
+    ("pe=rope_alibi pe.bias_heads=9", ["pe.bias_heads must be in [1, n_head=4] or null, got 9"]),
+    ("data.block_size=512", ["data.block_size must be model.block_size=256", "got 512"]),
+    ("trainer.max_steps=-1", ["trainer.max_steps must be > 0", "-1 only with optim.decay_steps", "got -1"]),
+]
+
+# Refused by Hydra while composing (struct mode, unknown group option): its own messages.
+COMPOSE_CASES = [
+    ("model.n_layers=4", ConfigCompositionException, ["model.n_layers", "+model.n_layers=4"]),
+    ("pe=rotary", MissingConfigException, ["pe/rotary", "alibi", "learned", "rope", "rope_alibi", "xpos"]),
+    ("model=huge", MissingConfigException, ["model/huge", "tiny", "small", "gpt2"]),
+]
+
+
+def compose_config(overrides, output_dir):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*overrides, f"paths.output_dir={output_dir}"])
+
+
+def listing(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
+
+
+@pytest.fixture
+def no_work(monkeypatch, cache_root):
+    """Any data preparation or fitting fails the test; the token cache must stay as it was."""
+    import lightning as L
+
+    import data.datamodule
+
+    def forbidden(*args, **kwargs):
+        pytest.fail("data was read or compute spent for a bad config")
+
+    monkeypatch.setattr(data.datamodule, "prepare_token_files", forbidden)
+    monkeypatch.setattr(L.Trainer, "fit", forbidden)
+    before = listing(cache_root)
+    yield
+    assert listing(cache_root) == before
+
+
+def test_there_are_at_least_25_bad_configs():
+    assert len(CASES) + len(COMPOSE_CASES) >= 25
+
+
+@pytest.mark.parametrize("overrides,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_config_is_refused_before_any_work(overrides, expected, tmp_path, no_work):
+    from pelab.config import ConfigError
+    from train import train
+
+    out = tmp_path / "out"
+    cfg = compose_config(overrides.split() + ["logger=csv"], out)
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    message = str(err.value)
+    for text in expected:
+        assert text in message, message
+    assert not out.exists()  # no checkpoints dir, no config.yaml, no logs
+
+
+@pytest.mark.parametrize("overrides,error,expected", COMPOSE_CASES, ids=[c[0] for c in COMPOSE_CASES])
+def test_bad_config_is_refused_while_composing(overrides, error, expected, tmp_path):
+    with pytest.raises(error) as err:
+        compose_config(overrides.split(), tmp_path / "out")
+    for text in expected:
+        assert text in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ("model.dropout=1.5", "model.dropout must be in [0, 1), got 1.5"),
+    ("+pe.foo=1", "pe.foo=1 is not an option of pe (RoPE); valid options: base, rotary_fraction"),
+    ("pe=rotary", "Could not find 'pe/rotary'"),
+])
+def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
+    """The real command line: non-zero exit, the message on stderr, no traceback, nothing written."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.run([sys.executable, "train.py", *overrides.split(), f"hydra.run.dir={run}"], cwd=ROOT,
+                          env={**env, "PELAB_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run / "checkpoints").exists() and not any(run.glob("wandb")) and not cache.exists()
