@@ -24,10 +24,26 @@ def test_schedule_matches_hand_values():
     assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
 
 
-@pytest.mark.parametrize("bad", [dict(lr=1e-3, min_lr=1e-2), dict(min_lr=0.0), dict(warmup_steps=-1)])
-def test_optim_config_rejects_bad_values(bad):
-    with pytest.raises(ValueError, match="optim"):
+@pytest.mark.parametrize("bad,message", [
+    (dict(lr=1e-3, min_lr=1e-2), "optim.min_lr must be in (0, optim.lr=0.001], got 0.01"),
+    (dict(min_lr=0.0), "optim.min_lr must be in (0, optim.lr=0.001], got 0.0"),
+    (dict(warmup_steps=-1), "optim.warmup_steps must be an integer >= 0, got -1"),
+    (dict(lr="1e-3"), "optim.lr must be a number, got '1e-3'"),  # a string is not a number
+    (dict(warmup_steps=True), "optim.warmup_steps must be an integer, got True"),  # nor a bool an int
+    (dict(warmup_steps=1.5), "optim.warmup_steps must be an integer, got 1.5"),
+    (dict(betas=[0.9]), "optim.betas must be [a number, a number], got [0.9]"),
+    (dict(betas=[0.9, 1.0]), "optim.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+    (dict(eps=0.0), "optim.eps must be > 0, got 0.0"),
+    (dict(decay_steps=0), "optim.decay_steps must be null (= trainer.max_steps) or an integer >= 1, got 0"),
+])
+def test_optim_config_rejects_bad_values(bad, message):
+    with pytest.raises(ValueError) as err:
         OptimConfig(**bad)
+    assert str(err.value) == message
+
+
+def test_optim_config_accepts_ints_for_floats():
+    assert OptimConfig(lr=1, min_lr=1, weight_decay=0).lr == 1  # Hydra reads "optim.lr=1" as an int
 
 
 def test_weight_decay_groups():
