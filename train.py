@@ -209,8 +209,9 @@ def validate_config(cfg: DictConfig) -> None:
             if extrapolation.get(key) is not None:
                 require(extrapolation[key] >= 1, f"eval.extrapolation.{key}", extrapolation[key], ">= 1")
         build("eval.extrapolation", ExtrapolationConfig.from_dict, extrapolation)
-    if cfg.ckpt_path and not Path(cfg.ckpt_path).is_file():
-        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path} does not exist")
+    if cfg.ckpt_path:  # readable, a pelab checkpoint, of this run's scheme and model (model/checkpoint.py)
+        from model.checkpoint import check_resume
+        check_resume(cfg.ckpt_path, cfg)
 
 
 def wandb_reachable(timeout: float = 3.0) -> bool:

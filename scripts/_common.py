@@ -28,12 +28,17 @@ def parse_key_values(argv: list[str], allowed: dict[str, str]) -> dict[str, str]
 
 
 def checkpoint_arg(args: dict[str, str], allowed: dict[str, str]) -> Path:
-    """The required ``ckpt=PATH``, checked to exist."""
+    """The required ``ckpt=PATH``, checked to be a readable pelab checkpoint (not truncated, not a
+    foreign file) before any data is read; load it with ``model.checkpoint.load_lit_gpt``."""
     if "ckpt" not in args:
         raise SystemExit(f"ckpt=PATH is required; options:\n{describe_options(allowed)}")
+    from model.checkpoint import CheckpointError, read_checkpoint
+
     ckpt = Path(args["ckpt"])
-    if not ckpt.is_file():
-        raise SystemExit(f"ckpt={ckpt} does not exist")
+    try:
+        read_checkpoint(ckpt, key="ckpt")
+    except CheckpointError as e:
+        raise SystemExit(str(e)) from None
     return ckpt
 
 

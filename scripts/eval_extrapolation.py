@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
-    from model.lit import LitGPT
+    from model.checkpoint import load_lit_gpt
     from data.datamodule import load_tokens
 
     run_config = ckpt.parent / "config.yaml"
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     config = ExtrapolationConfig.from_dict(options)
 
     device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    module = LitGPT.load_from_checkpoint(ckpt, map_location=device)
+    module = load_lit_gpt(ckpt, map_location=device)
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("validate")

@@ -31,14 +31,14 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from data.tokenizers import get_tokenizer
-    from model.lit import LitGPT
+    from model.checkpoint import load_lit_gpt
 
     run_config = ckpt.parent / "config.yaml"
     tokenizer_name = OmegaConf.load(run_config).data.tokenizer if run_config.is_file() else "bytes"
     tokenizer = get_tokenizer(tokenizer_name)
     device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(int(args.get("seed", 1337)))
-    gpt = LitGPT.load_from_checkpoint(ckpt, map_location=device).model.eval()
+    gpt = load_lit_gpt(ckpt, map_location=device).model.eval()
 
     temperature, top_k = float(args.get("temperature", 0.8)), int(args.get("top_k", 50))
     ids = torch.tensor([tokenizer.encode(args.get("prompt", "\n"))], device=device)
