@@ -33,6 +33,7 @@ VARIANTS = [
     ("xpos", {"scale_base": 8.0}),  # strong decay so the xPos factor is visible in the output
     ("rope_alibi", {}),
     ("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5}),
+    ("nope", {}),  # no rotation, no bias: the causal mask only
 ]
 VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in VARIANTS]
 

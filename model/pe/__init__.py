@@ -3,6 +3,7 @@
 from model.pe.base import SCHEMES, PositionEncoding
 from model.pe.alibi import ALiBi, alibi_slopes
 from model.pe.learned import LearnedPositionEmbedding
+from model.pe.nope import NoPE
 from model.pe.rope import RoPE
 from model.pe.rope_alibi import RoPEALiBi
 from model.pe.sinusoidal import SinusoidalPositionEmbedding
@@ -14,6 +15,7 @@ __all__ = [
     "ALiBi",
     "alibi_slopes",
     "LearnedPositionEmbedding",
+    "NoPE",
     "RoPE",
     "RoPEALiBi",
     "SinusoidalPositionEmbedding",
