@@ -59,7 +59,7 @@ def _bounded(text: str) -> str:
         return text
     import hashlib
 
-    return f"{text[:NAME_LIMIT - 9]}~{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+    return f"{text[:NAME_LIMIT - 9]}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"  # "-": valid in a dir override
 
 
 def run_slug(scheme: str, overrides) -> str:

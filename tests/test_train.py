@@ -272,9 +272,11 @@ def test_long_run_names_stay_distinct_and_dirs_stay_valid_override_values():
     common = [f"+option_{i}=value" for i in range(20)]
     a, b = run_slug("rope", [*common, "seed=1"]), run_slug("rope", [*common, "seed=2"])
     assert a != b and max(len(a), len(b)) <= 128
+    parser = OverridesParser.create()
+    assert parser.parse_override(f"ckpt_path=multirun/0-{a}/last.ckpt").value() == f"multirun/0-{a}/last.ckpt"
     slug = run_slug("rope", ["pe.base=100", "optim.betas=[0.9,0.99]", "data.data_dir=/x/y"])
     assert slug == "rope-pe.base_100+optim.betas__0.9_0.99_"  # data_dir: not in names
-    assert OverridesParser.create().parse_override(f"hydra.run.dir=multirun/0-{slug}").value() == f"multirun/0-{slug}"
+    assert parser.parse_override(f"hydra.run.dir=multirun/0-{slug}").value() == f"multirun/0-{slug}"
 
 
 def test_swept_pe_option_reaches_run_names_and_sweep_dirs(tmp_path):
