@@ -54,9 +54,13 @@ def log_rows_to_new_wandb_run(rows, png: Path, out: Path, prefix: str, series_by
     from train import wandb_offline_reason
 
     why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
-    run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)
-    log_to_wandb(rows, run, png=png, prefix=prefix, series_by=series_by)
-    run.finish()
+    try:  # the results are already on disk: a W&B failure must not turn into a failed command
+        run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)
+        log_to_wandb(rows, run, png=png, prefix=prefix, series_by=series_by)
+        run.finish()
+    except Exception as err:  # noqa: BLE001 - whatever W&B raises
+        print(f"[pelab] W&B logging failed: {type(err).__name__}: {err}; the results are in {out}", file=sys.stderr)
+        return
     print(f"[pelab] W&B offline run in {out / 'wandb'} ({why}; upload later with wandb sync)" if why
           else f"[pelab] W&B run: {run.url}")
 

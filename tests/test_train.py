@@ -394,3 +394,17 @@ def test_unwritable_paths_output_dir_is_refused_by_train(tmp_path, monkeypatch):
     cfg = compose_config(["logger=csv"], output_dir=tmp_path / "a-file" / "out")
     with pytest.raises(ValueError, match="output directory .*a-file/out cannot be created"):
         train(cfg)
+
+
+def test_scripts_wandb_failure_keeps_the_results(tmp_path, monkeypatch, capsys):
+    import wandb
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from _common import log_rows_to_new_wandb_run
+
+    def broken_init(*args, **kwargs):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    log_rows_to_new_wandb_run([], tmp_path / "none.png", tmp_path, prefix="extrapolation")  # no exception
+    assert "[pelab] W&B logging failed: OSError: read-only file system" in capsys.readouterr().err
