@@ -399,7 +399,7 @@ def test_unwritable_paths_output_dir_is_refused_by_train(tmp_path, monkeypatch):
 def test_scripts_wandb_failure_keeps_the_results(tmp_path, monkeypatch, capsys):
     import wandb
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from _common import log_rows_to_new_wandb_run
 
     def broken_init(*args, **kwargs):
