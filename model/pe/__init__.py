@@ -7,6 +7,7 @@ from model.pe.nope import NoPE
 from model.pe.rope import RoPE
 from model.pe.rope_alibi import RoPEALiBi
 from model.pe.sinusoidal import SinusoidalPositionEmbedding
+from model.pe.t5 import T5RelativeBias, t5_bucket
 from model.pe.xpos import XPos
 
 __all__ = [
@@ -19,5 +20,7 @@ __all__ = [
     "RoPE",
     "RoPEALiBi",
     "SinusoidalPositionEmbedding",
+    "T5RelativeBias",
+    "t5_bucket",
     "XPos",
 ]
