@@ -2,6 +2,7 @@
 
 from model.pe.base import SCHEMES, PositionEncoding
 from model.pe.alibi import ALiBi, alibi_slopes
+from model.pe.kerple import KerpleLog, KerplePower
 from model.pe.learned import LearnedPositionEmbedding
 from model.pe.nope import NoPE
 from model.pe.rope import RoPE
@@ -15,6 +16,8 @@ __all__ = [
     "PositionEncoding",
     "ALiBi",
     "alibi_slopes",
+    "KerpleLog",
+    "KerplePower",
     "LearnedPositionEmbedding",
     "NoPE",
     "RoPE",
