@@ -2,6 +2,7 @@
 
 from model.pe.base import SCHEMES, PositionEncoding
 from model.pe.alibi import ALiBi, alibi_slopes
+from model.pe.fire import FIRE
 from model.pe.kerple import KerpleLog, KerplePower
 from model.pe.learned import LearnedPositionEmbedding
 from model.pe.nope import NoPE
@@ -16,6 +17,7 @@ __all__ = [
     "PositionEncoding",
     "ALiBi",
     "alibi_slopes",
+    "FIRE",
     "KerpleLog",
     "KerplePower",
     "LearnedPositionEmbedding",

@@ -1,0 +1,74 @@
+"""FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long
+Context Transformers"): a learned function of the normalised distance, per head.
+
+    logits[h, i, j] += f(psi(i - j) / psi(max(i, L)))_h,   psi(x) = log(|c x| + 1)
+
+f is an MLP 1 -> width -> heads with a ReLU between, c a learned scalar (init 0.1) and
+L = |m * L0| a learned threshold: L0 = the training length (``model.block_size``) is fixed
+and the multiplier m (init 1) is learned. Dividing by psi(max(i, L)) maps every visible
+distance into [0, 1] at any query position (progressive interpolation), and the threshold
+keeps short prefixes from being stretched over the whole range.
+
+Formula and constants as the paper's reference code (its appendix listing, reproduced in
+several public ports): ``|c x|`` and ``|m L0|`` inside the logs (so c and m need no
+positivity constraint: their sign does nothing), eps = 1e-6 added to the normaliser,
+PyTorch's default ``nn.Linear`` init, one module shared by every layer. The paper's text
+writes psi(x) = log(c x + 1) with c > 0; the code's absolute values also make the
+masked part (i < j) finite. i is the query's position, so FIRE, unlike the other relative
+schemes, also sees absolute position through the normaliser.
+
+The bias is computed in float32 with autocast off: the MLP's Linear layers would otherwise
+run in bf16 under mixed precision, and the bias must be float32 until the mask is cast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from model.config import GPTConfig
+from model.pe.base import PositionEncoding, relative_distance
+
+
+class FIRE(PositionEncoding, name="fire"):
+    def __init__(
+        self,
+        config: GPTConfig,
+        mlp_width: int = 32,
+        init_c: float = 0.1,
+        init_threshold: float | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__(config)
+        if mlp_width < 1:
+            raise ValueError(f"pe.mlp_width must be >= 1, got {mlp_width}")
+        threshold = float(config.block_size if init_threshold is None else init_threshold)
+        if init_c <= 0 or threshold <= 0 or eps <= 0:
+            raise ValueError(f"pe.init_c, pe.init_threshold and pe.eps must be positive, got "
+                             f"{init_c}, {init_threshold}, {eps}")
+        self.mlp = nn.Sequential(nn.Linear(1, mlp_width), nn.ReLU(), nn.Linear(mlp_width, config.n_head))
+        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        self.register_buffer("init_threshold", torch.tensor(threshold))  # L0: fixed, saved with the model
+        self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
+        self.eps = eps
+
+    @property
+    def threshold(self) -> Tensor:
+        return (self.threshold_multiplier * self.init_threshold).abs()
+
+    def normalized_distance(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """(Tq, Tk) float32 psi(i - j) / psi(max(i, L))."""
+        c = self.c
+        distance = torch.log(torch.abs(c * relative_distance(q_positions, k_positions)) + 1)
+        normalizer = torch.maximum(q_positions.float(), self.threshold)
+        normalizer = torch.log(torch.abs(c * normalizer) + 1) + self.eps
+        return distance / normalizer[:, None]
+
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        with torch.autocast(q_positions.device.type, enabled=False):
+            x = self.normalized_distance(q_positions, k_positions)[..., None]
+            out = self.mlp(x.to(self.mlp[0].weight.dtype))  # (Tq, Tk, H)
+        return out.permute(2, 0, 1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, eps={self.eps}"
