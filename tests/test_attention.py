@@ -34,6 +34,7 @@ VARIANTS = [
     ("rope_alibi", {}),
     ("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5}),
     ("nope", {}),  # no rotation, no bias: the causal mask only
+    ("rope", {"learnable_freq": True}),  # alpha = 0 at init: exactly the plain RoPE reference
 ]
 VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in VARIANTS]
 

@@ -559,3 +559,170 @@ def test_fire_sign_of_c_and_threshold_does_nothing():
     p["c"], p["threshold_multiplier"] = p["c"].detach().abs(), p["threshold_multiplier"].detach().abs()
     ref = naive_fire_bias(p, positions.tolist(), positions.tolist()).detach()
     torch.testing.assert_close(bias.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# rope options: keep_fraction (p-RoPE) and learnable_freq
+# --------------------------------------------------------------------------------------
+
+
+def rope_config(**overrides) -> GPTConfig:
+    return config(**{"n_embd": 64, "n_head": 4, **overrides})  # head dim 16: 8 pairs
+
+
+def test_rope_defaults_are_plain_rope_exactly():
+    torch.manual_seed(6)
+    cfg = rope_config()
+    plain = SCHEMES["rope"](cfg)
+    assert plain.keep is None and plain.log_freq_scale is None
+    assert list(plain.parameters()) == [] and plain.state_dict() == {}  # checkpoints unchanged
+    learnable = SCHEMES["rope"](cfg, keep_fraction=1.0, learnable_freq=True)
+    assert [n for n, _ in learnable.named_parameters()] == ["log_freq_scale"]
+    assert torch.equal(learnable.log_freq_scale, torch.zeros(8))
+    q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 16)
+    pos = torch.tensor([0, 1, 7, 300, 4000, 4001])
+    for a, b in zip(plain.rotate(q, k, pos, pos), learnable.rotate(q, k, pos, pos)):
+        assert torch.equal(a, b)  # exp(0) = 1: bit for bit
+
+
+@pytest.mark.parametrize("keep_fraction, rotary_fraction, kept", [
+    (0.5, 1.0, 4), (0.75, 1.0, 6), (0.3, 1.0, 2), (0.125, 1.0, 1), (0.5, 0.5, 2),
+])
+def test_prope_rotates_only_the_highest_frequencies(keep_fraction, rotary_fraction, kept):
+    """Pairs k < floor(p * r/2) rotate by p_t * base^(-2k/r) (the full-RoPE frequencies);
+    the lower-frequency pairs (dims k and k + r/2) and dims past r pass through bit for bit."""
+    torch.manual_seed(7)
+    pe = SCHEMES["rope"](rope_config(), keep_fraction=keep_fraction, rotary_fraction=rotary_fraction)
+    r = int(16 * rotary_fraction)
+    assert pe.kept_pairs == kept
+    positions = [0, 1, 5, 77, 255]
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    rq, rk = pe.rotate(q, k, torch.tensor(positions), torch.tensor(positions))
+    thetas = prope_thetas(r, kept)
+    for x, rx in ((q, rq), (k, rk)):
+        for h in range(2):
+            for t, p in enumerate(positions):
+                x64 = x[0, h, t].double()
+                ref = torch.cat([naive_rope_pair(x64[:r], torch.tensor(float(p), dtype=torch.float64), thetas), x64[r:]])
+                torch.testing.assert_close(rx[0, h, t].double(), ref, atol=1e-5, rtol=0)
+    passthrough = [d for d in range(16) if not (d < kept or r // 2 <= d < r // 2 + kept)]
+    assert torch.equal(rq[..., passthrough], q[..., passthrough])
+    assert (rq[0, :, 1:, :kept] - q[0, :, 1:, :kept]).abs().amax(-1).min() > 1e-4  # kept pairs do rotate
+
+
+def test_prope_keeps_the_rope_frequencies_unlike_rotary_fraction():
+    """keep_fraction 0.5 of head dim 16: theta_k = 10000^(-2k/16) for k < 4, then 0; partial
+    rotary (rotary_fraction 0.5) instead spreads 10000^(-2k/8) over 4 pairs."""
+    prope = SCHEMES["rope"](rope_config(), keep_fraction=0.5).frequencies(torch.tensor([0])).inv_freq
+    expected = [10000 ** (-2 * k / 16) if k < 4 else 0.0 for k in range(8)]  # 1, 0.316, 0.1, 0.0316
+    torch.testing.assert_close(prope.double(), torch.tensor(expected, dtype=torch.float64), atol=0, rtol=1e-6)
+    partial = SCHEMES["rope"](rope_config(), rotary_fraction=0.5).frequencies(torch.tensor([0])).inv_freq
+    torch.testing.assert_close(partial.double(), torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64),
+                               atol=0, rtol=1e-6)
+
+
+def test_rope_option_validation():
+    with pytest.raises(ValueError, match="keep_fraction"):
+        SCHEMES["rope"](rope_config(), keep_fraction=0.0)
+    with pytest.raises(ValueError, match="keep_fraction"):
+        SCHEMES["rope"](rope_config(), keep_fraction=1.5)
+    with pytest.raises(ValueError, match="keep_fraction"):
+        SCHEMES["rope"](rope_config(), keep_fraction=0.1)  # floor(0.8) = 0 of 8 pairs
+    # 0.29 * 100 = 28.999999999999996 in binary: still 29 pairs
+    assert SCHEMES["rope"](config(n_embd=200, n_head=1), keep_fraction=0.29).kept_pairs == 29
+
+
+@pytest.mark.parametrize("pos", ["from0", "reset", "far"])
+def test_rope_options_attention_matches_naive(pos):
+    cfg, model, attn = build("rope", seed=8, keep_fraction=0.5, learnable_freq=True)  # head dim 8: 2 of 4 pairs
+    alpha = torch.tensor([0.3, -0.7, 0.5, 0.2])
+    with torch.no_grad():
+        model.pe.log_freq_scale.copy_(alpha)
+    positions = POSITIONS[pos]
+    p = torch.tensor(positions)
+    x = torch.randn(2, 9, cfg.n_embd)
+    assert model.attention_mask(p, p, torch.float32) is None
+    with torch.no_grad():
+        y = attn(x, model.pe, p, None)
+    thetas = prope_thetas(8, 2, alpha=alpha.double())
+    ref = naive_attention(attn, x, rotate=lambda t, v: naive_rope_pair(
+        v, torch.tensor(float(positions[t]), dtype=torch.float64), thetas))
+    tol = 1e-5 if max(positions) < 300 else 2e-3  # float32 angles at p = 5000
+    torch.testing.assert_close(y.double(), ref, atol=tol, rtol=tol)
+
+
+def test_learnable_freq_gradient_matches_naive():
+    cfg, model, attn = build("rope", seed=9, keep_fraction=0.75, learnable_freq=True)  # 3 of 4 pairs
+    with torch.no_grad():
+        model.pe.log_freq_scale.copy_(torch.tensor([0.1, -0.2, 0.3, 0.4]))
+    positions = [0, 1, 2, 3, 5, 8, 13, 21]
+    p = torch.tensor(positions)
+    x = torch.randn(2, 8, cfg.n_embd)
+    weights = torch.randn(2, 8, cfg.n_embd, dtype=torch.float64)
+    (attn(x, model.pe, p, None).double() * weights).sum().backward()
+    alpha = model.pe.log_freq_scale.detach().double().requires_grad_(True)
+    thetas = prope_thetas(8, 3, alpha=alpha)
+    ref = naive_attention(attn, x, rotate=lambda t, v: naive_rope_pair(
+        v, torch.tensor(float(positions[t]), dtype=torch.float64), thetas))
+    (ref * weights).sum().backward()
+    got = model.pe.log_freq_scale.grad.double()
+    assert alpha.grad[:3].abs().min() > 1e-5 and alpha.grad[3] == 0  # the removed pair learns nothing
+    torch.testing.assert_close(got, alpha.grad, atol=1e-6 * alpha.grad.abs().max().item(), rtol=1e-3)
+
+
+def test_scaling_starts_from_the_learned_frequencies():
+    """Evaluation-time scaling applies to theta_k * exp(alpha_k); p-RoPE's removed pairs stay 0.
+    ntk with s = 4, r = 16: theta'_k = theta_k e^alpha_k 4^(-2k/14); linear: positions / 4."""
+    from model.pe.rope_scaling import RopeScaling
+
+    pe = SCHEMES["rope"](rope_config(), keep_fraction=0.75, learnable_freq=True)  # 6 of 8 pairs
+    alpha = [0.2, -0.1, 0.05, 0.3, -0.4, 0.0, 0.7, -0.3]
+    with torch.no_grad():
+        pe.log_freq_scale.copy_(torch.tensor(alpha))
+    learned = [10000 ** (-2 * k / 16) * math.exp(alpha[k]) if k < 6 else 0.0 for k in range(8)]
+    pos = torch.tensor([0, 100])
+    got = pe.frequencies(pos)
+    torch.testing.assert_close(got.inv_freq.double(), torch.tensor(learned, dtype=torch.float64), atol=0, rtol=1e-6)
+    pe.set_scaling(RopeScaling("ntk", 4.0, 32))
+    ntk = [learned[k] * 4.0 ** (-2 * k / 14) for k in range(8)]
+    torch.testing.assert_close(pe.frequencies(pos).inv_freq.double(), torch.tensor(ntk, dtype=torch.float64),
+                               atol=0, rtol=1e-6)
+    pe.set_scaling(RopeScaling("linear", 4.0, 32))
+    lin = pe.frequencies(pos)
+    assert lin.position_scale == 0.25
+    torch.testing.assert_close(lin.inv_freq.double(), torch.tensor(learned, dtype=torch.float64), atol=0, rtol=1e-6)
+    pe.set_scaling(RopeScaling("yarn", 4.0, 32))
+    yarn = pe.frequencies(pos).inv_freq
+    assert torch.all(yarn[6:] == 0) and torch.all(yarn[:6] > 0)
+    pe.set_scaling(None)
+    torch.testing.assert_close(pe.frequencies(pos).inv_freq, got.inv_freq, atol=0, rtol=0)
+
+
+def test_rope_subclasses_keep_plain_frequencies():
+    for name in ("xpos", "rope_alibi"):
+        pe = SCHEMES[name](rope_config())
+        assert pe.keep is None and pe.log_freq_scale is None and list(pe.parameters()) == []
+
+
+def test_learnable_freq_trains_and_survives_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (4, 33))
+    loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
+    module = LitGPT(model=dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32),
+                    pe={"_target_": "model.pe.rope.RoPE", "keep_fraction": 0.5, "learnable_freq": True},
+                    optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2})
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(module, train_dataloaders=loader)
+    alpha = module.model.pe.log_freq_scale.detach()
+    assert torch.isfinite(alpha).all() and alpha[:2].abs().min() > 0 and torch.all(alpha[2:] == 0)
+    assert id(module.model.pe.log_freq_scale) in {id(t) for t in trainer.optimizers[0].param_groups[1]["params"]}
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = LitGPT.load_from_checkpoint(path)
+    assert torch.equal(loaded.model.pe.log_freq_scale, module.model.pe.log_freq_scale)
+    module.eval(), loaded.eval()
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(module(idx)[0], loaded(idx)[0], atol=0, rtol=0)

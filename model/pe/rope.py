@@ -5,6 +5,21 @@ rotated by angle p * theta_k, theta_k = base^(-2k/r). This is the half-split
 ("rotate_half") layout of GPT-NeoX / LLaMA / Hugging Face, not RoFormer's interleaved
 pairs; the two are the same function up to a fixed permutation of the head dims.
 
+Two options (RoPE only; xPos and RoPE+ALiBi keep the defaults):
+
+- ``keep_fraction`` p (p-RoPE, Barbero et al. 2024, "Round and Round We Go! What makes
+  Rotary Positional Encodings useful?"): only the n = floor(p * r/2) highest frequencies,
+  pairs k = 0..n-1, rotate; the lowest ones are removed, i.e. theta_k = 0 for k >= n, so
+  dims k and k + r/2 of those pairs pass unrotated (exactly: cos 0 = 1, sin 0 = 0). The
+  kept pairs keep their RoPE frequencies base^(-2k/r) (unlike ``rotary_fraction``, which
+  spreads base^(-2k/r') over fewer dims r'). p = 1 is plain RoPE; p -> 0 would be NoPE.
+- ``learnable_freq``: theta_k * exp(alpha_k) with a learned alpha (init 0, so training
+  starts from plain RoPE). Off by default, and then no parameter exists (old checkpoints
+  load unchanged).
+
+``frequencies()`` is the one place the pair frequencies come from: learned factor first,
+then the evaluation-time scaling on top of the learned values, then the p-RoPE removal.
+
 ``set_scaling`` switches on an evaluation-time RoPE scaling (linear interpolation, NTK,
 dynamic NTK, YaRN; see model/pe/rope_scaling.py) for every subclass (xPos, RoPE+ALiBi).
 It is a plain attribute, not part of the state dict: checkpoints never carry it.
@@ -15,7 +30,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from model.config import GPTConfig
 from model.pe.base import PositionEncoding
@@ -33,7 +48,14 @@ def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class RoPE(PositionEncoding, name="rope"):
     supports_rope_scaling: ClassVar[bool] = True
 
-    def __init__(self, config: GPTConfig, base: float = 10000.0, rotary_fraction: float = 1.0) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        base: float = 10000.0,
+        rotary_fraction: float = 1.0,
+        keep_fraction: float = 1.0,
+        learnable_freq: bool = False,
+    ) -> None:
         super().__init__(config)
         if not 0.0 < rotary_fraction <= 1.0:
             raise ValueError(f"pe.rotary_fraction must be in (0, 1], got {rotary_fraction}")
@@ -47,6 +69,17 @@ class RoPE(PositionEncoding, name="rope"):
         self.base = base
         k2 = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
         self.register_buffer("inv_freq", (base ** (-k2 / self.rotary_dim)).float(), persistent=False)
+        n_pairs = self.rotary_dim // 2
+        # floor(p * r/2); the rounding to 6 places stops 0.29 * 100 = 28.999... from losing a pair
+        self.kept_pairs = int(round(keep_fraction * n_pairs, 6))
+        if not 0.0 < keep_fraction <= 1.0 or self.kept_pairs < 1:
+            raise ValueError(f"pe.keep_fraction must be in (0, 1] and keep at least one of the {n_pairs} "
+                             f"frequency pairs, got {keep_fraction} (no rotation at all is pe=nope)")
+        self.keep_fraction = keep_fraction
+        # 1 for the kept (highest) frequencies, 0 for the removed ones; None = keep all
+        keep = (torch.arange(n_pairs) < self.kept_pairs).float()
+        self.register_buffer("keep", keep if self.kept_pairs < n_pairs else None, persistent=False)
+        self.log_freq_scale = nn.Parameter(torch.zeros(n_pairs)) if learnable_freq else None
         self.scaling: RopeScaling | None = None
 
     def set_scaling(self, scaling: RopeScaling | None) -> None:
@@ -58,10 +91,17 @@ class RoPE(PositionEncoding, name="rope"):
     def frequencies(self, *positions: Tensor) -> RopeFrequencies:
         """The call's effective frequencies. Pass every position tensor of the call (q's and
         k's): dynamic NTK takes T from the largest of them, and q and k must share it."""
+        inv_freq = self.inv_freq
+        if self.log_freq_scale is not None:  # learned theta_k * exp(alpha_k), float32
+            inv_freq = inv_freq * self.log_freq_scale.float().exp()
         if self.scaling is None:
-            return RopeFrequencies(self.inv_freq)
-        length = torch.stack([p.max() for p in positions]).max() + 1
-        return scaled_frequencies(self.scaling, self.inv_freq, length)
+            freqs = RopeFrequencies(inv_freq)
+        else:  # the scaling starts from the (learned) frequencies the model was trained with
+            length = torch.stack([p.max() for p in positions]).max() + 1
+            freqs = scaled_frequencies(self.scaling, inv_freq, length)
+        if self.keep is not None:  # p-RoPE: removed pairs get theta = 0 after any scaling
+            freqs = freqs._replace(inv_freq=freqs.inv_freq * self.keep)
+        return freqs
 
     def angles(self, positions: Tensor, freqs: RopeFrequencies | None = None) -> Tensor:
         """(T, rotary_dim/2) float32 angles p * theta_k (with the scaling applied, if set)."""
@@ -87,4 +127,8 @@ class RoPE(PositionEncoding, name="rope"):
 
     def extra_repr(self) -> str:
         extra = f", scaling={self.scaling}" if self.scaling is not None else ""
+        if self.keep is not None:
+            extra += f", kept_pairs={self.kept_pairs}/{self.rotary_dim // 2}"
+        if self.log_freq_scale is not None:
+            extra += ", learnable_freq=True"
         return f"{super().extra_repr()}, base={self.base}, rotary_dim={self.rotary_dim}{extra}"
