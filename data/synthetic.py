@@ -1,0 +1,278 @@
+"""Synthetic length-generalisation tasks over the bytes vocabulary, generated on the fly.
+
+A sample is ``length`` input ids and ``length`` target ids (the next token at each position,
+as in language modelling) where every target is -1 (ignored by the model's cross-entropy,
+``ignore_index=-1``) except at the answer tokens. It is a pure function of
+(task, options, split, seed, rank, index, length[, depth]): no files, nothing cached, the same
+on every machine. ``split`` (train / val / test) and ``rank`` (DDP) only select independent
+streams.
+
+Token layout (ids = bytes; the structural markers are ASCII control bytes that no task's
+text alphabet contains, and 0x1E, the bytes tokenizer's document separator, is not used):
+
+==========  =====  ==========================================================================
+name        id     meaning
+==========  =====  ==========================================================================
+PAD         0x00   one leading pad where a task's layout needs an even or odd total length
+NEEDLE      0x1C   passkey: marks the hidden key inside the filler
+SEP         0x1D   copy: end of the sequence to copy; assoc_recall: end of the key-value pairs
+QUERY       0x1F   passkey: "what was the key?"; the answer follows it
+==========  =====  ==========================================================================
+
+``seq`` below has ``length + 1`` ids; inputs are ``seq[:-1]``, targets ``seq[1:]`` masked to
+the answers (so the last answer token is a target, never an input):
+
+- ``passkey`` (Mohtashami & Jaggi 2023): filler text (the paper's sentences, repeated),
+  with ``NEEDLE k1..kK`` inserted at ``depth`` (0 = first token, 1 = right before the
+  question), then ``QUERY k1..kK``. Key: ``key_length`` random digits '0'-'9'. Answer: the K
+  digits after QUERY. Depth None draws it uniformly in [0, 1] per sample.
+- ``copy``: ``[PAD] r1..rn SEP r1..rn``, n = length // 2, r uniform over 'a'-'z'.
+  Answer: the second r1..rn.
+- ``assoc_recall`` (multi-query associative recall, Arora et al. 2023, "Zoology"):
+  ``num_pairs`` pairs "KEY value" (distinct keys 'A'-'Z', values '0'-'9') at random
+  non-overlapping places in random filler 'a'-'z', then ``SEP`` and ``num_queries`` distinct
+  keys of those pairs, each followed by its value. Answer: the values after the queried keys.
+- ``flipflop`` (Liu et al. 2023, "Exposing Attention Glitches with Flip-Flop Language
+  Modeling"): ``[PAD]`` then instruction-bit pairs: 'w' b writes bit b, 'i' b is ignored,
+  'r' b reads, b = the last written bit ('0'/'1'). The first instruction is 'w', the last
+  'r', the others 'i' with probability ``p_ignore`` and 'w' or 'r' with (1 - p_ignore)/2
+  each (FFL(p_ignore); the paper's default 0.8). Answer: the bit after every 'r'.
+
+``SyntheticDataModule`` serves training samples of length ``block_size`` (sample i on rank r
+is a pure function of (seed, r, i), so a resumed run continues its stream) and a fixed
+validation set; ``evaluation/tasks.py`` measures accuracy at longer lengths on the ``test``
+stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from pelab.config import require
+
+VOCAB_SIZE = 256
+PAD, NEEDLE, SEP, QUERY = 0x00, 0x1C, 0x1D, 0x1F
+SPECIAL_IDS = {"PAD": PAD, "NEEDLE": NEEDLE, "SEP": SEP, "QUERY": QUERY}
+DIGITS, LOWER, UPPER = ord("0"), ord("a"), ord("A")
+FILLER = np.frombuffer(b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
+                       dtype=np.uint8).astype(np.int64)
+WRITE, IGNORE, READ = ord("w"), ord("i"), ord("r")
+TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop"]
+TASKS: tuple[str, ...] = TaskName.__args__
+SPLITS = ("train", "val", "test")
+_TASK_CODE = {name: code for code, name in enumerate(TASKS, start=1)}  # fixed: changing one changes every sample
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task and its options (only the named task's options are used). Validated on creation;
+    errors name the option as ``data.KEY``, the value and what is allowed."""
+
+    name: str = "passkey"
+    key_length: int = 5  # passkey: digits in the key
+    num_pairs: int = 8  # assoc_recall: key-value pairs (<= 26 distinct keys)
+    num_queries: int = 4  # assoc_recall: queried keys (<= num_pairs)
+    p_ignore: float = 0.8  # flipflop: probability of an 'i' instruction (FFL(p))
+
+    def __post_init__(self) -> None:
+        require(self.name in TASKS, "data.task", self.name, f"one of {', '.join(TASKS)}")
+        for key in ("key_length", "num_pairs", "num_queries"):
+            value = getattr(self, key)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"data.{key}", value,
+                    "an integer >= 1")
+        require(self.num_pairs <= 26, "data.num_pairs", self.num_pairs, "<= 26 (distinct keys 'A'-'Z')")
+        require(self.num_queries <= self.num_pairs, "data.num_queries", self.num_queries,
+                f"<= data.num_pairs={self.num_pairs} (queried keys are distinct)")
+        require(isinstance(self.p_ignore, (int, float)) and 0 <= self.p_ignore < 1, "data.p_ignore", self.p_ignore,
+                "a number in [0, 1)")
+
+    @property
+    def min_length(self) -> int:
+        """The shortest input length whose layout fits."""
+        return {"passkey": 2 * self.key_length + 1, "copy": 2,
+                "assoc_recall": 2 * self.num_pairs + 2 * self.num_queries, "flipflop": 3}[self.name]
+
+    def sample(self, length: int, index: int, seed: int = 0, split: str = "train", rank: int = 0,
+               depth: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets), both int64 of exactly ``length``; targets -1 except at answers."""
+        require(split in SPLITS, "split", split, f"one of {', '.join(SPLITS)}")
+        require(isinstance(length, (int, np.integer)) and length >= self.min_length, "length", length,
+                f"an integer >= {self.min_length} (the shortest {self.name} sample)")
+        for key, value in (("seed", seed), ("rank", rank), ("index", index)):
+            require(int(value) == value and value >= 0, key, value, "an integer >= 0")
+        if depth is not None:
+            require(self.name == "passkey", "depth", depth, f"null for task={self.name} (only passkey has a depth)")
+            require(0 <= depth <= 1, "depth", depth, "a number in [0, 1] (0 = start, 1 = right before the question)")
+        # Every stream its own generator: numpy hashes the whole tuple (SeedSequence), so
+        # neighbouring seeds or indices give unrelated samples.
+        rng = np.random.default_rng([_TASK_CODE[self.name], SPLITS.index(split), int(seed), int(rank), int(index),
+                                     int(length)])
+        seq, answers = getattr(self, f"_{self.name}")(rng, int(length) + 1, depth)
+        assert len(seq) == length + 1, (self.name, len(seq), length)
+        targets = np.full(length, -1, dtype=np.int64)
+        targets[answers - 1] = seq[answers]  # target t predicts seq[t + 1]
+        return seq[:-1].astype(np.int64), targets
+
+    # Each layout returns (seq of n = length + 1 ids, indices in seq of the answer tokens).
+
+    def _passkey(self, rng: np.random.Generator, n: int, depth: float | None):
+        k = self.key_length
+        key = rng.integers(0, 10, k) + DIGITS  # drawn first: a sample has the same key at every depth
+        depth = rng.random() if depth is None else depth
+        filler = FILLER[np.arange(n - 2 * (k + 1)) % len(FILLER)]
+        at = int(round(depth * len(filler)))
+        seq = np.concatenate([filler[:at], [NEEDLE], key, filler[at:], [QUERY], key])
+        return seq, np.arange(n - k, n)
+
+    def _copy(self, rng: np.random.Generator, n: int, depth: None):
+        m = (n - 1) // 2
+        payload = rng.integers(0, 26, m) + LOWER
+        seq = np.concatenate([[PAD] * (n - 1 - 2 * m), payload, [SEP], payload])
+        return seq, np.arange(n - m, n)
+
+    def _assoc_recall(self, rng: np.random.Generator, n: int, depth: None):
+        p, q = self.num_pairs, self.num_queries
+        span = n - 1 - 2 * q  # the pairs-and-filler section
+        keys = rng.choice(26, p, replace=False) + UPPER
+        values = rng.integers(0, 10, p) + DIGITS
+        section = rng.integers(0, 26, span) + LOWER
+        # Choose which p of the (span - p) items (p pairs + span - 2p filler tokens) are pairs;
+        # pair i then starts at its item index + i (each earlier pair is one token longer).
+        starts = np.sort(rng.choice(span - p, p, replace=False)) + np.arange(p)
+        section[starts], section[starts + 1] = keys, values
+        asked = rng.choice(p, q, replace=False)
+        queries = np.stack([keys[asked], values[asked]], axis=1).reshape(-1)
+        seq = np.concatenate([section, [SEP], queries])
+        return seq, span + 2 + 2 * np.arange(q)
+
+    def _flipflop(self, rng: np.random.Generator, n: int, depth: None):
+        m = n // 2  # instruction-bit pairs
+        pad = n - 2 * m
+        p_rw = (1 - self.p_ignore) / 2
+        ops = rng.choice(np.array([WRITE, IGNORE, READ]), m, p=[p_rw, self.p_ignore, p_rw])
+        ops[0], ops[-1] = WRITE, READ
+        bits = rng.integers(0, 2, m) + DIGITS
+        written = None
+        for i, op in enumerate(ops):  # m <= a few thousand: a plain loop is clear and fast enough
+            if op == WRITE:
+                written = bits[i]
+            elif op == READ:
+                bits[i] = written
+        seq = np.concatenate([[PAD] * pad, np.stack([ops, bits], axis=1).reshape(-1)])
+        return seq, pad + 1 + 2 * np.flatnonzero(ops == READ)
+
+
+class TaskSamples(Dataset):
+    """Samples ``offset + i`` (i = 0..count-1) of one task's stream, as (inputs, targets) tensors."""
+
+    def __init__(self, task: Task, length: int, count: int, seed: int, split: str, rank: int = 0,
+                 depth: float | None = None, offset: int = 0) -> None:
+        self.task, self.length, self.count = task, length, count
+        self.seed, self.split, self.rank, self.depth = seed, split, rank, depth
+        self.offset = offset  # samples already consumed (a resumed run continues the stream)
+
+    def __len__(self) -> int:
+        return self.count - self.offset
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.task.sample(self.length, self.offset + i, self.seed, self.split, self.rank, self.depth)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+class SyntheticDataModule(L.LightningDataModule):
+    """Training samples of ``block_size`` from (seed, rank, i); ``val_samples`` fixed validation
+    samples (the ``val`` stream, rank 0: the same in every run, resume and rank).
+
+    There is no held-out text: ``held_out_text`` is False and ``split_path`` refuses with a
+    message, so perplexity extrapolation must be off (``eval.extrapolation.enabled=false``);
+    ``evaluation/tasks.py`` measures accuracy against length instead. ``unigram_loss`` is the
+    answer-token baseline (see there), so train.py's end-of-run report works unchanged."""
+
+    held_out_text = False
+
+    def __init__(
+        self,
+        task: TaskName = "passkey",  # a Literal: train.py's config check names the choices before any work
+        block_size: int = 128,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        val_samples: int = 256,
+        num_workers: int = 0,
+        seed: int = 1337,
+        train_samples: int = 2**40,
+        key_length: int = 5,
+        depth: float | None = None,
+        num_pairs: int = 8,
+        num_queries: int = 4,
+        p_ignore: float = 0.8,
+    ) -> None:
+        super().__init__()
+        self.task = Task(task, key_length=key_length, num_pairs=num_pairs, num_queries=num_queries, p_ignore=p_ignore)
+        require(isinstance(block_size, int) and block_size >= self.task.min_length, "data.block_size", block_size,
+                f"an integer >= {self.task.min_length} (the shortest {task} sample with these options)")
+        for key, value, low in (("batch_size", batch_size, 1), ("val_samples", val_samples, 1),
+                                ("num_workers", num_workers, 0), ("seed", seed, 0), ("train_samples", train_samples, 1)):
+            require(isinstance(value, int) and value >= low, f"data.{key}", value, f"an integer >= {low}")
+        require(val_batch_size is None or (isinstance(val_batch_size, int) and val_batch_size >= 1),
+                "data.val_batch_size", val_batch_size, "an integer >= 1 or null (= data.batch_size)")
+        if depth is not None:
+            require(task == "passkey", "data.depth", depth, f"null for data.task={task} (only passkey has a depth)")
+            require(isinstance(depth, (int, float)) and 0 <= depth <= 1, "data.depth", depth,
+                    "a number in [0, 1] or null (a random depth per sample)")
+        self.block_size, self.batch_size = block_size, batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.val_samples, self.num_workers, self.seed = val_samples, num_workers, seed
+        self.train_samples, self.depth = train_samples, depth
+        self.meta = None  # no token files (TextDataModule's meta describes them)
+        self.train_set: TaskSamples | None = None
+        self.val_set: TaskSamples | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+    def split_path(self, split: str):
+        raise ValueError(f"data.task={self.task.name} is synthetic: there is no {split} text to score perplexity "
+                         "on; set eval.extrapolation.enabled=false (evaluation/tasks.py measures accuracy vs length)")
+
+    def setup(self, stage: str | None = None) -> None:
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", rank,
+                                     self.depth)
+        self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", 0, self.depth)
+
+    def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                          pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        if self.trainer is not None:  # resumed: continue after the samples already trained on
+            self.train_set.offset = self.trainer.global_step * self.batch_size * self.trainer.accumulate_grad_batches
+        return self._loader(self.train_set, self.batch_size, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.val_batch_size, drop_last=False)
+
+    def unigram_loss(self, samples: int = 2048) -> float:
+        """Cross-entropy (nats) of the answer tokens of ``samples`` training samples, as a unigram
+        distribution (add-one smoothed), on the validation set's answer tokens: the loss of a
+        model that knows which answers are common but reads no context (passkey and assoc_recall
+        digits: ln 10; flipflop bits: ln 2)."""
+        counts = np.ones(VOCAB_SIZE)
+        for i in range(samples):
+            _, y = self.task.sample(self.block_size, i, self.seed, "train", 0, self.depth)
+            np.add.at(counts, y[y >= 0], 1)
+        logp = np.log(counts / counts.sum())
+        answers = [y[y >= 0] for y in (self.task.sample(self.block_size, i, self.seed, "val", 0, self.depth)[1]
+                                       for i in range(self.val_samples))]
+        return float(-logp[np.concatenate(answers)].mean())
+
+
+__all__ = ["Task", "TaskSamples", "SyntheticDataModule", "TASKS", "SPECIAL_IDS", "VOCAB_SIZE"]

@@ -1,0 +1,122 @@
+"""Synthetic-task accuracy of a trained checkpoint against length (and passkey depth).
+
+    python scripts/eval_tasks.py ckpt=outputs/DATE/TIME/checkpoints/last.ckpt
+    python scripts/eval_tasks.py ckpt=... multipliers=1,2,4,8,16 depths=0,0.5,1 samples=200
+    python scripts/eval_tasks.py ckpt=... lengths=300,1000 wandb=true
+
+The task, its options and the seed of the test samples come from the run's resolved config
+(checkpoints/config.yaml, written by train.py); the run must have trained on data=synthetic.
+Results go to RUN_DIR/tasks/eval-<ckpt>-<time>/ as tasks.csv, tasks.png and tasks.md (earlier
+results are never overwritten) and, with wandb=true, to a W&B run in the training run's group.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from _common import checkpoint_arg, parse_key_values, split_list
+
+OPTIONS = {
+    "ckpt": "path to a Lightning checkpoint written by train.py on data=synthetic (required)",
+    "multipliers": "eval lengths as multiples of the training length, e.g. 1,2,4,8",
+    "lengths": "absolute eval lengths, e.g. 300,1000",
+    "depths": "passkey key depths in [0, 1], e.g. 0,0.25,0.5,0.75,1",
+    "samples": "samples per length (and depth), default 100",
+    "seed": "seed of the test samples (default: the run's data.seed, the same for every scheme)",
+    "tokens_per_batch": "tokens per forward pass (default 16384)",
+    "q_chunk": "attention query chunk for long sequences (default 1024)",
+    "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "device": "cpu or cuda (default: cuda when available)",
+    "out": "output directory (default: RUN_DIR/tasks/eval-<ckpt>-<time>)",
+    "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
+}
+SYNTHETIC = "data.synthetic.SyntheticDataModule"
+
+
+def _number(key: str, value: str, cast):
+    try:
+        return cast(value)
+    except ValueError:
+        raise SystemExit(f"{key}={value!r} is not valid: expected {OPTIONS[key]}") from None
+
+
+def main(argv: list[str]) -> int:
+    args = parse_key_values(argv, OPTIONS)
+    ckpt = checkpoint_arg(args, OPTIONS)
+
+    import hydra
+    import torch
+    from omegaconf import OmegaConf
+
+    from evaluation.tasks import TaskEvalConfig, evaluate_tasks, save_results
+    from model.checkpoint import load_lit_gpt
+    from pelab.config import ConfigError
+
+    run_config = ckpt.parent / "config.yaml"
+    if not run_config.is_file():
+        raise SystemExit(f"{run_config} not found: the run's resolved config (written by train.py) "
+                         "tells which task, options and seed to use")
+    cfg = OmegaConf.load(run_config)
+    if cfg.data.get("_target_") != SYNTHETIC:
+        raise SystemExit(f"ckpt={ckpt} was trained on data with _target_={cfg.data.get('_target_')}, not a "
+                         f"synthetic task ({SYNTHETIC}); use scripts/eval_extrapolation.py for text")
+    run_options = cfg.get("eval", {}).get("tasks")
+    options = OmegaConf.to_container(run_options, resolve=True) if run_options else {}
+    options.pop("enabled", None)
+    options.setdefault("precision", str(cfg.trainer.precision))
+    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
+        options["multipliers"] = [_number("multipliers", v, float) for v in split_list(args.get("multipliers", ""))]
+        options["lengths"] = [_number("lengths", v, int) for v in split_list(args.get("lengths", ""))]
+    if "depths" in args:
+        options["depths"] = [_number("depths", v, float) for v in split_list(args["depths"])]
+    for key in ("samples", "tokens_per_batch", "q_chunk"):
+        if key in args:
+            options[key] = _number(key, args[key], int)
+    if "precision" in args:
+        options["precision"] = args["precision"]
+    try:
+        config = TaskEvalConfig.from_dict(options)
+        datamodule = hydra.utils.instantiate(cfg.data, _convert_="all")  # builds the task; reads nothing
+    except (ConfigError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    seed = _number("seed", args["seed"], int) if "seed" in args else datamodule.seed
+
+    device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    module = load_lit_gpt(ckpt, map_location=device)
+    train_length = module.config.block_size
+    rows = evaluate_tasks(module.model.to(device), datamodule.task, train_length, config, seed=seed)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.get("out") or ckpt.parent.parent / "tasks" / f"eval-{ckpt.stem}-{stamp}")
+    paths = save_results(rows, out, title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")
+    print(paths["md"].read_text())
+    print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
+
+    if args.get("wandb", "false").lower() in ("1", "true", "yes"):
+        log_task_rows_to_new_wandb_run(rows, paths["png"], out, project=cfg.get("project", "pelab"), group=cfg.get("group"),
+                              job_type="eval", name=f"{cfg.get('run_name') or module.pe_name}-tasks",
+                              config={"ckpt": str(ckpt), "seed": seed, **options})
+    return 0
+
+
+def log_task_rows_to_new_wandb_run(rows, png: Path, out: Path, **init) -> None:
+    """As _common.log_rows_to_new_wandb_run, whose logging function is the extrapolation table's:
+    one W&B run, offline (and said so) without credentials or a route to the server."""
+    import os
+
+    import wandb
+
+    from evaluation.tasks import log_to_wandb
+    from train import wandb_offline_reason
+
+    why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
+    run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)
+    log_to_wandb(rows, run, png=png)
+    run.finish()
+    print(f"[pelab] W&B offline run in {out / 'wandb'} ({why}; upload later with wandb sync)" if why
+          else f"[pelab] W&B run: {run.url}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
