@@ -24,7 +24,6 @@ from model.pe import SCHEMES
 
 torch.set_num_threads(2)
 
-NEW = ["nope", "t5", "kerple_log", "kerple_power", "fire"]
 LEARNED = ["t5", "kerple_log", "kerple_power", "fire"]
 
 # Positions as the model may see them: from 0, offset past the training length (FIRE's
@@ -174,7 +173,7 @@ def prope_thetas(r: int, keep: int, base: float = 10000.0, alpha=None):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, flags", [
+@pytest.mark.parametrize("name, flags", [  # every new scheme
     ("nope", (False, False, False)),
     ("t5", (False, False, True)),
     ("kerple_log", (False, False, True)),
