@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from evaluation.extrapolation import ExtrapolationRow, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,3 +54,98 @@ def test_compare_without_results_fails_clearly(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "no extrapolation.csv found" in proc.stderr
+
+
+# --- several seeds per scheme -----------------------------------------------------------------
+
+def seed_run(sweep: Path, name: str, scheme: str, seed: int, ppls: dict, accuracies: dict | None = None,
+             base: int | None = None) -> Path:
+    """A run dir as train.py leaves it: checkpoints/config.yaml (seed, scheme, settings, and
+    per-run paths that must not split a group), extrapolation.csv and optionally tasks.csv
+    (passkey, two depths: accuracies[length] = (at depth 0, at depth 1))."""
+    import yaml
+
+    from evaluation.tasks import TaskRow, write_csv as write_tasks
+
+    run = sweep / name
+    pe = {"_target_": f"model.pe.{scheme}", **({"base": base} if base is not None else {})}
+    config = {"seed": seed, "run_name": f"{scheme}-seed={seed}", "pe": pe, "model": {"block_size": 64},
+              "data": {"seed": seed, "task": "passkey"}, "trainer": {"max_steps": 10, "default_root_dir": str(run)},
+              "callbacks": {"model_checkpoint": {"dirpath": str(run / "checkpoints")}}, "paths": {"output_dir": str(run)}}
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "config.yaml").write_text(yaml.safe_dump(config))
+    fake_run(sweep, name, scheme, ppls)
+    if accuracies:
+        write_tasks([TaskRow("passkey", scheme, 64, n, d, 10, acc, acc, 0.1)
+                     for n, pair in accuracies.items() for d, acc in zip((0.0, 1.0), pair)],
+                    run / "tasks" / "tasks.csv")
+    return run
+
+
+def test_seeds_are_grouped_with_intervals_and_welch_marks(tmp_path):
+    sweep = tmp_path / "multirun"
+    # perplexity at 64 / 128 per seed (hand-computed statistics in the expected table below):
+    #   rope   [4.0, 4.2, 4.4] -> 4.20 ± 4.302653*0.2/sqrt(3) = 0.50;  [8, 9, 10]    -> 9.00 ± 2.48
+    #   alibi  [4.1, 4.5, 4.9] -> 4.50 ± 4.302653*0.4/sqrt(3) = 0.99;  [5.0, 5.2, 5.4] -> 5.20 ± 0.50
+    # at 64 rope is best; alibi vs rope: t = 0.3/sqrt(0.04/3 + 0.16/3) = 1.16 < t_crit, not significant.
+    # at 128 alibi is best; rope vs alibi: t = 3.8/sqrt(1/3 + 0.04/3) = 6.45, df = 2.16, significant.
+    # tasks, mean over the two depths: rope 64 [100, 100, 100], 128 [30, 20, 40] -> 30.0 ± 24.8;
+    #   alibi 64 [100, 95, 100] -> 98.3 ± 4.302653*2.88675/sqrt(3) = 7.2, 128 [90, 95, 100] -> 95.0 ± 12.4.
+    #   At 64 rope (variance 0) is best; Welch's df = 2 (alibi's n - 1), t = 1.6667/sqrt(8.3333/3) = 1,
+    #   p = 1 - t/sqrt(2 + t^2) = 1 - 1/sqrt(3) = 0.42265: not significant. At 128 rope: significant.
+    rope = ({64: 4.0, 128: 8.0}, {64: 4.2, 128: 9.0}, {64: 4.4, 128: 10.0})
+    alibi = ({64: 4.1, 128: 5.0}, {64: 4.5, 128: 5.2}, {64: 4.9, 128: 5.4})
+    rope_acc = ({64: (1, 1), 128: (0.2, 0.4)}, {64: (1, 1), 128: (0.1, 0.3)}, {64: (1, 1), 128: (0.3, 0.5)})
+    alibi_acc = ({64: (1, 1), 128: (0.9, 0.9)}, {64: (1, 0.9), 128: (1, 0.9)}, {64: (1, 1), 128: (1, 1)})
+    for seed in range(3):
+        seed_run(sweep, f"{seed}-rope-seed_{seed + 1}", "rope", seed + 1, rope[seed], rope_acc[seed], base=10000)
+        seed_run(sweep, f"{seed + 3}-alibi-seed_{seed + 1}", "alibi", seed + 1, alibi[seed], alibi_acc[seed])
+    # one run of another setting of rope (its own group, n = 1) and a learned run past its table
+    seed_run(sweep, "6-rope-pe.base_100", "rope", 1, {64: 7.0, 128: 20.0}, base=100)
+    seed_run(sweep, "7-learned", "learned", 1, {64: 6.0, 128: None})
+
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(sweep), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    md = (out / "comparison.md").read_text()
+    assert "| scheme (seeds) | 64 (train) | 128 |\n|---|---|---|\n" \
+        "| learned (1) | 6.00 | n/a |\n" \
+        "| rope (pe.base=100) (1) | 7.00 | 20.00 |\n" \
+        "| rope (pe.base=10000) (3) | **4.20 ± 0.50** | 9.00 ± 2.48 * |\n" \
+        "| alibi (3) | 4.50 ± 0.99 | **5.20 ± 0.50** |\n" in md
+    assert "| scheme (seeds) | 64 (train) | 128 |\n|---|---|---|\n" \
+        "| rope (pe.base=10000) (3) | **100.0 ± 0.0** | 30.0 ± 24.8 * |\n" \
+        "| alibi (3) | 98.3 ± 7.2 | **95.0 ± 12.4** |\n" in md
+    assert md.count("Welch's two-sided t-test, p < 0.05") == 2
+
+    import csv
+
+    with open(out / "comparison_tasks.csv", newline="") as f:
+        rows = {(r["scheme"], int(r["eval_length"])): r for r in csv.DictReader(f)}
+    alibi64 = rows[("alibi", 64)]
+    assert (alibi64["n"], alibi64["seeds"], alibi64["best"], alibi64["significant_vs_best"]) == \
+        ("3", "1 2 3", "False", "False")
+    assert float(alibi64["p_vs_best"]) == pytest.approx(1 - 1 / math.sqrt(3), abs=1e-9)
+    assert float(alibi64["ci95"]) == pytest.approx(4.302653 * math.sqrt(25 / 3) / math.sqrt(3), abs=1e-4)
+    with open(out / "comparison.csv", newline="") as f:
+        ppl = {(r["scheme"], int(r["eval_length"])): r for r in csv.DictReader(f)}
+    assert float(ppl[("rope (pe.base=10000)", 128)]["mean"]) == pytest.approx(9.0)
+    assert float(ppl[("rope (pe.base=10000)", 128)]["ci95"]) == pytest.approx(4.302653 / math.sqrt(3), abs=1e-5)
+    assert ppl[("learned", 128)]["status"].startswith("not applicable")
+    assert (out / "comparison.png").stat().st_size > 1000 and (out / "comparison_tasks.png").stat().st_size > 1000
+
+
+def test_one_seed_per_scheme_with_tasks_keeps_the_single_run_table(tmp_path):
+    sweep = tmp_path / "multirun"
+    seed_run(sweep, "0-rope", "rope", 1, {64: 4.0}, {64: (1.0, 0.5), 128: (0.25, 0.0)})
+    seed_run(sweep, "1-alibi", "alibi", 1, {64: 4.5}, {64: (1.0, 1.0), 128: (0.5, 1.0)})
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(sweep), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "comparison.md").read_text() == (
+        "### nonoverlapping\n\nPerplexity by evaluation length (tokens).\n\n"
+        "| scheme | 64 (train) |\n|---|---|\n| rope | 4.00 |\n| alibi | 4.50 |\n"
+        "\n### passkey\n\nExact-match accuracy (%) by evaluation length (tokens), mean over depths.\n\n"
+        "| scheme | 64 (train) | 128 |\n|---|---|---|\n| rope | 75.0 | 12.5 |\n| alibi | 100.0 | 75.0 |\n")
