@@ -139,3 +139,17 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     assert expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (run / "checkpoints").exists() and not any(run.glob("wandb")) and not cache.exists()
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["data=wikitext103", "model=gpt2"],  # a hub corpus must not inherit the embedded corpus's options
+    ["data=gutenberg_gpt2"],
+    ["experiment=pe_ablation"],
+    *[[f"pe={name}"] for name in ("learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi", "nope", "t5",
+                                  "kerple_log", "kerple_power", "fire")],
+])
+def test_shipped_configs_pass_validation(overrides, tmp_path):
+    from train import validate_config
+
+    validate_config(compose_config(overrides, tmp_path / "out"))
