@@ -100,11 +100,12 @@ def eager_attention_pass(
     with torch.no_grad():
         mask = gpt.attention_mask(positions, positions, torch.float32, always=True)  # (1, H, T, T)
         x = gpt.embed(idx, positions)
+        ctx = gpt.position_context(positions)
         for layer, block in enumerate(gpt.blocks):
             if layer > last:
                 break
             attn = block.attn
-            q, k, v = attn.qkv(block.ln_1(x), gpt.pe, positions)
+            q, k, v = attn.qkv(block.ln_1(x), ctx)
             with torch.autocast(idx.device.type, enabled=False):  # the probabilities in float32
                 scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
                 p = torch.softmax(scores + mask, dim=-1)

@@ -6,6 +6,8 @@ The scheme (model/pe/) is asked for its hooks; nothing here branches on its name
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,24 @@ def causal_future(Tq: int, Tk: int, device: torch.device | None = None) -> Tenso
     return torch.arange(Tk, device=device)[None, :] > q_index[:, None]
 
 
+def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """(B, 1) next token ids from (B, V) logits: greedy at temperature 0, else softmax
+    sampling restricted to the ``top_k`` most likely and the smallest set with ``top_p`` mass."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this token already >= p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
 class QueryChunks:
     """Evaluate attention in query chunks of ``size``; ``mask`` builds each chunk's float mask."""
 
@@ -36,6 +56,48 @@ class QueryChunks:
 
     def bounds(self, T: int):
         return ((s, min(T, s + self.size)) for s in range(0, T, self.size))
+
+
+@dataclass
+class PositionContext:
+    """What every layer of one forward shares, computed once per forward: the scheme, its
+    rotation tables (cos/sin, decays) and the float mask (bias + causal -inf; None = the
+    causal kernel), or the query chunks of a long evaluation."""
+
+    pe: PositionEncoding
+    positions: Tensor  # (T,) of the tokens in this forward
+    tables: Any = None
+    mask: Tensor | None = None
+    chunk: QueryChunks | None = None
+
+
+class LayerCache:
+    """One layer's cached keys (rotated once, at their own positions) and values."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding. ``span`` is every position
+    the generation will cover, fixed up front: schemes whose tables depend on the context
+    (xPos's reference point, dynamic NTK's length) read it, so cached keys stay valid and
+    decoding equals one full forward over the final sequence."""
+
+    def __init__(self, n_layer: int, span: Tensor) -> None:
+        self.span = span
+        self.positions = span[:0]
+        self.layers = [LayerCache() for _ in range(n_layer)]
+
+    @property
+    def length(self) -> int:
+        return len(self.positions)
 
 
 class CausalSelfAttention(nn.Module):
@@ -47,29 +109,31 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def qkv(self, x: Tensor, pe: PositionEncoding, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, ctx: PositionContext) -> tuple[Tensor, Tensor, Tensor]:
         """Heads-first (B, H, T, hd) q, k, v with the scheme's rotation applied."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        if pe.uses_rotate:
-            q, k = pe.rotate(q, k, positions, positions)
+        if ctx.tables is not None:
+            q, k = ctx.pe.apply_rotation(q, k, ctx.tables)
         return q, k, v
 
-    def forward(
-        self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None, chunk: QueryChunks | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x, pe, positions)
+        q, k, v = self.qkv(x, ctx)
+        if cache is not None:
+            k, v = cache.append(k, v)
         dropout = self.dropout if self.training else 0.0
-        if chunk is None:
-            # A float mask (bias + causal -inf) keeps SDPA on its fused kernels; no mask -> is_causal.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=attn_mask is None)
+        if ctx.chunk is None:
+            # A float mask (bias + causal -inf) keeps SDPA on its fused kernels; no mask ->
+            # is_causal, or nothing to mask for a single new token after a cache.
+            causal = ctx.mask is None and q.shape[2] == k.shape[2]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=causal)
         else:
             # Long evaluation: query chunk [s, e) attends to keys [0, e) with a mask of only
             # (heads, e - s, e), never the whole (heads, T, T).
             parts = []
-            for s, e in chunk.bounds(T):
-                mask = chunk.mask(positions[s:e], positions[:e])
+            for s, e in ctx.chunk.bounds(T):
+                mask = ctx.chunk.mask(ctx.positions[s:e], ctx.positions[:e])
                 parts.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], attn_mask=mask))
             y = torch.cat(parts, dim=2)
         y = y.transpose(1, 2).reshape(B, T, C)
@@ -96,10 +160,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(
-        self, x: Tensor, pe: PositionEncoding, positions: Tensor, attn_mask: Tensor | None, chunk: QueryChunks | None = None
-    ) -> Tensor:
-        x = x + self.attn(self.ln_1(x), pe, positions, attn_mask, chunk)
+    def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), ctx, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -157,16 +219,25 @@ class GPT(nn.Module):
             return None
         return bias.masked_fill(future, float("-inf")).to(dtype).unsqueeze(0)
 
-    def positions_for(self, T: int, positions: Tensor | None, device: torch.device) -> Tensor:
-        """The default 0..T-1, checked against the scheme's table; or validated explicit ones."""
+    def position_context(self, positions: Tensor, mask: Tensor | None = None, span: Tensor | None = None
+                         ) -> PositionContext:
+        """The per-forward context of tokens at ``positions``: the scheme's rotation tables
+        (over ``span``, default the positions themselves) and ``mask``."""
+        tables = None
+        if self.pe.uses_rotate:
+            tables = self.pe.rotation_tables(positions, positions if span is None else span)
+        return PositionContext(self.pe, positions, tables, mask)
+
+    def positions_for(self, T: int, positions: Tensor | None, device: torch.device, start: int = 0) -> Tensor:
+        """The default start..start+T-1, checked against the scheme's table; or validated explicit ones."""
         if positions is None:
             limit = self.pe.max_positions
-            if limit is not None and T > limit:
+            if limit is not None and start + T > limit:
                 raise ValueError(
-                    f"sequence length {T} exceeds the {limit} positions of pe={self.pe.name}; "
+                    f"sequence length {start + T} exceeds the {limit} positions of pe={self.pe.name}; "
                     f"this scheme cannot run past its table"
                 )
-            return torch.arange(T, device=device)
+            return torch.arange(start, start + T, device=device)
         if positions.shape != (T,):
             raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
         return positions
@@ -177,21 +248,60 @@ class GPT(nn.Module):
             x = self.pe.embed(x, positions)
         return self.drop(x)
 
-    def hidden(self, idx: Tensor, positions: Tensor | None = None, q_chunk: int | None = None) -> Tensor:
+    def hidden(self, idx: Tensor, positions: Tensor | None = None, q_chunk: int | None = None,
+               cache: KVCache | None = None, span: Tensor | None = None) -> Tensor:
         """Final normalised hidden states (B, T, C). ``q_chunk`` bounds attention memory for
-        long evaluation sequences (see QueryChunks); training leaves it None."""
+        long evaluation sequences (see QueryChunks); training leaves it None. With ``cache``
+        the tokens continue the cached ones (positions default to the next ones) and their
+        keys and values are appended to it. ``span``: every position of the attention context
+        (default: the cache's, else these positions) for span-dependent schemes."""
         T = idx.shape[1]
-        positions = self.positions_for(T, positions, idx.device)
+        past = 0 if cache is None else cache.length
+        positions = self.positions_for(T, positions, idx.device, start=past)
+        k_positions = positions if cache is None else torch.cat((cache.positions, positions))
+        if span is None:
+            span = k_positions if cache is None else cache.span
         dtype = self._compute_dtype(idx.device)
         x = self.embed(idx, positions)
-        chunk, attn_mask = None, None
-        if q_chunk is not None and T > q_chunk:
-            chunk = QueryChunks(q_chunk, lambda qp, kp: self.attention_mask(qp, kp, dtype, always=True))
-        else:
-            attn_mask = self.attention_mask(positions, positions, dtype)
-        for block in self.blocks:
-            x = block(x, self.pe, positions, attn_mask, chunk)
+        ctx = self.position_context(positions, span=span)
+        if q_chunk is not None and T > q_chunk and cache is None:
+            ctx.chunk = QueryChunks(q_chunk, lambda qp, kp: self.attention_mask(qp, kp, dtype, always=True))
+        else:  # several new tokens after a cache need an explicit causal mask
+            ctx.mask = self.attention_mask(positions, k_positions, dtype, always=past > 0 and T > 1)
+        for i, block in enumerate(self.blocks):
+            x = block(x, ctx, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.positions = k_positions
         return self.ln_f(x)
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, cache: bool = True, generator: torch.Generator | None = None) -> Tensor:
+        """Continue ``idx`` (B, P) by ``max_new_tokens`` tokens; temperature 0 = greedy.
+
+        ``cache=True`` decodes one token per step against cached keys and values;
+        ``cache=False`` recomputes the whole sequence each step (for comparison). Both see the
+        positions 0..P+max_new_tokens-1 as one span, so they agree with each other and with
+        one full forward over the final sequence. Dynamic NTK therefore takes its scale from
+        the final length from the first step on (instead of re-scaling as the text grows,
+        which would leave cached keys rotated at an older scale).
+        """
+        total = idx.shape[1] + max_new_tokens
+        limit = self.pe.max_positions
+        if limit is not None and total > limit:
+            raise ValueError(f"generating to {total} tokens exceeds the {limit} positions of pe={self.pe.name}; "
+                             f"ask for at most {limit - idx.shape[1]} new tokens")
+        span = torch.arange(total, device=idx.device)
+        kv = KVCache(len(self.blocks), span) if cache else None
+        new = idx
+        for step in range(max_new_tokens):
+            if kv is not None:
+                h = self.hidden(new, cache=kv)
+            else:  # full recomputation, with the same span for span-dependent schemes
+                h = self.hidden(idx, span=span)
+            new = sample_next(self.logits(h[:, -1]), temperature, top_k, top_p, generator)
+            idx = torch.cat((idx, new), dim=1)
+        return idx
 
     def logits(self, h: Tensor) -> Tensor:
         logits = self.lm_head(h)

@@ -2,9 +2,10 @@
 
     python scripts/sample.py ckpt=outputs/DATE/TIME/checkpoints/last.ckpt prompt="It was" tokens=300
 
-Decoding recomputes the whole prefix each step (no KV cache yet), with explicit positions
-0..T-1, so every scheme — including those that extrapolate — samples past the training
-length, and learned PE stops at its table size with a clear message.
+Decoding uses ``GPT.generate`` with a KV cache (``cache=false`` recomputes the whole
+sequence each step, for comparison; both give the same text). Schemes that extrapolate
+sample past the training length; learned PE is limited to its table: the tokens asked for
+are cut to what fits, with a message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ OPTIONS = {
     "tokens": "number of new tokens (default 200)",
     "temperature": "softmax temperature (default 0.8; 0 = greedy)",
     "top_k": "sample among the k most likely tokens (default 50; 0 = all)",
+    "top_p": "sample from the smallest set of tokens with this probability mass (default 1.0 = all)",
+    "cache": "true: decode with a KV cache (default); false: recompute the whole sequence each step",
     "seed": "random seed (default 1337)",
     "device": "cpu or cuda (default: cuda when available)",
 }
@@ -40,24 +43,16 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(int(args.get("seed", 1337)))
     gpt = load_lit_gpt(ckpt, map_location=device).model.eval()
 
-    temperature, top_k = float(args.get("temperature", 0.8)), int(args.get("top_k", 50))
+    temperature, top_k, top_p = float(args.get("temperature", 0.8)), int(args.get("top_k", 50)), \
+        float(args.get("top_p", 1.0))
+    cache = args.get("cache", "true").lower() in ("1", "true", "yes")
     ids = torch.tensor([tokenizer.encode(args.get("prompt", "\n"))], device=device)
+    new_tokens = int(args.get("tokens", 200))
     limit = gpt.pe.max_positions
-    with torch.no_grad():
-        for _ in range(int(args.get("tokens", 200))):
-            if limit is not None and ids.shape[1] >= limit:
-                print(f"\n[pelab] stopped: pe={gpt.pe.name} has {limit} positions", file=sys.stderr)
-                break
-            logits = gpt.logits(gpt.hidden(ids)[:, -1])
-            if temperature == 0:
-                next_id = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1)
-            ids = torch.cat([ids, next_id], dim=1)
+    if limit is not None and ids.shape[1] + new_tokens > limit:
+        new_tokens = max(0, limit - ids.shape[1])
+        print(f"[pelab] pe={gpt.pe.name} has {limit} positions: generating {new_tokens} tokens", file=sys.stderr)
+    ids = gpt.generate(ids, new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p, cache=cache)
     print(tokenizer.decode(ids[0].tolist()))
     return 0
 

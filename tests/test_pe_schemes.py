@@ -216,9 +216,9 @@ def test_nope_is_the_causal_mask_only():
     assert model.attention_mask(positions, positions, torch.float32) is None  # SDPA is_causal
     x = torch.randn(2, 9, cfg.n_embd)
     with torch.no_grad():
-        y = attn(x, model.pe, positions, None)
+        y = attn(x, model.position_context(positions, None))
         # positions carry nothing: any position values give the same output
-        y_far = attn(x, model.pe, torch.tensor(POSITIONS["far"]), None)
+        y_far = attn(x, model.position_context(torch.tensor(POSITIONS["far"]), None))
     torch.testing.assert_close(y.double(), naive_attention(attn, x), atol=1e-5, rtol=1e-5)
     assert torch.equal(y, y_far)
 
@@ -271,7 +271,7 @@ def test_attention_output_matches_naive(name, pos):
     mask = model.attention_mask(p, p, torch.float32)
     assert mask.shape == (1, cfg.n_head, 9, 9)
     with torch.no_grad():
-        y = attn(x, model.pe, p, mask)
+        y = attn(x, model.position_context(p, mask))
     bias = naive_scheme_bias(name, model.pe, leaf_params(model.pe), positions, positions).detach()
     torch.testing.assert_close(y.double(), naive_attention(attn, x, bias), atol=1e-5, rtol=1e-5)
 
@@ -288,7 +288,7 @@ def test_gradients_reach_parameters_and_match_naive(name):
     p = torch.tensor(positions)
     x = torch.randn(2, len(positions), cfg.n_embd)
     weights = torch.randn(2, len(positions), cfg.n_embd, dtype=torch.float64)
-    y = attn(x, model.pe, p, model.attention_mask(p, p, torch.float32))
+    y = attn(x, model.position_context(p, model.attention_mask(p, p, torch.float32)))
     (y.double() * weights).sum().backward()
     leaves = leaf_params(model.pe)
     bias = naive_scheme_bias(name, model.pe, leaves, positions, positions)
@@ -642,7 +642,7 @@ def test_rope_options_attention_matches_naive(pos):
     x = torch.randn(2, 9, cfg.n_embd)
     assert model.attention_mask(p, p, torch.float32) is None
     with torch.no_grad():
-        y = attn(x, model.pe, p, None)
+        y = attn(x, model.position_context(p, None))
     thetas = prope_thetas(8, 2, alpha=alpha.double())
     ref = naive_attention(attn, x, rotate=lambda t, v: naive_rope_pair(
         v, torch.tensor(float(positions[t]), dtype=torch.float64), thetas))
@@ -658,7 +658,7 @@ def test_learnable_freq_gradient_matches_naive():
     p = torch.tensor(positions)
     x = torch.randn(2, 8, cfg.n_embd)
     weights = torch.randn(2, 8, cfg.n_embd, dtype=torch.float64)
-    (attn(x, model.pe, p, None).double() * weights).sum().backward()
+    (attn(x, model.position_context(p, None)).double() * weights).sum().backward()
     alpha = model.pe.log_freq_scale.detach().double().requires_grad_(True)
     thetas = prope_thetas(8, 3, alpha=alpha)
     ref = naive_attention(attn, x, rotate=lambda t, v: naive_rope_pair(

@@ -14,7 +14,7 @@ math happens in float32 and is cast to the compute dtype at the very end.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -59,6 +59,20 @@ class PositionEncoding(nn.Module):
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
         return None
+
+    # Per-forward state of the rotation: computed once by the model and shared by all layers.
+    def rotation_tables(self, positions: Tensor, span: Tensor) -> Any:
+        """What ``apply_rotation`` needs to rotate the q and k of tokens at ``positions``.
+
+        ``span`` holds every position the attention context covers (cached keys and, when
+        generating, the tokens still to come): a scheme whose tables depend on the whole
+        context (xPos's reference point, dynamic NTK's length) reads it from there, so keys
+        rotated into a KV cache never need rotating again. Default: the positions themselves.
+        """
+        return positions
+
+    def apply_rotation(self, q: Tensor, k: Tensor, tables: Any) -> tuple[Tensor, Tensor]:
+        return self.rotate(q, k, tables, tables)
 
     # Which hooks this scheme implements, decided from the class, never from its name.
     @property

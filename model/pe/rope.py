@@ -27,7 +27,7 @@ It is a plain attribute, not part of the state dict: checkpoints never carry it.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,21 @@ def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
     return torch.cat((*rotated, rest), dim=-1) if rest.shape[-1] else torch.cat(rotated, dim=-1)
+
+
+class RotaryTables(NamedTuple):
+    """float32 cos/sin tables for queries and keys (equal for RoPE, different decays for xPos)."""
+
+    q_cos: Tensor
+    q_sin: Tensor
+    k_cos: Tensor
+    k_sin: Tensor
+
+    def q(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return self.q_cos.to(dtype), self.q_sin.to(dtype)
+
+    def k(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return self.k_cos.to(dtype), self.k_sin.to(dtype)
 
 
 class RoPE(PositionEncoding, name="rope"):
@@ -113,17 +128,29 @@ class RoPE(PositionEncoding, name="rope"):
         return p[:, None] * freqs.inv_freq
 
     def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = self.frequencies(q_positions, k_positions)
-        return self._rotate_one(q, q_positions, freqs), self._rotate_one(k, k_positions, freqs)
+        span = torch.cat((q_positions, k_positions))
+        q_tables = self.rotation_tables(q_positions, span)
+        k_tables = self.rotation_tables(k_positions, span)
+        return self.apply_rotation(q, k, q_tables._replace(k_cos=k_tables.k_cos, k_sin=k_tables.k_sin))
 
-    def _rotate_one(self, x: Tensor, positions: Tensor, freqs: RopeFrequencies, scale: Tensor | None = None) -> Tensor:
+    def rotation_tables(self, positions: Tensor, span: Tensor) -> "RotaryTables":
+        freqs = self.frequencies(span)  # dynamic NTK: T from the whole span
+        cos, sin = self._cos_sin(positions, freqs)
+        return RotaryTables(cos, sin, cos, sin)
+
+    def apply_rotation(self, q: Tensor, k: Tensor, tables: "RotaryTables") -> tuple[Tensor, Tensor]:
+        return rotate_half(q, *tables.q(q.dtype)), rotate_half(k, *tables.k(k.dtype))
+
+    def _cos_sin(self, positions: Tensor, freqs: RopeFrequencies, scale: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        """float32 (T, rotary_dim/2) cos and sin, times YaRN's attention factor and xPos's decay."""
         angles = self.angles(positions, freqs)
         cos, sin = angles.cos(), angles.sin()
         if freqs.attention_factor != 1.0:  # YaRN: on q and on k, so the logits scale by its square
             scale = freqs.attention_factor if scale is None else scale * freqs.attention_factor
         if scale is not None:  # xPos multiplies both the cos and sin terms
             cos, sin = cos * scale, sin * scale
-        return rotate_half(x, cos.to(x.dtype), sin.to(x.dtype))
+        return cos, sin
 
     def extra_repr(self) -> str:
         extra = f", scaling={self.scaling}" if self.scaling is not None else ""

@@ -2,8 +2,9 @@
 
 zeta_k = (2k/r + gamma) / (1 + gamma). The query at position n is multiplied by
 zeta^(n/B) and the key at m by zeta^(-m/B) on both the cos and sin terms, so q.k
-carries zeta^((n-m)/B). Exponents use positions centred on the keys' midpoint c (the
-factor depends only on n - m, so c cancels) to keep the float32 powers small.
+carries zeta^((n-m)/B). Exponents use positions centred on the midpoint c of the
+attention span (all key positions; when generating, the whole generation), so c cancels
+in q.k, the float32 powers stay small, and keys in a KV cache keep one reference point.
 Meant for causal attention only: for m > n the key factor grows instead of decaying.
 The factorised powers stay finite in float32 while (window span / 2) / B < ~70, i.e. for
 windows up to ~70k tokens at B = 512.
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from model.config import GPTConfig
-from model.pe.rope import RoPE
+from model.pe.rope import RoPE, RotaryTables
 
 
 class XPos(RoPE, name="xpos"):
@@ -41,12 +42,12 @@ class XPos(RoPE, name="xpos"):
         exponent = sign * (positions - center).float()[:, None] / self.scale_base
         return self.zeta ** exponent
 
-    def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
-        center = (k_positions.min() + k_positions.max()) // 2
-        freqs = self.frequencies(q_positions, k_positions)  # RoPE scaling (if set) moves the angles only
-        q = self._rotate_one(q, q_positions, freqs, self.decay(q_positions, center, +1.0))
-        k = self._rotate_one(k, k_positions, freqs, self.decay(k_positions, center, -1.0))
-        return q, k
+    def rotation_tables(self, positions: Tensor, span: Tensor) -> RotaryTables:
+        center = (span.min() + span.max()) // 2  # fixed by the span: a KV cache keeps its keys valid
+        freqs = self.frequencies(span)  # RoPE scaling (if set) moves the angles only
+        q_cos, q_sin = self._cos_sin(positions, freqs, self.decay(positions, center, +1.0))
+        k_cos, k_sin = self._cos_sin(positions, freqs, self.decay(positions, center, -1.0))
+        return RotaryTables(q_cos, q_sin, k_cos, k_sin)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gamma={self.gamma}, scale_base={self.scale_base}"
