@@ -103,13 +103,14 @@ class LitGPT(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         decay, no_decay = [], []
-        pe_params = {id(p) for p in self.model.pe.parameters()}
+        pe = self.model.pe
+        scheme_rule = {id(p): False for p in pe.parameters()} | {id(p): True for p in pe.decayed_parameters()}
         for p in self.model.parameters():
             if not p.requires_grad:
                 continue
-            # Norm gains, biases and position tables are not decayed; matrices (incl. the tied
-            # token embedding, as in nanoGPT) are.
-            (decay if p.dim() >= 2 and id(p) not in pe_params else no_decay).append(p)
+            # Matrices (incl. the tied token embedding, as in nanoGPT) are decayed; norm gains and
+            # biases are not; a scheme's parameters only where the scheme says so.
+            (decay if scheme_rule.get(id(p), p.dim() >= 2) else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": self.optim.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         fused = self.device.type == "cuda"

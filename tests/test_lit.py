@@ -124,3 +124,26 @@ def test_tokens_per_sec_counts_every_micro_batch_and_logs_once_per_log_step(monk
                         enable_model_summary=False, limit_val_batches=0, callbacks=[callbacks.TokensPerSecond()])
     trainer.fit(module, train_dataloaders=loader)
     assert module.logged == [(2, 2 * 2 * 64.0), (4, 2 * 2 * 64.0)]  # 2 steps x 2 micro-batches x 64 tokens
+
+
+def test_a_scheme_decides_which_of_its_parameters_are_decayed():
+    from torch import nn
+
+    from model.pe.base import PositionEncoding
+
+    class DecaysItsMatrix(PositionEncoding):  # unregistered: test-only
+        def __init__(self, config):
+            super().__init__(config)
+            self.matrix = nn.Parameter(torch.zeros(3, 3))
+            self.table = nn.Parameter(torch.zeros(5, 3))
+
+        def decayed_parameters(self):
+            return [self.matrix]
+
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["rope"]}, optim={"weight_decay": 0.1})
+    module.model.pe = DecaysItsMatrix(module.config)
+    module.trainer = type("T", (), {"max_steps": 10})()  # only max_steps is read
+    decay, no_decay = module.configure_optimizers()["optimizer"].param_groups
+    ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
+    assert id(module.model.pe.matrix) in ids(decay)
+    assert id(module.model.pe.table) in ids(no_decay)  # 2-D, but the scheme did not ask for decay

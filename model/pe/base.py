@@ -60,6 +60,11 @@ class PositionEncoding(nn.Module):
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
         return None
 
+    def decayed_parameters(self) -> list[nn.Parameter]:
+        """The scheme's parameters that get weight decay; by default none (position tables,
+        bucket biases and kernel parameters are not pulled towards zero)."""
+        return []
+
     # Per-forward state of the rotation: computed once by the model and shared by all layers.
     def rotation_tables(self, positions: Tensor, span: Tensor) -> Any:
         """What ``apply_rotation`` needs to rotate the q and k of tokens at ``positions``.
