@@ -116,6 +116,7 @@ def validate_config(cfg: DictConfig) -> None:
     from evaluation.extrapolation import ExtrapolationConfig
     from model.config import GPTConfig
     from model.lit import OptimConfig
+    from model.pe.schedule import nope_layers, split_schedule
     from pelab.config import ConfigError, check_options, describe, fail, matches, require
 
     def plain(node) -> dict:
@@ -154,9 +155,12 @@ def validate_config(cfg: DictConfig) -> None:
     check_options("optim", optim_values, OptimConfig)
     optim = OptimConfig(**optim_values)
 
-    pe_values = plain(cfg.pe)
+    pe_values, schedule = split_schedule(plain(cfg.pe))
     check_options("pe", pe_values, target("pe", pe_values), ignore=("config",))
-    pe = build("pe", hydra.utils.instantiate(cfg.pe, _partial_=True), model)
+    pe = build("pe", hydra.utils.instantiate(pe_values, _partial_=True), model)
+    if build("pe", nope_layers, model.n_layer, **schedule) and not (pe.uses_rotate or pe.uses_bias):
+        raise ConfigError(f"pe.nope_every={schedule['nope_every']} needs a scheme that acts inside attention "
+                          f"(rotation or bias); pe={pe.name} only adds to the embeddings")
     if pe.max_positions is not None and model.block_size > pe.max_positions:
         raise ConfigError(
             f"model.block_size={model.block_size} exceeds the {pe.max_positions} positions of "

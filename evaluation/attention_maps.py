@@ -86,8 +86,8 @@ def eager_attention_pass(
     """Walk ``gpt`` block by block as ``GPT.hidden`` does, materialising attention.
 
     Each block: ``ln_1`` -> ``attn.qkv`` (scheme rotation included) -> softmax(q kᵀ/√d + mask)
-    in float32 with mask = ``gpt.attention_mask(positions, positions, float32, always=True)``
-    -> probs @ v -> ``attn.c_proj`` residual -> ``ln_2``/``mlp`` residual. Modules are used in
+    in float32 with the layer's float32 mask from ``gpt.layer_contexts`` (the scheme's bias, or
+    causal only on a NoPE layer of a schedule) -> probs @ v -> ``attn.c_proj`` residual -> ``ln_2``/``mlp`` residual. Modules are used in
     whatever mode they are in (call under eval for dropout-free probabilities; ``attention_probs``
     does). Without ``return_hidden`` the walk stops after the last requested layer.
     """
@@ -98,14 +98,14 @@ def eager_attention_pass(
     positions = gpt.positions_for(T, positions, idx.device)
     probs: dict[int, Tensor] = {}
     with torch.no_grad():
-        mask = gpt.attention_mask(positions, positions, torch.float32, always=True)  # (1, H, T, T)
+        # the model's own per-layer contexts, each with a float32 (1, H, T, T) mask
+        contexts = gpt.layer_contexts(positions, dtype=torch.float32, always_mask=True)
         x = gpt.embed(idx, positions)
-        ctx = gpt.position_context(positions)
-        for layer, block in enumerate(gpt.blocks):
+        for layer, (block, ctx) in enumerate(zip(gpt.blocks, contexts)):
             if layer > last:
                 break
             attn = block.attn
-            q, k, v = attn.qkv(block.ln_1(x), ctx)
+            q, k, v, mask = *attn.qkv(block.ln_1(x), ctx), ctx.mask
             with torch.autocast(idx.device.type, enabled=False):  # the probabilities in float32
                 scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
                 p = torch.softmax(scores + mask, dim=-1)

@@ -166,9 +166,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, pe: PositionEncoding) -> None:
+    def __init__(self, config: GPTConfig, pe: PositionEncoding, nope_layers: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.config = config
+        self.nope_layers = frozenset(nope_layers)  # layers that attend with no position information
         self.pe = pe  # shared by all layers; its tables are computed once per forward where possible
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -202,16 +203,17 @@ class GPT(nn.Module):
         return n
 
     def attention_mask(
-        self, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype, always: bool = False
+        self, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype, always: bool = False,
+        with_bias: bool = True,
     ) -> Tensor | None:
         """Float mask (1, H, Tq, Tk): the scheme's bias plus -inf on keys after the query.
 
         The Tq queries are the last Tq of the Tk tokens (a query chunk, or new tokens after
         a cache). None when the scheme has no bias (SDPA's is_causal is faster), unless
-        ``always``.
+        ``always``. ``with_bias=False``: the causal part only (NoPE layers).
         """
         future = causal_future(len(q_positions), len(k_positions), q_positions.device)
-        if self.pe.uses_bias:
+        if self.pe.uses_bias and with_bias:
             bias = self.pe.bias(q_positions, k_positions)
         elif always:
             bias = torch.zeros(future.shape, device=future.device).expand(self.config.n_head, -1, -1)
@@ -227,6 +229,28 @@ class GPT(nn.Module):
         if self.pe.uses_rotate:
             tables = self.pe.rotation_tables(positions, positions if span is None else span)
         return PositionContext(self.pe, positions, tables, mask)
+
+    def layer_contexts(self, positions: Tensor, k_positions: Tensor | None = None, span: Tensor | None = None,
+                       dtype: torch.dtype = torch.float32, q_chunk: int | None = None, always_mask: bool = False
+                       ) -> list[PositionContext]:
+        """One forward's per-layer contexts, built once: the scheme's (tables, bias mask or
+        query chunks) and, for NoPE layers of a schedule, a causal-only one."""
+        k_positions = positions if k_positions is None else k_positions
+        T = len(positions)
+
+        def build(with_pe: bool) -> PositionContext:
+            ctx = self.position_context(positions, span=k_positions if span is None else span) if with_pe \
+                else PositionContext(self.pe, positions)
+            if q_chunk is not None and T > q_chunk:
+                ctx.chunk = QueryChunks(q_chunk, lambda qp, kp: self.attention_mask(
+                    qp, kp, dtype, always=True, with_bias=with_pe))
+            else:
+                ctx.mask = self.attention_mask(positions, k_positions, dtype, always=always_mask, with_bias=with_pe)
+            return ctx
+
+        scheme = build(True)
+        plain = build(False) if self.nope_layers else scheme
+        return [plain if i in self.nope_layers else scheme for i in range(len(self.blocks))]
 
     def positions_for(self, T: int, positions: Tensor | None, device: torch.device, start: int = 0) -> Tensor:
         """The default start..start+T-1, checked against the scheme's table; or validated explicit ones."""
@@ -263,13 +287,10 @@ class GPT(nn.Module):
             span = k_positions if cache is None else cache.span
         dtype = self._compute_dtype(idx.device)
         x = self.embed(idx, positions)
-        ctx = self.position_context(positions, span=span)
-        if q_chunk is not None and T > q_chunk and cache is None:
-            ctx.chunk = QueryChunks(q_chunk, lambda qp, kp: self.attention_mask(qp, kp, dtype, always=True))
-        else:  # several new tokens after a cache need an explicit causal mask
-            ctx.mask = self.attention_mask(positions, k_positions, dtype, always=past > 0 and T > 1)
-        for i, block in enumerate(self.blocks):
-            x = block(x, ctx, None if cache is None else cache.layers[i])
+        contexts = self.layer_contexts(positions, k_positions, span, dtype, q_chunk if cache is None else None,
+                                       always_mask=past > 0 and T > 1)  # several new tokens after a cache
+        for block, ctx, layer_cache in zip(self.blocks, contexts, cache.layers if cache is not None else [None] * len(contexts)):
+            x = block(x, ctx, layer_cache)
         if cache is not None:
             cache.positions = k_positions
         return self.ln_f(x)

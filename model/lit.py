@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 
 from model.config import GPTConfig
 from model.gpt import GPT
+from model.pe.schedule import nope_layers, split_schedule
 from pelab.config import check_options, require
 
 
@@ -63,8 +64,9 @@ class LitGPT(L.LightningModule):
         self.save_hyperparameters({"model": model, "pe": pe, "optim": optim, "compile": compile})
         self.config = GPTConfig(**model)
         self.optim = OptimConfig(**optim)
-        pe_factory = hydra.utils.instantiate(pe, _partial_=True)
-        self.model = GPT(self.config, pe_factory(self.config))
+        scheme, schedule = split_schedule(pe)
+        pe_factory = hydra.utils.instantiate(scheme, _partial_=True)
+        self.model = GPT(self.config, pe_factory(self.config), nope_layers(self.config.n_layer, **schedule))
         self.compile = compile
         self.val_loss = MeanMetric()
         # PaLM appendix B: 6N + 12·L·d·T model FLOPs per trained token (tied weights counted once)

@@ -127,3 +127,54 @@ def test_sample_script_with_and_without_cache_gives_the_same_greedy_text(tmp_pat
         assert proc.returncode == 0, proc.stderr
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1] and outputs[0].startswith("It was") and len(outputs[0]) > len("It was") + 20
+
+
+# --------------------------------------------------------------------------------------
+# per-layer schedules: pe.nope_every
+# --------------------------------------------------------------------------------------
+
+
+def test_nope_every_layer_drops_the_scheme_on_those_layers_only():
+    """A 4-layer RoPE+bias model with nope_every=2: layers 1 and 3 see no position
+    information. Reference: each layer run with the scheme (rope_alibi) or with a NoPE
+    scheme's context, chosen by hand."""
+    from model.pe.schedule import nope_layers
+
+    assert nope_layers(8, 4) == {3, 7} and nope_layers(4, None) == set() and nope_layers(3, 1) == {0, 1, 2}
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=41, block_size=64, n_layer=4, n_head=4, n_embd=32)
+    scheduled = GPT(config, SCHEMES["rope_alibi"](config), nope_layers(4, 2)).eval()
+    reference = GPT(config, SCHEMES["rope_alibi"](config)).eval()
+    plain = GPT(config, SCHEMES["nope"](config)).eval()
+    reference.load_state_dict(scheduled.state_dict())
+    plain.load_state_dict(scheduled.state_dict())
+    idx = torch.randint(0, 41, (2, 20), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(20)
+    with torch.no_grad():
+        x = scheduled.embed(idx, positions)
+        for i, block in enumerate(reference.blocks):
+            model = plain if i in (1, 3) else reference
+            x = block(x, model.layer_contexts(positions)[i])
+        expected = scheduled.logits(scheduled.ln_f(x))
+        got = scheduled(idx)[0]
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+        # and it differs from applying the scheme everywhere
+        assert (reference(idx)[0] - got).abs().max() > 1e-3
+    # the probe and the cache follow the schedule too
+    from evaluation.attention_maps import eager_attention_pass
+
+    run = eager_attention_pass(scheduled, idx, return_hidden=True)
+    torch.testing.assert_close(scheduled.logits(run.hidden), got, atol=1e-5, rtol=0)
+    tokens = scheduled.generate(idx[:, :8], 12, temperature=0)
+    assert torch.equal(tokens, scheduled.generate(idx[:, :8], 12, temperature=0, cache=False))
+
+
+def test_nope_every_from_the_config(tmp_path):
+    """pe.nope_every reaches the model through LitGPT; embedding-only schemes refuse it."""
+    from model.lit import LitGPT
+
+    module = LitGPT(model={"vocab_size": 41, "block_size": 32, "n_layer": 8, "n_head": 2, "n_embd": 16},
+                    pe={"_target_": "model.pe.rope.RoPE", "nope_every": 4})
+    assert module.model.nope_layers == {3, 7}
+    with pytest.raises(ValueError, match="pe.nope_every must be null or an integer >= 1"):
+        LitGPT(model={"vocab_size": 41, "block_size": 32}, pe={"_target_": "model.pe.rope.RoPE", "nope_every": 0})
