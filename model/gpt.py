@@ -97,7 +97,7 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        return len(self.positions)
+        return self.positions.shape[-1]
 
 
 class CausalSelfAttention(nn.Module):
@@ -133,7 +133,7 @@ class CausalSelfAttention(nn.Module):
             # (heads, e - s, e), never the whole (heads, T, T).
             parts = []
             for s, e in ctx.chunk.bounds(T):
-                mask = ctx.chunk.mask(ctx.positions[s:e], ctx.positions[:e])
+                mask = ctx.chunk.mask(ctx.positions[..., s:e], ctx.positions[..., :e])
                 parts.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], attn_mask=mask))
             y = torch.cat(parts, dim=2)
         y = y.transpose(1, 2).reshape(B, T, C)
@@ -206,20 +206,21 @@ class GPT(nn.Module):
         self, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype, always: bool = False,
         with_bias: bool = True,
     ) -> Tensor | None:
-        """Float mask (1, H, Tq, Tk): the scheme's bias plus -inf on keys after the query.
+        """Float mask (1 or B, H, Tq, Tk): the scheme's bias plus -inf on keys after the query.
 
         The Tq queries are the last Tq of the Tk tokens (a query chunk, or new tokens after
         a cache). None when the scheme has no bias (SDPA's is_causal is faster), unless
         ``always``. ``with_bias=False``: the causal part only (NoPE layers).
         """
-        future = causal_future(len(q_positions), len(k_positions), q_positions.device)
+        future = causal_future(q_positions.shape[-1], k_positions.shape[-1], q_positions.device)
         if self.pe.uses_bias and with_bias:
             bias = self.pe.bias(q_positions, k_positions)
         elif always:
             bias = torch.zeros(future.shape, device=future.device).expand(self.config.n_head, -1, -1)
         else:
             return None
-        return bias.masked_fill(future, float("-inf")).to(dtype).unsqueeze(0)
+        mask = bias.masked_fill(future, float("-inf")).to(dtype)
+        return mask if mask.dim() == 4 else mask.unsqueeze(0)  # (B or 1, H, Tq, Tk)
 
     def position_context(self, positions: Tensor, mask: Tensor | None = None, span: Tensor | None = None
                          ) -> PositionContext:
@@ -236,7 +237,7 @@ class GPT(nn.Module):
         """One forward's per-layer contexts, built once: the scheme's (tables, bias mask or
         query chunks) and, for NoPE layers of a schedule, a causal-only one."""
         k_positions = positions if k_positions is None else k_positions
-        T = len(positions)
+        T = positions.shape[-1]
 
         def build(with_pe: bool) -> PositionContext:
             ctx = self.position_context(positions, span=k_positions if span is None else span) if with_pe \
@@ -262,8 +263,8 @@ class GPT(nn.Module):
                     f"this scheme cannot run past its table"
                 )
             return torch.arange(start, start + T, device=device)
-        if positions.shape != (T,):
-            raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
+        if positions.shape[-1:] != (T,) or positions.dim() > 2:
+            raise ValueError(f"positions must have shape ({T},) or (batch, {T}), got {tuple(positions.shape)}")
         return positions
 
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
@@ -282,7 +283,7 @@ class GPT(nn.Module):
         T = idx.shape[1]
         past = 0 if cache is None else cache.length
         positions = self.positions_for(T, positions, idx.device, start=past)
-        k_positions = positions if cache is None else torch.cat((cache.positions, positions))
+        k_positions = positions if cache is None else torch.cat((cache.positions, positions), dim=-1)
         if span is None:
             span = k_positions if cache is None else cache.span
         dtype = self._compute_dtype(idx.device)
@@ -333,7 +334,7 @@ class GPT(nn.Module):
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, positions: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        """idx (B, T) token ids; positions (T,) integer positions, default 0..T-1.
+        """idx (B, T) token ids; positions (T,) or (B, T) integer positions, default 0..T-1.
 
         Returns logits (B, T, V) and, with targets, the mean cross-entropy (ignore_index -1).
         """

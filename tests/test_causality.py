@@ -86,3 +86,31 @@ def test_probe_rows_put_zero_weight_on_later_tokens(name):
         earlier = ~later
         assert torch.all(p[..., earlier] > 0)  # keys 0..i all visible, e.g. key 7 from query 8
         torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[:-1]))
+
+
+@pytest.mark.parametrize("name", ALL_SCHEMES)
+def test_per_sequence_positions_equal_running_each_sequence_alone(name):
+    """(B, T) positions (each sequence its own: packed documents, randomized positions) give
+    every row exactly what that row gives alone with its (T,) positions, on every path."""
+    model = build(name)
+    positions = torch.tensor([POSITION_SETS["reset"], POSITION_SETS["repeat"], [t % 11 for t in range(T)]])
+    idx = torch.randint(0, 37, (3, T), generator=torch.Generator().manual_seed(3))
+    targets = torch.randint(0, 37, (3, T), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        batched = model(idx, positions=positions)[0]
+        batched_nll = model.token_nll(idx, targets, positions=positions, q_chunk=5)
+        batched_probs = attention_probs(model, idx, positions)
+        for b in range(3):
+            alone = model(idx[b : b + 1], positions=positions[b])[0]
+            torch.testing.assert_close(batched[b : b + 1], alone, atol=1e-5, rtol=1e-5)
+            nll = model.token_nll(idx[b : b + 1], targets[b : b + 1], positions=positions[b], q_chunk=5)
+            torch.testing.assert_close(batched_nll[b : b + 1], nll, atol=1e-5, rtol=1e-5)
+            for layer, p in attention_probs(model, idx[b : b + 1], positions[b]).items():
+                torch.testing.assert_close(batched_probs[layer][b : b + 1], p, atol=1e-6, rtol=1e-5)
+    assert (batched[0] - batched[1]).abs().max() > 0  # the rows really differ
+
+
+def test_positions_of_the_wrong_shape_are_refused():
+    model = build("rope")
+    with pytest.raises(ValueError, match=r"positions must have shape \(16,\) or \(batch, 16\), got \(2, 15\)"):
+        model(torch.zeros(2, T, dtype=torch.long), positions=torch.zeros(2, T - 1, dtype=torch.long))

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from model.config import GPTConfig
-from model.pe.base import PositionEncoding, relative_distance
+from model.pe.base import PositionEncoding, per_head, relative_distance
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -34,4 +34,5 @@ class ALiBi(PositionEncoding, name="alibi"):
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        return -self.slopes[:, None, None] * relative_distance(q_positions, k_positions)
+        slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))
+        return -slopes * distance

@@ -4,7 +4,10 @@ Position information enters attention at exactly three places, one hook each:
 
 1. ``embed(x, positions)``: added to the token embeddings before the first block;
 2. ``rotate(q, k, q_positions, k_positions)``: applied to queries and keys;
-3. ``bias(q_positions, k_positions)``: additive attention logits, shape (heads, Tq, Tk).
+3. ``bias(q_positions, k_positions)``: additive attention logits, shape (..., heads, Tq, Tk).
+
+Positions are (T,), or (B, T) when every sequence has its own (packed documents,
+randomized positions); hooks keep any leading batch dims.
 
 A scheme overrides the hooks it needs; the model asks ``uses_embed``/``uses_rotate``/
 ``uses_bias`` and never looks at a scheme's name. Positions are integer tensors so that
@@ -98,5 +101,11 @@ class PositionEncoding(nn.Module):
 
 
 def relative_distance(q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """(Tq, Tk) float32 matrix of i - j, computed exactly in integers first."""
-    return (q_positions[:, None] - k_positions[None, :]).float()
+    """(..., Tq, Tk) float32 matrix of i - j, computed exactly in integers first. Positions
+    are (T,) or (B, T) (each sequence its own, e.g. randomized positions)."""
+    return (q_positions[..., :, None] - k_positions[..., None, :]).float()
+
+
+def per_head(values: Tensor, distance: Tensor) -> tuple[Tensor, Tensor]:
+    """(H,) per-head values and a (..., Tq, Tk) distance, shaped to broadcast to (..., H, Tq, Tk)."""
+    return values[:, None, None], distance.unsqueeze(-3)

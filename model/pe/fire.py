@@ -57,18 +57,18 @@ class FIRE(PositionEncoding, name="fire"):
         return (self.threshold_multiplier * self.init_threshold).abs()
 
     def normalized_distance(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        """(Tq, Tk) float32 psi(i - j) / psi(max(i, L))."""
+        """(..., Tq, Tk) float32 psi(i - j) / psi(max(i, L))."""
         c = self.c
         distance = torch.log(torch.abs(c * relative_distance(q_positions, k_positions)) + 1)
         normalizer = torch.maximum(q_positions.float(), self.threshold)
         normalizer = torch.log(torch.abs(c * normalizer) + 1) + self.eps
-        return distance / normalizer[:, None]
+        return distance / normalizer[..., :, None]
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         with torch.autocast(q_positions.device.type, enabled=False):
             x = self.normalized_distance(q_positions, k_positions)[..., None]
-            out = self.mlp(x.to(self.mlp[0].weight.dtype))  # (Tq, Tk, H)
-        return out.permute(2, 0, 1)
+            out = self.mlp(x.to(self.mlp[0].weight.dtype))  # (..., Tq, Tk, H)
+        return out.movedim(-1, -3)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, eps={self.eps}"

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import GPTConfig
-from model.pe.base import PositionEncoding, relative_distance
+from model.pe.base import PositionEncoding, per_head, relative_distance
 
 EPS = 1e-2  # the reference's lower bound for every KERPLE parameter
 
@@ -54,7 +54,8 @@ class _Kerple(PositionEncoding):
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         self.project()
         distance = relative_distance(q_positions, k_positions).abs()  # float32, exact integers
-        return self.kernel(self.r1[:, None, None], self.r2[:, None, None], distance)
+        r1, distance = per_head(self.r1, distance)
+        return self.kernel(r1, self.r2[:, None, None], distance)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, eps={self.eps}"

@@ -54,10 +54,15 @@ class RotaryTables(NamedTuple):
     k_sin: Tensor
 
     def q(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self.q_cos.to(dtype), self.q_sin.to(dtype)
+        return _heads(self.q_cos, dtype), _heads(self.q_sin, dtype)
 
     def k(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self.k_cos.to(dtype), self.k_sin.to(dtype)
+        return _heads(self.k_cos, dtype), _heads(self.k_sin, dtype)
+
+
+def _heads(table: Tensor, dtype: torch.dtype) -> Tensor:
+    """(T, r/2) broadcasts over (B, H, T, .) as it is; per-sequence (B, T, r/2) needs a head dim."""
+    return (table[:, None] if table.dim() == 3 else table).to(dtype)
 
 
 class RoPE(PositionEncoding, name="rope"):
@@ -119,16 +124,16 @@ class RoPE(PositionEncoding, name="rope"):
         return freqs
 
     def angles(self, positions: Tensor, freqs: RopeFrequencies | None = None) -> Tensor:
-        """(T, rotary_dim/2) float32 angles p * theta_k (with the scaling applied, if set)."""
+        """(..., T, rotary_dim/2) float32 angles p * theta_k (with the scaling applied, if set)."""
         if freqs is None:
             freqs = self.frequencies(positions)
         p = positions.float()
         if freqs.position_scale != 1.0:
             p = p * freqs.position_scale
-        return p[:, None] * freqs.inv_freq
+        return p[..., None] * freqs.inv_freq
 
     def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
-        span = torch.cat((q_positions, k_positions))
+        span = torch.cat((q_positions, k_positions), dim=-1)
         q_tables = self.rotation_tables(q_positions, span)
         k_tables = self.rotation_tables(k_positions, span)
         return self.apply_rotation(q, k, q_tables._replace(k_cos=k_tables.k_cos, k_sin=k_tables.k_sin))
@@ -143,7 +148,7 @@ class RoPE(PositionEncoding, name="rope"):
 
     def _cos_sin(self, positions: Tensor, freqs: RopeFrequencies, scale: Tensor | None = None
                  ) -> tuple[Tensor, Tensor]:
-        """float32 (T, rotary_dim/2) cos and sin, times YaRN's attention factor and xPos's decay."""
+        """float32 (..., T, rotary_dim/2) cos and sin, times YaRN's attention factor and xPos's decay."""
         angles = self.angles(positions, freqs)
         cos, sin = angles.cos(), angles.sin()
         if freqs.attention_factor != 1.0:  # YaRN: on q and on k, so the logits scale by its square

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from model.config import GPTConfig
 from model.pe.alibi import alibi_slopes
-from model.pe.base import relative_distance
+from model.pe.base import per_head, relative_distance
 from model.pe.rope import RoPE
 
 
@@ -35,7 +35,8 @@ class RoPEALiBi(RoPE, name="rope_alibi"):
         self.bias_heads, self.slope_multiplier = n_biased, slope_multiplier
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        return -self.slopes[:, None, None] * relative_distance(q_positions, k_positions)
+        slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))
+        return -slopes * distance
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bias_heads={self.bias_heads}, slope_multiplier={self.slope_multiplier}"

@@ -56,8 +56,9 @@ class T5RelativeBias(PositionEncoding, name="t5"):
         nn.init.xavier_uniform_(self.relative_attention_bias.weight)  # = t5x's fan_avg uniform
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        buckets = t5_bucket(q_positions[:, None] - k_positions[None, :], self.num_buckets, self.max_distance)
-        return self.relative_attention_bias(buckets).permute(2, 0, 1).float()  # (H, Tq, Tk)
+        distance = q_positions[..., :, None] - k_positions[..., None, :]
+        buckets = t5_bucket(distance, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets).movedim(-1, -3).float()  # (..., H, Tq, Tk)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_buckets={self.num_buckets}, max_distance={self.max_distance}"

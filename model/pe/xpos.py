@@ -38,8 +38,8 @@ class XPos(RoPE, name="xpos"):
         self.register_buffer("zeta", (k2 / self.rotary_dim + gamma) / (1 + gamma), persistent=False)
 
     def decay(self, positions: Tensor, center: Tensor, sign: float) -> Tensor:
-        """(T, rotary_dim/2) float32 factors zeta^(sign * (p - c) / B)."""
-        exponent = sign * (positions - center).float()[:, None] / self.scale_base
+        """(..., T, rotary_dim/2) float32 factors zeta^(sign * (p - c) / B)."""
+        exponent = sign * (positions - center).float()[..., None] / self.scale_base
         return self.zeta ** exponent
 
     def rotation_tables(self, positions: Tensor, span: Tensor) -> RotaryTables:
