@@ -116,7 +116,7 @@ def validate_config(cfg: DictConfig) -> None:
     from evaluation.extrapolation import ExtrapolationConfig
     from model.config import GPTConfig
     from model.lit import OptimConfig
-    from model.pe.schedule import nope_layers, split_schedule
+    from model.pe.schedule import check_randomize_to, nope_layers, split_schedule
     from pelab.config import ConfigError, check_options, describe, fail, matches, require
 
     def plain(node) -> dict:
@@ -158,7 +158,8 @@ def validate_config(cfg: DictConfig) -> None:
     pe_values, schedule = split_schedule(plain(cfg.pe))
     check_options("pe", pe_values, target("pe", pe_values), ignore=("config",))
     pe = build("pe", hydra.utils.instantiate(pe_values, _partial_=True), model)
-    if build("pe", nope_layers, model.n_layer, **schedule) and not (pe.uses_rotate or pe.uses_bias):
+    build("pe", check_randomize_to, schedule.get("randomize_to"), model.block_size, pe.max_positions)
+    if build("pe", nope_layers, model.n_layer, schedule.get("nope_every")) and not (pe.uses_rotate or pe.uses_bias):
         raise ConfigError(f"pe.nope_every={schedule['nope_every']} needs a scheme that acts inside attention "
                           f"(rotation or bias); pe={pe.name} only adds to the embeddings")
     if pe.max_positions is not None and model.block_size > pe.max_positions:

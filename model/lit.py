@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.pe.schedule import nope_layers, split_schedule
+from model.pe.schedule import check_randomize_to, nope_layers, random_positions, split_schedule
 from pelab.config import check_options, require
 
 
@@ -66,7 +66,10 @@ class LitGPT(L.LightningModule):
         self.optim = OptimConfig(**optim)
         scheme, schedule = split_schedule(pe)
         pe_factory = hydra.utils.instantiate(scheme, _partial_=True)
-        self.model = GPT(self.config, pe_factory(self.config), nope_layers(self.config.n_layer, **schedule))
+        self.model = GPT(self.config, pe_factory(self.config),
+                         nope_layers(self.config.n_layer, schedule.get("nope_every")))
+        self.randomize_to = check_randomize_to(schedule.get("randomize_to"), self.config.block_size,
+                                               self.model.pe.max_positions)
         self.compile = compile
         self.val_loss = MeanMetric()
         # PaLM appendix B: 6N + 12·L·d·T model FLOPs per trained token (tied weights counted once)
@@ -87,10 +90,19 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        _, loss = self.model(x, y)
+        _, loss = self.model(x, y, self.training_positions(x, batch_idx))
         self.log("train/loss", loss, prog_bar=True)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False)
         return loss
+
+    def training_positions(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        """None (0..T-1), or with ``pe.randomize_to`` per-sequence random positions drawn from
+        (seed, rank, step, micro-batch): reproducible, resumable, different on every rank."""
+        if self.randomize_to is None:
+            return None
+        key = hash((torch.initial_seed(), self.global_rank, self.global_step, batch_idx)) & (2**63 - 1)
+        generator = torch.Generator(device=x.device).manual_seed(key)
+        return random_positions(x.shape[0], x.shape[1], self.randomize_to, generator, x.device)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

@@ -57,6 +57,8 @@ CASES = [
     ("pe=learned +pe.nope_every=2", ["pe.nope_every=2 needs a scheme that acts inside attention",
                                      "pe=learned only adds to the embeddings"]),
     ("pe.nope_every=0", ["pe.nope_every must be null or an integer >= 1", "got 0"]),
+    ("pe.randomize_to=100", ["pe.randomize_to must be null or an integer >= model.block_size=256", "got 100"]),
+    ("pe=learned +pe.randomize_to=512", ["pe.randomize_to=512 exceeds the 256 positions of the scheme"]),
     ("model.n_head=5", ["model.n_embd must be divisible by model.n_head=5, got 128"]),
     ("model.n_embd=12 model.n_head=4", ["model.n_embd / model.n_head must be even, got 3"]),
     ("pe=learned pe.max_positions=16", ["model.block_size=256 exceeds the 16 positions of pe=learned",

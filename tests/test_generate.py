@@ -178,3 +178,49 @@ def test_nope_every_from_the_config(tmp_path):
     assert module.model.nope_layers == {3, 7}
     with pytest.raises(ValueError, match="pe.nope_every must be null or an integer >= 1"):
         LitGPT(model={"vocab_size": 41, "block_size": 32}, pe={"_target_": "model.pe.rope.RoPE", "nope_every": 0})
+
+
+# --------------------------------------------------------------------------------------
+# randomized positions (Ruoss et al. 2023)
+# --------------------------------------------------------------------------------------
+
+
+def test_random_positions_are_sorted_distinct_subsets():
+    from model.pe.schedule import random_positions
+
+    g = torch.Generator().manual_seed(0)
+    p = random_positions(64, 16, 40, g)
+    assert p.shape == (64, 16) and p.min() >= 0 and p.max() < 40
+    assert torch.all(p[:, 1:] > p[:, :-1])  # strictly increasing: sorted, no repeats
+    assert len({tuple(row.tolist()) for row in p}) > 60  # sequences get their own
+    # every position of [0, 40) is drawn about equally often (16/40 of the rows each)
+    counts = torch.bincount(random_positions(4000, 16, 40, g).flatten(), minlength=40).float() / 4000
+    assert torch.allclose(counts, torch.full((40,), 0.4), atol=0.04)
+    assert torch.equal(random_positions(2, 16, 16, g), torch.arange(16).expand(2, 16))  # N = T: no choice
+
+
+def test_training_uses_random_positions_and_evaluation_does_not(monkeypatch):
+    from model.lit import LitGPT
+
+    module = LitGPT(model={"vocab_size": 41, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16},
+                    pe={"_target_": "model.pe.alibi.ALiBi", "randomize_to": 64})
+    seen = []
+    forward = module.model.forward
+    monkeypatch.setattr(module.model, "forward", lambda x, y=None, positions=None: seen.append(positions)
+                        or forward(x, y, positions))
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    monkeypatch.setattr(module, "optimizers", lambda: type("O", (), {"param_groups": [{"lr": 0.0}]})())
+    x = torch.randint(0, 41, (3, 16))
+    loss = module.training_step((x, x), 0)
+    positions = seen[-1]
+    assert positions.shape == (3, 16) and positions.max() < 64 and torch.all(positions[:, 1:] > positions[:, :-1])
+    torch.testing.assert_close(loss, module.model(x, x, positions)[1])
+    module.training_step((x, x), 0)
+    assert torch.equal(seen[-1], positions)  # a pure function of (seed, rank, step, micro-batch)
+    module.training_step((x, x), 1)
+    assert not torch.equal(seen[-1], positions)
+    module.validation_step((x, x), 0)
+    assert seen[-1] is None  # evaluation: 0..T-1
+    with pytest.raises(ValueError, match="pe.randomize_to=64 exceeds the 16 positions"):
+        LitGPT(model={"vocab_size": 41, "block_size": 16}, pe={"_target_": "model.pe.learned.LearnedPositionEmbedding",
+                                                               "randomize_to": 64})

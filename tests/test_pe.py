@@ -707,7 +707,8 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
     assert {p.stem for p in yamls} >= {"learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"}
     for path in yamls:
         cfg = OmegaConf.to_container(OmegaConf.load(path))
-        assert cfg.pop("nope_every", None) is None  # a model schedule (model/pe/schedule.py), off by default
+        for key in ("nope_every", "randomize_to"):  # model-level options (model/pe/schedule.py), off by default
+            assert cfg.pop(key, None) is None
         module, _, cls_name = cfg.pop("_target_").rpartition(".")
         cls = getattr(__import__(module, fromlist=[cls_name]), cls_name)
         params = inspect.signature(cls.__init__).parameters
