@@ -68,6 +68,18 @@ class PositionEncoding(nn.Module):
         bucket biases and kernel parameters are not pulled towards zero)."""
         return []
 
+    @torch.no_grad()
+    def learned_functions(self, length: int) -> dict[str, tuple[Tensor, Tensor, str]]:
+        """What the scheme has learned, as curves to plot: name -> (x (N,), y (heads or
+        curves, N), x label). Default, for a scheme with parameters and a bias: the bias at
+        query position ``length`` against the distance i - j = 0..length, per head."""
+        if not self.uses_bias or not any(True for _ in self.parameters()):
+            return {}
+        distance = torch.arange(length + 1)
+        device = next(self.parameters()).device
+        bias = self.bias(torch.tensor([length], device=device), (length - distance).to(device))
+        return {"bias vs distance": (distance.float(), bias[:, 0].float().cpu(), "distance i - j")}
+
     # Per-forward state of the rotation: computed once by the model and shared by all layers.
     def rotation_tables(self, positions: Tensor, span: Tensor) -> Any:
         """What ``apply_rotation`` needs to rotate the q and k of tokens at ``positions``.

@@ -157,6 +157,15 @@ class RoPE(PositionEncoding, name="rope"):
             cos, sin = cos * scale, sin * scale
         return cos, sin
 
+    @torch.no_grad()
+    def learned_functions(self, length: int) -> dict[str, tuple[Tensor, Tensor, str]]:
+        curves = super().learned_functions(length)
+        if self.log_freq_scale is not None:  # learned theta_k / initial theta_k = exp(alpha_k), per pair
+            pairs = torch.arange(self.log_freq_scale.numel()).float()
+            curves["frequency factor exp(alpha_k)"] = (pairs, self.log_freq_scale.detach().float().exp()[None].cpu(),
+                                                       "pair k (high to low frequency)")
+        return curves
+
     def extra_repr(self) -> str:
         extra = f", scaling={self.scaling}" if self.scaling is not None else ""
         if self.keep is not None:
