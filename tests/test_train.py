@@ -180,15 +180,20 @@ def test_unknown_scheme_lists_valid_choices():
         assert scheme in message
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", sorted(p.stem for p in (ROOT / "conf" / "pe").glob("*.yaml")))
 def test_every_scheme_config_builds(scheme):
     import hydra
 
     from model.config import GPTConfig
     from model.pe import SCHEMES as REGISTRY
 
+    from omegaconf import OmegaConf
+
+    from model.pe.schedule import split_schedule
+
     cfg = compose_config([f"pe={scheme}"])
-    pe = hydra.utils.instantiate(cfg.pe, _partial_=True)(GPTConfig(vocab_size=256, **cfg.model))
+    options, _ = split_schedule(OmegaConf.to_container(cfg.pe))  # nope_every/randomize_to belong to the model
+    pe = hydra.utils.instantiate(options, _partial_=True)(GPTConfig(vocab_size=256, **cfg.model))
     assert type(pe) is REGISTRY[scheme]
 
 
