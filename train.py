@@ -207,6 +207,18 @@ def validate_config(cfg: DictConfig) -> None:
     extrapolation = plain(cfg.eval.extrapolation) if cfg.get("eval") else {}
     enabled = extrapolation.pop("enabled", False)
     require(isinstance(enabled, bool), "eval.extrapolation.enabled", enabled, "true or false")
+    held_out_text = getattr(target("data", data), "held_out_text", True)
+    if enabled and not held_out_text:
+        raise ConfigError(f"eval.extrapolation.enabled=true needs held-out text, and data={data['_target_']} "
+                          f"(a synthetic task) has none: set eval.extrapolation.enabled=false (accuracy vs "
+                          f"length runs from eval.tasks)")
+    tasks = plain(cfg.eval.tasks) if cfg.get("eval") and cfg.eval.get("tasks") else {}
+    if tasks.pop("enabled", False):
+        if held_out_text:
+            raise ConfigError("eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=...")
+        from evaluation.tasks import TaskEvalConfig
+
+        build("eval.tasks", TaskEvalConfig.from_dict, {"precision": str(cfg.trainer.precision), **tasks})
     if enabled:
         # precision mirrors trainer.precision (checked above), which may be an int
         check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))
@@ -367,6 +379,10 @@ def train(cfg: DictConfig) -> float | None:
     if trainer.is_global_zero:
         if cfg.eval.extrapolation.enabled:
             run_extrapolation(cfg, module, datamodule, loggers, output_dir, trainer.global_step)
+        if cfg.eval.get("tasks") and cfg.eval.tasks.get("enabled"):
+            from evaluation.tasks import run_task_evaluation
+
+            run_task_evaluation(cfg, module, datamodule, loggers, output_dir, trainer.global_step)
         baseline = datamodule.unigram_loss()
         for logger in loggers:
             logger.log_metrics({"val/unigram_loss": baseline}, step=trainer.global_step)

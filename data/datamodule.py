@@ -198,6 +198,8 @@ class ValidationWindows(Dataset):
 
 
 class TextDataModule(L.LightningDataModule):
+    held_out_text = True  # a held-out split to score perplexity on (synthetic tasks have none)
+
     def __init__(
         self,
         corpus,

@@ -57,6 +57,9 @@ CASES = [
     ("pe=learned +pe.nope_every=2", ["pe.nope_every=2 needs a scheme that acts inside attention",
                                      "pe=learned only adds to the embeddings"]),
     ("pe.nope_every=0", ["pe.nope_every must be null or an integer >= 1", "got 0"]),
+    ("data=synthetic", ["eval.extrapolation.enabled=true needs held-out text", "eval.extrapolation.enabled=false"]),
+    ("eval.tasks.enabled=true", ["eval.tasks.enabled=true needs a synthetic task: data=synthetic"]),
+    ("experiment=task_ablation eval.tasks.samples=0", ["eval.tasks.samples must be an integer >= 1, got 0"]),
     ("pe.randomize_to=100", ["pe.randomize_to must be null or an integer >= model.block_size=256", "got 100"]),
     ("pe=learned +pe.randomize_to=512", ["pe.randomize_to=512 exceeds the 256 positions of the scheme"]),
     ("model.n_head=5", ["model.n_embd must be divisible by model.n_head=5, got 128"]),
@@ -151,6 +154,8 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["data=wikitext103", "model=gpt2"],  # a hub corpus must not inherit the embedded corpus's options
     ["data=gutenberg_gpt2"],
     ["experiment=pe_ablation"],
+    ["experiment=task_ablation"],
+    ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],
     *[[f"pe={name}"] for name in ("learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi", "nope", "t5",
                                   "kerple_log", "kerple_power", "fire")],
 ])

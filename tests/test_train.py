@@ -413,3 +413,22 @@ def test_scripts_wandb_failure_keeps_the_results(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(wandb, "init", broken_init)
     log_rows_to_new_wandb_run([], tmp_path / "none.png", tmp_path, prefix="extrapolation")  # no exception
     assert "[pelab] W&B logging failed: OSError: read-only file system" in capsys.readouterr().err
+
+
+def test_task_ablation_trains_and_writes_the_accuracy_table(tmp_path):
+    """experiment=task_ablation end to end: a synthetic task, no perplexity harness, the
+    accuracy-vs-length table at the end (one row per length x passkey depth)."""
+    out = tmp_path / "run"
+    proc = run_train(["experiment=task_ablation", f"hydra.run.dir={out}", "logger=csv",
+                      "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=64",
+                      "data.batch_size=4", "data.val_samples=8", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                      "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                      "~callbacks.attention_maps", "eval.tasks.samples=4", "eval.tasks.multipliers=[1,2]",
+                      "eval.tasks.depths=[0.0,1.0]"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "tasks" / "tasks.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((int(r["eval_length"]), float(r["depth"])) for r in rows) == [(64, 0.0), (64, 1.0), (128, 0.0),
+                                                                               (128, 1.0)]
+    assert all(r["status"] == "ok" and int(r["samples"]) == 4 and 0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    assert not (out / "extrapolation").exists()
