@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,8 +31,30 @@ from model.gpt import GPT, uncompiled
 MODES = ("nonoverlapping", "sliding")
 
 
+class LengthSweepOptions:
+    """What the evaluation configs share: lengths as multiples of the training length plus
+    absolute ones, and construction from a config dict that refuses unknown keys."""
+
+    section: ClassVar[str]
+    multipliers: Sequence[float]
+    lengths: Sequence[int]
+
+    def eval_lengths(self, train_length: int) -> list[int]:
+        return sorted({int(round(m * train_length)) for m in self.multipliers} | {int(n) for n in self.lengths})
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known - {"enabled"})
+        if unknown:
+            raise ValueError(f"unknown {cls.section} option(s) {unknown}; valid: {', '.join(sorted(known))}")
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
 @dataclass
-class ExtrapolationConfig:
+class ExtrapolationConfig(LengthSweepOptions):
+    section: ClassVar[str] = "extrapolation"
+
     multipliers: Sequence[float] = (1, 2, 4, 8, 16)  # eval lengths as multiples of the train length
     lengths: Sequence[int] = ()  # absolute eval lengths, added to the multiples
     modes: Sequence[str] = ("nonoverlapping",)
@@ -55,16 +77,6 @@ class ExtrapolationConfig:
                              f"lengths={list(self.lengths)}")
         self.rope_scaling = [None if s in (None, "none", "None", "") else s for s in self.rope_scaling] or [None]
 
-    def eval_lengths(self, train_length: int) -> list[int]:
-        return sorted({int(round(m * train_length)) for m in self.multipliers} | {int(n) for n in self.lengths})
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "ExtrapolationConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - {"enabled"})
-        if unknown:
-            raise ValueError(f"unknown extrapolation option(s) {unknown}; valid: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in values.items() if k in known})
 
 @dataclass
 class ExtrapolationRow:

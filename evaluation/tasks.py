@@ -22,13 +22,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
 
 from data.synthetic import Task
-from evaluation.extrapolation import _autocast
+from evaluation.extrapolation import LengthSweepOptions, _autocast
 from model.gpt import GPT, uncompiled
 from pelab.config import require
 
@@ -36,7 +36,8 @@ PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 @dataclass
-class TaskEvalConfig:
+class TaskEvalConfig(LengthSweepOptions):
+    section: ClassVar[str] = "eval.tasks"
     multipliers: Sequence[float] = (1, 2, 4, 8)  # eval lengths as multiples of the train length
     lengths: Sequence[int] = ()  # absolute eval lengths, added to the multiples
     depths: Sequence[float] = PASSKEY_DEPTHS  # passkey only: key depth, 0 = first token, 1 = before the question
@@ -59,16 +60,6 @@ class TaskEvalConfig:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"{key}.{name}", value,
                     "an integer >= 1")
 
-    def eval_lengths(self, train_length: int) -> list[int]:
-        return sorted({int(round(m * train_length)) for m in self.multipliers} | {int(n) for n in self.lengths})
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "TaskEvalConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - {"enabled"})
-        if unknown:
-            raise ValueError(f"unknown eval.tasks option(s) {unknown}; valid: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in values.items() if k in known})
 
 
 @dataclass
