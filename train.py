@@ -306,23 +306,15 @@ def run_extrapolation(cfg: DictConfig, module, datamodule, loggers: list, output
     """The extrapolation table of the trained model: CSV/PNG/markdown on disk, W&B table and chart."""
     from data.datamodule import load_tokens
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
-    from lightning.pytorch.loggers import WandbLogger
-
-    from pelab.loggers import SafeWandbLogger
+    from pelab.loggers import log_results
 
     options = OmegaConf.to_container(cfg.eval.extrapolation, resolve=True)
     config = ExtrapolationConfig.from_dict(options)
     tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
     rows = evaluate_extrapolation(module.model, tokens, cfg.model.block_size, config)
     paths = save_results(rows, output_dir / "extrapolation", title=f"pe={module.pe_name}, trained at {cfg.model.block_size}")
-    for logger in loggers:
-        if isinstance(logger, SafeWandbLogger):  # a W&B failure here must not lose the table on disk
-            logger.run_safely(log_to_wandb, rows, logger.experiment, png=paths["png"])
-        elif isinstance(logger, WandbLogger):
-            log_to_wandb(rows, logger.experiment, png=paths["png"])
-        else:
-            logger.log_metrics({f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl
-                                for r in rows if r.ok}, step=step)
+    log_results(loggers, log_to_wandb, rows, paths["png"],
+                {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl for r in rows if r.ok}, step)
     print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md)", flush=True)
     return rows
 

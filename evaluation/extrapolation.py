@@ -19,7 +19,7 @@ import contextlib
 import csv
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import ClassVar, Iterator, Sequence
 
@@ -230,22 +230,31 @@ def format_row(row: ExtrapolationRow) -> str:
 COLUMNS = [f.name for f in fields(ExtrapolationRow)]
 
 
-def write_csv(rows: Sequence[ExtrapolationRow], path: Path) -> Path:
+def write_rows(rows: Sequence, path: Path, row_type: type) -> Path:
+    """Result rows (dataclass instances of ``row_type``) as a CSV with one column per field."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=[f.name for f in fields(row_type)])
         writer.writeheader()
         for row in rows:
             writer.writerow(asdict(row))
     return path
 
 
-def read_csv(path: Path) -> list[ExtrapolationRow]:
-    types = {f.name: f.type for f in fields(ExtrapolationRow)}
+def read_rows(path: Path, row_type: type) -> list:
+    """The rows ``write_rows`` wrote, fields cast back to their declared int/float/str types."""
+    types = {f.name: f.type for f in fields(row_type)}
     casts = {"int": int, "float": float, "str": str}
     with open(path, newline="") as f:
-        return [ExtrapolationRow(**{k: casts[types[k]](v) for k, v in r.items() if k in types})
-                for r in csv.DictReader(f)]
+        return [row_type(**{k: casts[types[k]](v) for k, v in r.items() if k in types}) for r in csv.DictReader(f)]
+
+
+def write_csv(rows: Sequence[ExtrapolationRow], path: Path) -> Path:
+    return write_rows(rows, path, ExtrapolationRow)
+
+
+def read_csv(path: Path) -> list[ExtrapolationRow]:
+    return read_rows(path, ExtrapolationRow)
 
 
 def series_label(row: ExtrapolationRow, by: Sequence[str]) -> str:

@@ -17,7 +17,6 @@ index, length, depth), so every scheme of an ablation answers the same questions
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 from dataclasses import asdict, dataclass, fields
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from data.synthetic import Task
-from evaluation.extrapolation import LengthSweepOptions, _autocast
+from evaluation.extrapolation import LengthSweepOptions, _autocast, read_rows, write_rows
 from model.gpt import GPT, uncompiled
 from pelab.config import require
 
@@ -161,20 +160,11 @@ def format_row(row: TaskRow) -> str:
 
 
 def write_csv(rows: Sequence[TaskRow], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
-    return path
+    return write_rows(rows, path, TaskRow)
 
 
 def read_csv(path: Path) -> list[TaskRow]:
-    types = {f.name: f.type for f in fields(TaskRow)}
-    casts = {"int": int, "float": float, "str": str}
-    with open(path, newline="") as f:
-        return [TaskRow(**{k: casts[types[k]](v) for k, v in r.items() if k in types}) for r in csv.DictReader(f)]
+    return read_rows(path, TaskRow)
 
 
 def depth_label(depth: float) -> str:
@@ -321,10 +311,9 @@ def run_task_evaluation(cfg, module, datamodule, loggers: list, output_dir: Path
     the data module's task, CSV/PNG/markdown under ``output_dir/tasks``, W&B table and chart.
     Options: ``cfg.eval.tasks`` when present (``enabled: false`` skips), else ``TaskEvalConfig``
     defaults; precision defaults to ``trainer.precision``."""
-    from lightning.pytorch.loggers import WandbLogger
     from omegaconf import OmegaConf
 
-    from pelab.loggers import SafeWandbLogger
+    from pelab.loggers import log_results
 
     options = OmegaConf.to_container(cfg.eval.tasks, resolve=True) if cfg.get("eval", {}).get("tasks") else {}
     if not options.pop("enabled", True):
@@ -335,12 +324,6 @@ def run_task_evaluation(cfg, module, datamodule, loggers: list, output_dir: Path
     rows = evaluate_tasks(module.model, datamodule.task, train_length, config, seed=datamodule.seed)
     paths = save_results(rows, output_dir / "tasks",
                          title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")
-    for logger in loggers:
-        if isinstance(logger, SafeWandbLogger):  # a W&B failure here must not lose the table on disk
-            logger.run_safely(log_to_wandb, rows, logger.experiment, png=paths["png"])
-        elif isinstance(logger, WandbLogger):
-            log_to_wandb(rows, logger.experiment, png=paths["png"])
-        else:
-            logger.log_metrics(summary_metrics(rows), step=step)
+    log_results(loggers, log_to_wandb, rows, paths["png"], summary_metrics(rows), step)
     print(f"[pelab] task accuracy table: {paths['csv']} (+ .png, .md)", flush=True)
     return rows

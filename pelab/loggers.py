@@ -116,3 +116,17 @@ class SafeWandbLogger(WandbLogger):
             return f"[pelab] W&B run: {run.url}"
 
         return self.run_safely(close) or f"[pelab] {self.failure}"
+
+
+def log_results(loggers: list, to_wandb: Callable[..., None], rows: list, png: Path, metrics: dict[str, float],
+                step: int) -> None:
+    """An evaluation table to every logger: W&B runs get the table, chart and PNG through
+    ``to_wandb(rows, run, png=...)`` (a W&B failure loses only W&B: the files on disk stand),
+    the others the summary ``metrics``."""
+    for logger in loggers:
+        if isinstance(logger, SafeWandbLogger):
+            logger.run_safely(to_wandb, rows, logger.experiment, png=png)
+        elif isinstance(logger, WandbLogger):
+            to_wandb(rows, logger.experiment, png=png)
+        else:
+            logger.log_metrics(metrics, step=step)
