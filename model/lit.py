@@ -107,7 +107,7 @@ class LitGPT(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         _, loss = self.model(x, y)
-        self.val_loss.update(loss, weight=y.numel())
+        self.val_loss.update(loss, weight=(y >= 0).sum())  # scored targets only: ignored ones (-1) carry no loss
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted mean, synced across ranks by torchmetrics

@@ -147,3 +147,24 @@ def test_a_scheme_decides_which_of_its_parameters_are_decayed():
     ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
     assert id(module.model.pe.matrix) in ids(decay)
     assert id(module.model.pe.table) in ids(no_decay)  # 2-D, but the scheme did not ask for decay
+
+
+def test_validation_loss_is_weighted_by_scored_targets():
+    """Batches with different numbers of scored targets (answers only, the rest -1): val/loss
+    is the summed NLL over all scored targets divided by their count, not a mean of batch means."""
+    torch.manual_seed(0)
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["rope"]}).eval()
+    x = torch.randint(0, 64, (2, 8))
+    y1, y2 = x.clone(), x.clone()
+    y1[:, :7] = -1  # 2 scored targets
+    y2[:, :1] = -1  # 14 scored targets
+    logged = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, float(value))
+    with torch.no_grad():
+        for y in (y1, y2):
+            module.validation_step((x, y), 0)
+        module.on_validation_epoch_end()
+        logits = module.model(x)[0].double()
+    nll = sum(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+              for y in (y1, y2))
+    assert logged["val/loss"] == pytest.approx((nll / 16).item(), rel=1e-4)
