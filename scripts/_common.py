@@ -42,6 +42,16 @@ def checkpoint_arg(args: dict[str, str], allowed: dict[str, str]) -> Path:
     return ckpt
 
 
+def load_run_config(ckpt: Path, needed_for: str):
+    """The resolved config train.py saved beside the checkpoint (``checkpoints/config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    path = ckpt.parent / "config.yaml"
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: the run's resolved config (written by train.py) tells {needed_for}")
+    return OmegaConf.load(path)
+
+
 def log_rows_to_new_wandb_run(rows, png: Path, out: Path, prefix: str, series_by=("mode", "rope_scaling"),
                               **init) -> None:
     """One W&B run holding an extrapolation table and chart; offline (and said so) when the

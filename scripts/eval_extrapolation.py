@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, checkpoint_arg, log_rows_to_new_wandb_run, parse_key_values, split_list
+from _common import ROOT, checkpoint_arg, load_run_config, log_rows_to_new_wandb_run, parse_key_values, split_list
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py (required)",
@@ -46,11 +46,7 @@ def main(argv: list[str]) -> int:
     from model.checkpoint import load_lit_gpt
     from data.datamodule import load_tokens
 
-    run_config = ckpt.parent / "config.yaml"
-    if not run_config.is_file():
-        raise SystemExit(f"{run_config} not found: the run's resolved config (written by train.py) "
-                         "tells which data and training length to use")
-    cfg = OmegaConf.load(run_config)
+    cfg = load_run_config(ckpt, "which data and training length to use")
     defaults = OmegaConf.load(ROOT / "conf" / "eval" / "default.yaml").extrapolation
     defaults.precision = cfg.trainer.precision
     options = OmegaConf.to_container(cfg.get("eval", {}).get("extrapolation", defaults), resolve=True)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import checkpoint_arg, parse_key_values, split_list
+from _common import checkpoint_arg, load_run_config, parse_key_values, split_list
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py on data=synthetic (required)",
@@ -54,11 +54,7 @@ def main(argv: list[str]) -> int:
     from model.checkpoint import load_lit_gpt
     from pelab.config import ConfigError
 
-    run_config = ckpt.parent / "config.yaml"
-    if not run_config.is_file():
-        raise SystemExit(f"{run_config} not found: the run's resolved config (written by train.py) "
-                         "tells which task, options and seed to use")
-    cfg = OmegaConf.load(run_config)
+    cfg = load_run_config(ckpt, "which task, options and seed to use")
     if cfg.data.get("_target_") != SYNTHETIC:
         raise SystemExit(f"ckpt={ckpt} was trained on data with _target_={cfg.data.get('_target_')}, not a "
                          f"synthetic task ({SYNTHETIC}); use scripts/eval_extrapolation.py for text")
