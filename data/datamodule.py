@@ -197,7 +197,29 @@ class ValidationWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class TextDataModule(L.LightningDataModule):
+class StreamDataModule(L.LightningDataModule):
+    """Loaders shared by the data modules: ``train_set`` is an indexed stream whose ``offset``
+    lets a resumed run continue after the samples already trained on; ``val_set`` is fixed.
+    Subclasses set both in ``setup`` and provide ``batch_size``, ``val_batch_size`` and
+    ``num_workers``."""
+
+    def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if self.trainer is not None:  # resumed: continue after the samples already trained on
+            self.train_set.offset = self.trainer.global_step * self.batch_size * self.trainer.accumulate_grad_batches
+        return self._loader(self.train_set, self.batch_size, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.val_batch_size, drop_last=False)
+
+
+class TextDataModule(StreamDataModule):
     held_out_text = True  # a held-out split to score perplexity on (synthetic tasks have none)
 
     def __init__(
@@ -249,21 +271,6 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = RandomWindows(self.split_path("train"), dtype, self.block_size,
                                        self.train_samples, self.seed, rank)
         self.val_set = ValidationWindows(self.split_path("val"), dtype, self.block_size, self.val_windows)
-
-    def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:
-        return DataLoader(
-            dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        if self.trainer is not None:  # resumed: continue after the samples already trained on
-            self.train_set.offset = self.trainer.global_step * self.batch_size * self.trainer.accumulate_grad_batches
-        return self._loader(self.train_set, self.batch_size, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, self.val_batch_size, drop_last=False)
 
     def unigram_loss(self, max_tokens: int = 50_000_000) -> float:
         """Cross-entropy (nats) of the train-split unigram distribution on the val split:

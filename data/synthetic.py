@@ -49,11 +49,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from data.datamodule import StreamDataModule
 from pelab.config import require
 
 VOCAB_SIZE = 256
@@ -185,7 +185,7 @@ class TaskSamples(Dataset):
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
-class SyntheticDataModule(L.LightningDataModule):
+class SyntheticDataModule(StreamDataModule):
     """Training samples of ``block_size`` from (seed, rank, i); ``val_samples`` fixed validation
     samples (the ``val`` stream, rank 0: the same in every run, resume and rank).
 
@@ -246,19 +246,6 @@ class SyntheticDataModule(L.LightningDataModule):
         self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", rank,
                                      self.depth)
         self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", 0, self.depth)
-
-    def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          pin_memory=torch.cuda.is_available())
-
-    def train_dataloader(self) -> DataLoader:
-        if self.trainer is not None:  # resumed: continue after the samples already trained on
-            self.train_set.offset = self.trainer.global_step * self.batch_size * self.trainer.accumulate_grad_batches
-        return self._loader(self.train_set, self.batch_size, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, self.val_batch_size, drop_last=False)
 
     def unigram_loss(self, samples: int = 2048) -> float:
         """Cross-entropy (nats) of the answer tokens of ``samples`` training samples, as a unigram
