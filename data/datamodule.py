@@ -1,8 +1,11 @@
 """Token memmaps and the LightningDataModule.
 
-A corpus is tokenized once with ``datasets.map`` (cached by ``datasets``) and flattened into
-``{split}.bin`` memmaps (uint16 when the vocabulary fits, else uint32) plus ``meta.json``,
-written last and atomically so an interrupted preparation is redone, never half-read.
+A corpus is tokenized once with ``datasets.map`` (``tokenize_num_proc`` processes, ids stored
+in the token dtype) and streamed, one Arrow batch at a time, into ``{split}.bin`` memmaps
+(uint16 when the vocabulary fits, else uint32) plus ``meta.json``, written last and
+atomically so an interrupted preparation is redone, never half-read. Nothing holds a whole
+split in RAM, so hub-scale corpora (FineWeb-Edu, OpenWebText) fit as long as the disk does;
+the intermediate Arrow files of the tokenization are deleted once the .bin is written.
 Training batches are random windows (nanoGPT style); window ``i`` on rank ``r`` is a pure
 function of (seed, r, i), so every DDP rank sees different text and a resumed run can
 continue the exact sequence from its step counter. Validation uses ``val_windows`` windows
@@ -22,8 +25,10 @@ import json
 import os
 from pathlib import Path
 
+import datasets
 import lightning as L
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -72,6 +77,30 @@ def cache_mismatch(meta: dict, out_dir: Path, tokenizer: Tokenizer, tokenizer_ha
     return None
 
 
+def write_tokens(tokenized: datasets.Dataset, path: Path, dtype: np.dtype, batch_size: int = 8192) -> np.ndarray:
+    """Append the ``ids`` of every row of ``tokenized`` (in row order) to ``path``, one Arrow
+    batch at a time: memory stays at one batch whatever the corpus size. Written to
+    ``path.partial`` and renamed at the end. Returns the number of tokens of every row."""
+    tmp = path.with_name(path.name + ".partial")
+    lengths = [np.zeros(0, dtype=np.int64)]
+    with open(tmp, "wb") as out:
+        for table in tokenized.with_format("arrow").iter(batch_size=batch_size):
+            ids = table.column("ids").combine_chunks()
+            lengths.append(pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64))
+            np.asarray(ids.flatten()).astype(dtype, copy=False).tofile(out)
+    os.replace(tmp, path)
+    return np.concatenate(lengths)
+
+
+def _remove_new_cache_files(result: datasets.Dataset, source: datasets.Dataset) -> None:
+    """Delete the Arrow files ``map`` wrote for ``result``: the .bin is the cache, and for a
+    hub-scale corpus these files are as large as the .bin itself."""
+    keep = {f["filename"] for f in source.cache_files}
+    for f in result.cache_files:
+        if f["filename"] not in keep:
+            Path(f["filename"]).unlink(missing_ok=True)
+
+
 def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: int | None = None) -> dict:
     """Tokenize ``corpus`` into ``out_dir/{train,val}.bin``; reuse them when ``meta.json``
     matches the corpus, the tokenizer and the files, else say what differed and rebuild."""
@@ -89,34 +118,25 @@ def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: i
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = corpus.load(out_dir)
     separate = getattr(corpus, "rows_are_documents", True)
+    dtype = token_dtype(tokenizer.vocab_size)
 
     def encode(batch: dict) -> dict:
-        ids = tokenizer.encode_documents(batch["text"], separate=separate)
-        return {"ids": ids, "len": [len(x) for x in ids]}
+        return {"ids": tokenizer.encode_documents(batch["text"], separate=separate)}
 
-    dtype = token_dtype(tokenizer.vocab_size)
     meta = {"version": FORMAT_VERSION, "tokenizer": tokenizer.name, "tokenizer_hash": tokenizer_hash,
             "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token if separate else None,
             "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": corpus_hash, "splits": {}}
     for split, dataset in splits.items():
-        tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names,
-                                num_proc=num_proc, desc=f"tokenizing {split} ({tokenizer.name})")
-        lengths = np.asarray(tokenized["len"], dtype=np.int64)
-        total = int(lengths.sum())
-        tmp_path = out_dir / f"{split}.bin.partial"
-        tmp_path.write_bytes(b"")
-        if total:
-            arr = np.memmap(tmp_path, dtype=dtype, mode="w+", shape=(total,))
-            pos = 0
-            for batch in tokenized.iter(batch_size=1024):
-                for ids in batch["ids"]:
-                    arr[pos : pos + len(ids)] = ids
-                    pos += len(ids)
-            arr.flush()
-            del arr
-        os.replace(tmp_path, out_dir / f"{split}.bin")
+        # Token ids stored as the .bin's own dtype (2 bytes each for uint16, not Python's int64).
+        # Not from datasets' cache: this runs only on a rebuild, and a local file edited within
+        # one mtime tick would otherwise come back as the old tokens.
+        tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
+                                features=datasets.Features({"ids": datasets.List(datasets.Value(dtype.name))}),
+                                load_from_cache_file=False, desc=f"tokenizing {split} ({tokenizer.name})")
+        lengths = write_tokens(tokenized, out_dir / f"{split}.bin", dtype)
+        _remove_new_cache_files(tokenized, dataset)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        meta["splits"][split] = {"num_tokens": total, "doc_offsets": offsets}
+        meta["splits"][split] = {"num_tokens": int(offsets[-1]), "doc_offsets": offsets}
     tmp_meta = meta_path.with_suffix(".json.partial")
     tmp_meta.write_text(json.dumps(meta, indent=1))
     os.replace(tmp_meta, meta_path)
