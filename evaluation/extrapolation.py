@@ -137,6 +137,25 @@ def _autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+def shard_of(distributed: bool) -> tuple[int, int]:
+    """(rank, world size) of this process when ``distributed`` and a process group is up, else (0, 1)."""
+    import torch.distributed as dist
+
+    if distributed and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def distributed_sum(values: list[float]) -> list[float]:
+    """Element-wise sum over the ranks of the process group, in float64."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return summed.tolist()
+
+
 def _batches(starts: range, size: int) -> Iterator[range]:
     for i in range(0, len(starts), size):
         yield starts[i : i + size]
@@ -145,11 +164,15 @@ def _batches(starts: range, size: int) -> Iterator[range]:
 @torch.no_grad()
 def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: int | None = None,
                  max_tokens: int | None = None, tokens_per_batch: int = 16384, q_chunk: int | None = 1024,
-                 precision: str = "bf16-mixed") -> tuple[float, int, int]:
+                 precision: str = "bf16-mixed", distributed: bool = False) -> tuple[float, int, int]:
     """(summed NLL, tokens scored, stride) over the held-out ``tokens`` at one eval length, on
-    the windows of ``scored_windows`` (spread over the whole text when ``max_tokens`` caps them)."""
+    the windows of ``scored_windows`` (spread over the whole text when ``max_tokens`` caps them).
+    ``distributed``: every rank of the process group calls this, scores every world-th window
+    and gets the sums over all of them."""
     device = next(gpt.parameters()).device
     starts, step = scored_windows(len(tokens), length, mode, stride, max_tokens)
+    rank, world = shard_of(distributed)
+    starts = starts[rank::world]
     batch = max(1, tokens_per_batch // length)
     total, count = 0.0, 0
     for group in _batches(starts, batch):
@@ -160,12 +183,16 @@ def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: i
         scored = nll[:, length - step :]  # the last `step` targets of every window
         total += scored.double().sum().item()
         count += scored.numel()
-    return total, count, step
+    if world > 1:
+        total, count = distributed_sum([total, float(count)])
+    return total, int(count), step
 
 
 def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, config: ExtrapolationConfig,
-                           log=print) -> list[ExtrapolationRow]:
-    """Every (rope scaling, mode, length) row for one model on one held-out token stream."""
+                           log=print, distributed: bool = False) -> list[ExtrapolationRow]:
+    """Every (rope scaling, mode, length) row for one model on one held-out token stream.
+    ``distributed``: called on every rank, which scores its share of the windows; every rank
+    gets the whole table (summed NLL and token counts are reduced across ranks)."""
     gpt = uncompiled(gpt)
     was_training = gpt.training
     gpt.eval()
@@ -178,7 +205,7 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
                                            window_step(length, mode, config.stride), 0, math.nan, math.nan, 0.0)
                     row.status = _why_not_scored(gpt.pe, row, len(tokens)) or "ok"
                     if row.ok:
-                        _score_row(gpt, tokens, row, config)
+                        _score_row(gpt, tokens, row, config, distributed)
                     rows.append(row)
                     log(format_row(row))
     finally:
@@ -199,7 +226,8 @@ def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
     return None
 
 
-def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: ExtrapolationConfig) -> None:
+def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: ExtrapolationConfig,
+               distributed: bool = False) -> None:
     """Fill tokens, loss, ppl and seconds, with the row's RoPE scaling on for this length only."""
     scaling = None if row.rope_scaling == "none" else row.rope_scaling
     if scaling:
@@ -210,7 +238,7 @@ def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: Extr
     t0 = time.perf_counter()
     try:
         total, count, _ = score_length(gpt, tokens, row.eval_length, row.mode, config.stride, config.max_tokens,
-                                       config.tokens_per_batch, config.q_chunk, config.precision)
+                                       config.tokens_per_batch, config.q_chunk, config.precision, distributed)
     finally:
         if scaling:
             gpt.pe.set_scaling(None)

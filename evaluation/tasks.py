@@ -306,21 +306,18 @@ def log_to_wandb(rows: Sequence[TaskRow], run, png: Path | None = None, prefix: 
         run.summary[key] = value
 
 
-def run_task_evaluation(cfg, module, datamodule, loggers: list, output_dir: Path, step: int) -> list[TaskRow]:
-    """train.py's end-of-run task evaluation (rank zero): the accuracy table of the trained model on
-    the data module's task, CSV/PNG/markdown under ``output_dir/tasks``, W&B table and chart.
-    Options: ``cfg.eval.tasks`` when present (``enabled: false`` skips), else ``TaskEvalConfig``
-    defaults; precision defaults to ``trainer.precision``."""
-    from omegaconf import OmegaConf
-
+def run_task_evaluation(options: dict, module, datamodule, loggers: list, output_dir: Path, step: int
+                        ) -> list[TaskRow]:
+    """The end-of-training task evaluation (rank zero): the accuracy table of the trained model
+    on the data module's task, CSV/PNG/markdown under ``output_dir/tasks``, W&B table and chart.
+    ``options``: ``eval.tasks`` (``enabled: false`` skips); the training length is the model's."""
     from pelab.loggers import log_results
 
-    options = OmegaConf.to_container(cfg.eval.tasks, resolve=True) if cfg.get("eval", {}).get("tasks") else {}
+    options = dict(options)
     if not options.pop("enabled", True):
         return []
-    options.setdefault("precision", str(cfg.trainer.precision))
     config = TaskEvalConfig.from_dict(options)
-    train_length = cfg.model.block_size
+    train_length = module.config.block_size
     rows = evaluate_tasks(module.model, datamodule.task, train_length, config, seed=datamodule.seed)
     paths = save_results(rows, output_dir / "tasks",
                          title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")

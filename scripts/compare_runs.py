@@ -119,7 +119,7 @@ def label_rows(pairs: list[tuple[str, ExtrapolationRow]]) -> list[ExtrapolationR
 def _not_trained(key: str) -> bool:
     """Config keys that do not change what is trained: train.py's list for run names, plus the
     seed (what a group varies) and the resolved output dir."""
-    from train import NOT_IN_NAME
+    from pelab.run import NOT_IN_NAME
 
     if key in ("seed", "data.seed", "trainer.default_root_dir") or key in NOT_IN_NAME:
         return True

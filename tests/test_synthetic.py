@@ -369,15 +369,15 @@ def test_run_task_evaluation_writes_tables_and_logs(tmp_path):
     module = LitGPT(model=cfg.model, pe={"_target_": "model.pe.alibi.ALiBi"})
     logger = CSVLogger(tmp_path, name="csv", version="")
     dm = SyntheticDataModule("passkey", block_size=16)
-    rows = run_task_evaluation(cfg, module, dm, [logger], tmp_path, step=3)
+    options = {**OmegaConf.to_container(cfg.eval.tasks), "precision": "32"}
+    rows = run_task_evaluation(options, module, dm, [logger], tmp_path, step=3)
     logger.save()
     assert [(r.eval_length, r.depth, r.samples) for r in rows] == [(16, 0.5, 4), (32, 0.5, 4)]
     assert [(r.eval_length, r.accuracy) for r in read_csv(tmp_path / "tasks" / "tasks.csv")] == \
         [(r.eval_length, r.accuracy) for r in rows]
     logged = (tmp_path / "csv" / "metrics.csv").read_text()
     assert "tasks/passkey/accuracy@32" in logged and "tasks/passkey/depth0.5/accuracy@16" in logged
-    cfg.eval.tasks.enabled = False
-    assert run_task_evaluation(cfg, module, dm, [logger], tmp_path, step=3) == []
+    assert run_task_evaluation({**options, "enabled": False}, module, dm, [logger], tmp_path, step=3) == []
 
 
 def test_train_then_eval_tasks_script(tmp_path):

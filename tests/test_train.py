@@ -259,7 +259,7 @@ TINY_RUN = ["model.n_layer=1", "model.n_embd=32", "model.block_size=32", "data.b
 
 
 def test_run_name_keeps_every_override_that_changes_training():
-    from train import name_overrides
+    from pelab.run import name_overrides
 
     given = ["pe=rope", "pe.base=100", "+pelican=1", "experiment=pe_ablation", "trainer.max_steps=5",
              "logger=csv", "logger.wandb.offline=true", "trainer.devices=2", "trainer.enable_progress_bar=false",
@@ -272,7 +272,7 @@ def test_run_name_keeps_every_override_that_changes_training():
 def test_long_run_names_stay_distinct_and_dirs_stay_valid_override_values():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from train import run_slug
+    from pelab.run import run_slug
 
     common = [f"+option_{i}=value" for i in range(20)]
     a, b = run_slug("rope", [*common, "seed=1"]), run_slug("rope", [*common, "seed=2"])

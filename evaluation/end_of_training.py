@@ -1,0 +1,54 @@
+"""What runs once training ends, as a callback so it works the same under every strategy:
+the extrapolation table (every rank scores its share of the windows; the sums are reduced),
+the task accuracy table for synthetic data (rank zero), and the unigram baseline (rank zero).
+Outputs go under ``trainer.default_root_dir`` (the run dir) and to the trainer's loggers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from data.datamodule import load_tokens
+from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
+from pelab.loggers import log_results
+
+
+class EndOfTrainingEvaluation(L.Callback):
+    """``extrapolation`` / ``tasks``: the ``eval.extrapolation`` / ``eval.tasks`` options
+    (conf/eval/default.yaml); each runs when its ``enabled`` is true."""
+
+    def __init__(self, extrapolation: dict | None = None, tasks: dict | None = None) -> None:
+        self.extrapolation = dict(extrapolation or {})
+        self.tasks = dict(tasks or {})
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        datamodule = trainer.datamodule
+        output_dir = Path(trainer.default_root_dir)
+        step = trainer.global_step
+        options = dict(self.extrapolation)
+        if options.pop("enabled", False):
+            config = ExtrapolationConfig.from_dict(options)
+            tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
+            train_length = pl_module.config.block_size
+            log = print if trainer.is_global_zero else (lambda _: None)
+            rows = evaluate_extrapolation(pl_module.model, tokens, train_length, config, log=log,
+                                          distributed=trainer.world_size > 1)
+            if trainer.is_global_zero:
+                paths = save_results(rows, output_dir / "extrapolation",
+                                     title=f"pe={pl_module.pe_name}, trained at {train_length}")
+                metrics = {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl for r in rows if r.ok}
+                log_results(trainer.loggers, log_to_wandb, rows, paths["png"], metrics, step)
+                print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md)", flush=True)
+        if not trainer.is_global_zero:
+            return
+        if self.tasks.get("enabled"):
+            from evaluation.tasks import run_task_evaluation
+
+            run_task_evaluation(self.tasks, pl_module, datamodule, trainer.loggers, output_dir, step)
+        baseline = datamodule.unigram_loss()
+        trainer.callback_metrics["val/unigram_loss"] = torch.tensor(baseline)  # for the end-of-run summary
+        for logger in trainer.loggers:
+            logger.log_metrics({"val/unigram_loss": baseline}, step=step)
