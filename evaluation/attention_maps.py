@@ -1,8 +1,8 @@
-"""Attention maps: materialised attention probabilities from a separate eager pass.
+"""Attention maps: materialised attention probabilities from the model's own forward.
 
-The training/eval forward uses ``F.scaled_dot_product_attention`` (fused kernels never
-materialise the weights), so the probabilities are recomputed here by walking the model's
-own modules exactly as ``GPT.hidden`` does, with the softmax taken explicitly in float32:
+The training/eval forward uses fused kernels that never materialise the weights, so the
+probabilities come from one more run of the same forward (``GPT.hidden``) with the ``math``
+attention backend, which takes the softmax explicitly in float32 and records it:
 
     probs = attention_probs(gpt, idx)            # {layer: (B, H, T, T)}
     stats = head_summaries(probs)                # {layer: {"distance": (H,), "entropy": (H,)}}
@@ -16,7 +16,6 @@ training step.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,7 +27,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from model.gpt import uncompiled
+from model.gpt import AttentionRecorder, uncompiled
 
 __all__ = [
     "AttentionPass",
@@ -83,40 +82,21 @@ def eager_attention_pass(
     layers: Iterable[int] | None = None,
     return_hidden: bool = False,
 ) -> AttentionPass:
-    """Walk ``gpt`` block by block as ``GPT.hidden`` does, materialising attention.
+    """Run ``gpt``'s own forward (``GPT.hidden``) with the ``math`` attention backend,
+    recording the attention probabilities of the requested layers.
 
-    Each block: ``ln_1`` -> ``attn.qkv`` (scheme rotation included) -> softmax(q kᵀ/√d + mask)
-    in float32 with the layer's float32 mask from ``gpt.layer_contexts`` (the scheme's bias, or
-    causal only on a NoPE layer of a schedule) -> probs @ v -> ``attn.c_proj`` residual -> ``ln_2``/``mlp`` residual. Modules are used in
-    whatever mode they are in (call under eval for dropout-free probabilities; ``attention_probs``
-    does). Without ``return_hidden`` the walk stops after the last requested layer.
+    The math backend computes softmax(q kᵀ/√d + mask) in float32 with the layer's float32
+    mask (the scheme's bias and the causal -inf, or causal only on a NoPE layer of a
+    schedule); everything else is the ordinary forward. Modules are used in whatever mode
+    they are in (call under eval for dropout-free probabilities; ``attention_probs`` does).
     """
     gpt = uncompiled(gpt)
     wanted = _layer_set(layers, len(gpt.blocks))
-    last = len(gpt.blocks) - 1 if return_hidden else max(wanted, default=-1)
-    B, T = idx.shape
-    positions = gpt.positions_for(T, positions, idx.device)
-    probs: dict[int, Tensor] = {}
+    positions = gpt.positions_for(idx.shape[1], positions, idx.device)
+    recorder = AttentionRecorder(wanted)
     with torch.no_grad():
-        # the model's own per-layer contexts, each with a float32 (1, H, T, T) mask
-        contexts = gpt.layer_contexts(positions, dtype=torch.float32, always_mask=True)
-        x = gpt.embed(idx, positions)
-        for layer, (block, ctx) in enumerate(zip(gpt.blocks, contexts)):
-            if layer > last:
-                break
-            attn = block.attn
-            q, k, v, mask = *attn.qkv(block.ln_1(x), ctx), ctx.mask
-            with torch.autocast(idx.device.type, enabled=False):  # the probabilities in float32
-                scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-                p = torch.softmax(scores + mask, dim=-1)
-                y = torch.matmul(p, v.float()).to(v.dtype)
-            if layer in wanted:
-                probs[layer] = p
-            y = y.transpose(1, 2).reshape(B, T, -1)
-            x = x + attn.resid_dropout(attn.c_proj(y))
-            x = x + block.mlp(block.ln_2(x))
-        hidden = gpt.ln_f(x) if return_hidden else None
-    return AttentionPass(probs, positions, hidden)
+        hidden = gpt.hidden(idx, positions, attention="math", record=recorder)
+    return AttentionPass(recorder.probs, positions, hidden if return_hidden else None)
 
 
 def attention_probs(

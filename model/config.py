@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
 
 from pelab.config import check_options, require
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_key", "flex", "math")
 
 
 @dataclass
@@ -18,6 +21,8 @@ class GPTConfig:
     bias: bool = False  # biases in Linear and LayerNorm (GPT-2 had them)
     # Round the embedding table up to a multiple of this: 50257 -> 50304 makes matmuls faster.
     pad_vocab_multiple: int = 1
+    # Attention backend (model/gpt.py; docs/design.md, section 5): auto | sdpa | sdpa_key | flex | math.
+    attention: Literal["auto", "sdpa", "sdpa_key", "flex", "math"] = "auto"
 
     def __post_init__(self) -> None:
         check_options("model", {f.name: getattr(self, f.name) for f in fields(self)}, GPTConfig)
@@ -28,6 +33,10 @@ class GPTConfig:
         # rotary schemes rotate pairs of head dims
         require(self.head_dim % 2 == 0, "model.n_embd / model.n_head", self.head_dim, "even")
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "in [0, 1)")
+        require(self.attention in ATTENTION_BACKENDS, "model.attention", self.attention,
+                "one of " + ", ".join(ATTENTION_BACKENDS))
+        require(not (self.attention == "flex" and self.dropout > 0), "model.attention", self.attention,
+                "not flex when model.dropout > 0 (FlexAttention has no attention dropout)")
 
     @property
     def head_dim(self) -> int:

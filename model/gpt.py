@@ -6,6 +6,7 @@ The scheme (model/pe/) is asked for its hooks; nothing here branches on its name
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,24 +52,50 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = No
 class QueryChunks:
     """Evaluate attention in query chunks of ``size``; ``mask`` builds each chunk's float mask."""
 
-    def __init__(self, size: int, mask) -> None:
+    def __init__(self, size: int, mask=None) -> None:
         self.size, self.mask = size, mask
 
     def bounds(self, T: int):
         return ((s, min(T, s + self.size)) for s in range(0, T, self.size))
 
 
+class AttentionRecorder:
+    """Collects the attention probabilities of the ``math`` backend, layer by layer in
+    forward order: {layer: (B, H, Tq, Tk) float32} for the layers in ``layers`` (None: all)."""
+
+    def __init__(self, layers: set[int] | None = None) -> None:
+        self.layers, self.probs, self.calls = layers, {}, 0
+
+    def add(self, probs: Tensor) -> None:
+        if self.layers is None or self.calls in self.layers:
+            self.probs[self.calls] = probs.detach()
+        self.calls += 1
+
+
 @dataclass
 class PositionContext:
     """What every layer of one forward shares, computed once per forward: the scheme, its
-    rotation tables (cos/sin, decays) and the float mask (bias + causal -inf; None = the
-    causal kernel), or the query chunks of a long evaluation."""
+    rotation tables (cos/sin, decays) and how attention adds the position terms, per backend:
+
+    - ``sdpa``: ``mask``, the float32 (bias + causal -inf) mask, or None = the causal kernel;
+    - ``sdpa_key``: ``key_bias``, the key-only term m_h (j - j_ref) of an ALiBi-type bias as
+      features of the keys (see ``key_features``), the causal kernel;
+    - ``flex``: ``score``, the scheme's elementwise bias (None: causal only);
+    - ``math``: ``mask`` always present, probabilities optionally recorded.
+
+    ``chunk``: a long evaluation in query chunks (the (H, T, T) terms never exist at once)."""
 
     pe: PositionEncoding
-    positions: Tensor  # (T,) of the tokens in this forward
+    positions: Tensor  # (T,) or (B, T) of the tokens (queries) in this forward
     tables: Any = None
     mask: Tensor | None = None
     chunk: QueryChunks | None = None
+    backend: str = "sdpa"
+    k_positions: Tensor | None = None  # every key's position (cache + these tokens); None = positions
+    key_bias: Tensor | None = None
+    score: Any = None
+    block_masks: dict | None = None  # flex: causal BlockMasks per (Tq, Tk, device), owned by the model
+    record: AttentionRecorder | None = None
 
 
 class LayerCache:
@@ -100,6 +127,161 @@ class KVCache:
         return self.positions.shape[-1]
 
 
+# ---------------------------------------------------------------------------------------
+# attention backends: every one adds the scheme's position terms in float32
+# ---------------------------------------------------------------------------------------
+
+# bf16 pieces whose float32 sum is exactly a float32 value (8 + 8 + 8 significand bits).
+KEY_PIECES = {torch.float32: 1, torch.float64: 1, torch.bfloat16: 3}
+
+
+def split_exact(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """(..., n) pieces of float32 ``x`` in ``dtype`` that sum back to ``x`` exactly in float32:
+    each piece is the rounding of what the earlier ones left (an exact float32 difference)."""
+    pieces, rest = [], x
+    for _ in range(KEY_PIECES[dtype]):
+        piece = rest.to(dtype)
+        pieces.append(piece)
+        rest = rest - piece.float()
+    return torch.stack(pieces, dim=-1)
+
+
+def key_features(slopes: Tensor, k_positions: Tensor, head_dim: int, dtype: torch.dtype) -> Tensor:
+    """(1 or B, H, Tk, n) key features of the key-only form of an ALiBi-type bias -m_h (i - j).
+
+    Under a causal softmax any term constant along a query's row drops out: -m_h i, and
+    -m_h j_ref with j_ref the last key's position (it keeps the terms small). What is left,
+    m_h (j - j_ref), depends on the key alone. It rides inside q.k: k gets these features,
+    q gets ones, and SDPA's ``scale`` = 1/sqrt(head_dim) multiplies both parts, so the
+    features carry m_h (j - j_ref) sqrt(head_dim), computed in float32 and split into pieces
+    exactly representable in the compute dtype (three for bf16: the full float32 value)."""
+    kp = k_positions if k_positions.dim() == 2 else k_positions[None]
+    relative = (kp - kp[:, -1:]).float()  # exact integers
+    term = slopes.float()[None, :, None] * relative[:, None, :] * math.sqrt(head_dim)
+    return split_exact(term, dtype)
+
+
+def _causal(Tq: int, Tk: int, device: torch.device) -> tuple[Tensor | None, bool]:
+    """(attn_mask, is_causal) for SDPA: the queries are the last Tq of the Tk tokens."""
+    if Tq == Tk:
+        return None, True
+    if Tq == 1:  # one new token after a cache: every key is visible
+        return None, False
+    return ~causal_future(Tq, Tk, device), False
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool,
+          scale: float | None = None) -> Tensor:
+    """SDPA in the compute dtype of v with a float32 mask added in float32: autocast is off
+    here because it would cast the mask to bf16 (q, k, v already are)."""
+    with torch.autocast(v.device.type, enabled=False):
+        return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask, dropout_p=dropout,
+                                              is_causal=causal, scale=scale)
+
+
+def _sdpa_key(q: Tensor, k: Tensor, v: Tensor, features: Tensor, dropout: float) -> Tensor:
+    """The key-only path: [q, 1] . [k, features] with the original 1/sqrt(head_dim) scale;
+    q, k, v padded to one head dim (a multiple of 8) so SDPA keeps its fused kernel."""
+    B, H, Tq, D = q.shape
+    Tk, n = k.shape[2], features.shape[-1]
+    pad = -(D + n) % 8
+    dtype = v.dtype
+    q = torch.cat((q.to(dtype), q.new_ones(B, H, Tq, n, dtype=dtype)), dim=-1)
+    k = torch.cat((k.to(dtype), features.to(dtype).expand(B, H, Tk, n)), dim=-1)
+    if pad:
+        q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
+    v = F.pad(v, (0, n + pad))
+    mask, causal = _causal(Tq, Tk, q.device)
+    return _sdpa(q, k, v, mask, dropout, causal, scale=1.0 / math.sqrt(D))[..., :D]
+
+
+# ``auto`` on CPU for schemes with a key-only form: sdpa_key (True) or the float32 mask (False),
+# whichever measured faster on CPU (docs/design.md, section 5).
+AUTO_CPU_KEY_ONLY = False
+
+_flex_compiled = None
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, score, q_positions: Tensor, k_positions: Tensor, block_mask) -> Tensor:
+    """FlexAttention with the scheme's elementwise bias as ``score_mod`` (float32: the kernel's
+    scores are float32) and a causal BlockMask. Compiled on CUDA; eager elsewhere (CPU:
+    forward only in torch 2.13)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _flex_compiled
+    B = q.shape[0]
+    score_mod = None
+    if score is not None:
+        qp = (q_positions if q_positions.dim() == 2 else q_positions[None]).expand(B, -1)
+        kp = (k_positions if k_positions.dim() == 2 else k_positions[None]).expand(B, -1)
+
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return s + score(qp[b, q_idx], kp[b, kv_idx], h)
+
+    dtype = v.dtype
+    with torch.autocast(v.device.type, enabled=False):
+        if v.device.type == "cuda" and not torch.compiler.is_compiling():
+            if _flex_compiled is None:
+                _flex_compiled = torch.compile(flex_attention, dynamic=False)
+            return _flex_compiled(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)
+        with warnings.catch_warnings():  # eager flex warns that it is not the fused kernel
+            warnings.simplefilter("ignore")
+            return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)
+
+
+def causal_block_mask(cache: dict, Tq: int, Tk: int, device: torch.device):
+    """The causal BlockMask of Tq queries (the last of Tk tokens) against Tk keys, built once
+    per (Tq, Tk, device) and kept in ``cache``."""
+    key = (Tq, Tk, str(device))
+    if key not in cache:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        offset = Tk - Tq
+        cache[key] = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset, None, None, Tq, Tk,
+                                       device=device)
+    return cache[key]
+
+
+def _math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(d) + mask) v with the probabilities materialised, in float32."""
+    with torch.autocast(v.device.type, enabled=False):
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        probs = torch.softmax(scores + mask, dim=-1)
+        dropped = F.dropout(probs, dropout) if dropout else probs
+        return torch.matmul(dropped, v.float()).to(v.dtype), probs
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, ctx: PositionContext, dropout: float = 0.0) -> Tensor:
+    """(B, H, Tq, hd) attention output of queries that are the last Tq of the Tk keys, with
+    the context's backend and position terms, in query chunks when the context has them."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    k_positions = ctx.positions if ctx.k_positions is None else ctx.k_positions
+    spans = [(0, Tq)] if ctx.chunk is None else list(ctx.chunk.bounds(Tq))
+    parts, probs = [], []
+    for s, e in spans:
+        ke = Tk - Tq + e  # chunk [s, e) attends to keys [0, ke)
+        qs, ks, vs = (q, k, v) if (s, e) == (0, Tq) else (q[:, :, s:e], k[:, :, :ke], v[:, :, :ke])
+        mask = ctx.mask
+        if ctx.chunk is not None and ctx.chunk.mask is not None:
+            mask = ctx.chunk.mask(ctx.positions[..., s:e], k_positions[..., :ke])
+        if ctx.backend == "sdpa":
+            parts.append(_sdpa(qs, ks, vs, mask, dropout, causal=mask is None and e - s == ke))
+        elif ctx.backend == "sdpa_key":
+            parts.append(_sdpa_key(qs, ks, vs, ctx.key_bias[..., :ke, :], dropout))
+        elif ctx.backend == "flex":
+            block_mask = causal_block_mask(ctx.block_masks, e - s, ke, q.device)
+            parts.append(_flex(qs, ks, vs, ctx.score, ctx.positions[..., s:e], k_positions[..., :ke], block_mask))
+        elif ctx.backend == "math":
+            y, p = _math(qs, ks, vs, mask, dropout)
+            parts.append(y)
+            probs.append(F.pad(p, (0, Tk - ke)))
+        else:
+            raise ValueError(f"unknown attention backend {ctx.backend!r}")
+    if ctx.record is not None and probs:
+        ctx.record.add(torch.cat(probs, dim=2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -123,19 +305,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         dropout = self.dropout if self.training else 0.0
-        if ctx.chunk is None:
-            # A float mask (bias + causal -inf) keeps SDPA on its fused kernels; no mask ->
-            # is_causal, or nothing to mask for a single new token after a cache.
-            causal = ctx.mask is None and q.shape[2] == k.shape[2]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=dropout, is_causal=causal)
-        else:
-            # Long evaluation: query chunk [s, e) attends to keys [0, e) with a mask of only
-            # (heads, e - s, e), never the whole (heads, T, T).
-            parts = []
-            for s, e in ctx.chunk.bounds(T):
-                mask = ctx.chunk.mask(ctx.positions[..., s:e], ctx.positions[..., :e])
-                parts.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], attn_mask=mask))
-            y = torch.cat(parts, dim=2)
+        y = attend(q, k, v, ctx, dropout)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -171,6 +341,7 @@ class GPT(nn.Module):
         self.config = config
         self.nope_layers = frozenset(nope_layers)  # layers that attend with no position information
         self.pe = pe  # shared by all layers; its tables are computed once per forward where possible
+        self._block_masks: dict = {}  # flex: causal BlockMasks per (Tq, Tk, device)
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -210,7 +381,9 @@ class GPT(nn.Module):
 
         The Tq queries are the last Tq of the Tk tokens (a query chunk, or new tokens after
         a cache). None when the scheme has no bias (SDPA's is_causal is faster), unless
-        ``always``. ``with_bias=False``: the causal part only (NoPE layers).
+        ``always``. ``with_bias=False``: the causal part only (NoPE layers). ``dtype``: the
+        mask's; the model always asks float32, so the position terms keep float32 accuracy
+        whatever the compute dtype (a bf16 mask would round a bias of -16 to steps of 0.125).
         """
         future = causal_future(q_positions.shape[-1], k_positions.shape[-1], q_positions.device)
         if self.pe.uses_bias and with_bias:
@@ -231,22 +404,62 @@ class GPT(nn.Module):
             tables = self.pe.rotation_tables(positions, positions if span is None else span)
         return PositionContext(self.pe, positions, tables, mask)
 
+    def attention_backend(self, device: torch.device, backend: str | None = None,
+                          dtype: torch.dtype = torch.float32) -> str:
+        """The backend a forward on ``device`` uses: ``backend`` or ``model.attention``, with
+        ``auto`` resolved (docs/design.md, section 5). ``sdpa_key`` stands only for schemes
+        with a key-only form (and a dtype it is exact in); other schemes get ``sdpa``."""
+        name = backend or self.config.attention
+        if name == "auto":
+            if not self.pe.uses_bias:
+                name = "sdpa"
+            elif self.pe.key_only_slopes() is not None:
+                name = "sdpa_key" if device.type == "cuda" or AUTO_CPU_KEY_ONLY else "sdpa"
+            elif device.type == "cuda" and (self.config.dropout == 0 or not self.training):
+                name = "flex"
+            else:
+                name = "sdpa"
+        if name == "sdpa_key" and (self.pe.key_only_slopes() is None or dtype not in KEY_PIECES):
+            name = "sdpa"
+        return name
+
     def layer_contexts(self, positions: Tensor, k_positions: Tensor | None = None, span: Tensor | None = None,
-                       dtype: torch.dtype = torch.float32, q_chunk: int | None = None, always_mask: bool = False
+                       dtype: torch.dtype = torch.float32, q_chunk: int | None = None, always_mask: bool = False,
+                       backend: str | None = None, record: AttentionRecorder | None = None
                        ) -> list[PositionContext]:
-        """One forward's per-layer contexts, built once: the scheme's (tables, bias mask or
-        query chunks) and, for NoPE layers of a schedule, a causal-only one."""
+        """One forward's per-layer contexts, built once: the scheme's (tables and the position
+        terms of the backend, or query chunks) and, for NoPE layers of a schedule, a
+        causal-only one. ``dtype``: the compute dtype; masks are float32 whatever it is."""
         k_positions = positions if k_positions is None else k_positions
         T = positions.shape[-1]
+        kind = self.attention_backend(positions.device, backend, dtype)
+        chunked = q_chunk is not None and T > q_chunk
+        score = None
+        if kind == "flex" and self.pe.uses_bias:
+            score = self.pe.bias_score()
+            if score is None:
+                raise ValueError(f"model.attention=flex: pe={self.pe.name} gives no elementwise bias (bias_score)")
 
         def build(with_pe: bool) -> PositionContext:
             ctx = self.position_context(positions, span=k_positions if span is None else span) if with_pe \
                 else PositionContext(self.pe, positions)
-            if q_chunk is not None and T > q_chunk:
-                ctx.chunk = QueryChunks(q_chunk, lambda qp, kp: self.attention_mask(
-                    qp, kp, dtype, always=True, with_bias=with_pe))
-            else:
-                ctx.mask = self.attention_mask(positions, k_positions, dtype, always=always_mask, with_bias=with_pe)
+            ctx.k_positions, ctx.record = k_positions, record
+            ctx.backend = kind if with_pe or kind in ("flex", "math") else "sdpa"
+            if ctx.backend in ("sdpa", "math"):
+                always = always_mask or ctx.backend == "math"
+                if chunked:
+                    ctx.chunk = QueryChunks(q_chunk, lambda qp, kp: self.attention_mask(
+                        qp, kp, torch.float32, always=True, with_bias=with_pe))
+                else:
+                    ctx.mask = self.attention_mask(positions, k_positions, torch.float32, always=always,
+                                                   with_bias=with_pe)
+                return ctx
+            if chunked:
+                ctx.chunk = QueryChunks(q_chunk)
+            if ctx.backend == "sdpa_key":
+                ctx.key_bias = key_features(self.pe.key_only_slopes(), k_positions, self.config.head_dim, dtype)
+            else:  # flex
+                ctx.score, ctx.block_masks = (score if with_pe else None), self._block_masks
             return ctx
 
         scheme = build(True)
@@ -274,12 +487,15 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def hidden(self, idx: Tensor, positions: Tensor | None = None, q_chunk: int | None = None,
-               cache: KVCache | None = None, span: Tensor | None = None) -> Tensor:
+               cache: KVCache | None = None, span: Tensor | None = None, attention: str | None = None,
+               record: AttentionRecorder | None = None) -> Tensor:
         """Final normalised hidden states (B, T, C). ``q_chunk`` bounds attention memory for
         long evaluation sequences (see QueryChunks); training leaves it None. With ``cache``
         the tokens continue the cached ones (positions default to the next ones) and their
         keys and values are appended to it. ``span``: every position of the attention context
-        (default: the cache's, else these positions) for span-dependent schemes."""
+        (default: the cache's, else these positions) for span-dependent schemes.
+        ``attention``: a backend for this call instead of ``model.attention``; ``record``
+        collects the attention probabilities (``math`` backend)."""
         T = idx.shape[1]
         past = 0 if cache is None else cache.length
         positions = self.positions_for(T, positions, idx.device, start=past)
@@ -289,7 +505,8 @@ class GPT(nn.Module):
         dtype = self._compute_dtype(idx.device)
         x = self.embed(idx, positions)
         contexts = self.layer_contexts(positions, k_positions, span, dtype, q_chunk if cache is None else None,
-                                       always_mask=past > 0 and T > 1)  # several new tokens after a cache
+                                       always_mask=past > 0 and T > 1,  # several new tokens after a cache
+                                       backend=attention, record=record)
         for block, ctx, layer_cache in zip(self.blocks, contexts, cache.layers if cache is not None else [None] * len(contexts)):
             x = block(x, ctx, layer_cache)
         if cache is not None:

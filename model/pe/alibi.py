@@ -28,6 +28,11 @@ def alibi_slopes(n_head: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+def linear_bias_score(slopes: Tensor):
+    """Elementwise -m_h (i - j) (the flex backend's form of ``bias``)."""
+    return lambda q, k, head: -slopes[head] * (q - k).float()
+
+
 class ALiBi(PositionEncoding, name="alibi"):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -36,3 +41,9 @@ class ALiBi(PositionEncoding, name="alibi"):
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))
         return -slopes * distance
+
+    def bias_score(self):
+        return linear_bias_score(self.slopes)
+
+    def key_only_slopes(self) -> Tensor:
+        return self.slopes

@@ -6,6 +6,11 @@ Position information enters attention at exactly three places, one hook each:
 2. ``rotate(q, k, q_positions, k_positions)``: applied to queries and keys;
 3. ``bias(q_positions, k_positions)``: additive attention logits, shape (..., heads, Tq, Tk).
 
+A bias scheme may also give its bias in the forms the fused attention backends need (both
+optional, both must equal ``bias``): ``bias_score()``, an elementwise function for
+FlexAttention's ``score_mod``, and ``key_only_slopes()``, per-head slopes m when the bias is
+exactly -m_h (i - j) (ALiBi-type), which SDPA then carries inside q.k (model/gpt.py).
+
 Positions are (T,), or (B, T) when every sequence has its own (packed documents,
 randomized positions); hooks keep any leading batch dims.
 
@@ -17,6 +22,7 @@ math happens in float32 and is cast to the compute dtype at the very end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -61,6 +67,22 @@ class PositionEncoding(nn.Module):
         return q, k
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        return None
+
+    def bias_score(self) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
+        """The bias as an elementwise function ``f(q_pos, k_pos, head) -> float32`` of
+        broadcastable integer tensors (0-dim inside FlexAttention's ``score_mod``), equal to
+        ``bias(q_positions, k_positions)[..., head, i, j]``. Called once per forward, so any
+        per-forward preparation (a parameter projection) happens here, outside the kernel.
+        None: no bias, or no elementwise form (the flex backend then refuses the scheme)."""
+        return None
+
+    def key_only_slopes(self) -> Tensor | None:
+        """Per-head slopes m (H,) float32 when ``bias`` is exactly -m_h (i - j), else None.
+
+        Under a causal softmax the row-constant part -m_h i drops out, leaving +m_h j: a term
+        of the key alone, which the ``sdpa_key`` attention path appends to k (with constant
+        features on q) so that SDPA's causal kernel computes it inside q.k."""
         return None
 
     def decayed_parameters(self) -> list[nn.Parameter]:

@@ -70,5 +70,23 @@ class FIRE(PositionEncoding, name="fire"):
             out = self.mlp(x.to(self.mlp[0].weight.dtype))  # (..., Tq, Tk, H)
         return out.movedim(-1, -3)
 
+    def bias_score(self):
+        """Elementwise form: the MLP unrolled over its hidden units (pointwise ops only, so
+        a compiled FlexAttention kernel can inline it), in float32."""
+        c, threshold, eps = self.c, self.threshold, self.eps
+        w1, b1 = self.mlp[0].weight[:, 0].float(), self.mlp[0].bias.float()
+        w2, b2 = self.mlp[2].weight.float(), self.mlp[2].bias.float()
+
+        def score(q: Tensor, k: Tensor, head: Tensor) -> Tensor:
+            distance = torch.log(torch.abs(c * (q - k).float()) + 1)
+            normalizer = torch.log(torch.abs(c * torch.maximum(q.float(), threshold)) + 1) + eps
+            x = distance / normalizer
+            out = b2[head]
+            for u in range(w1.shape[0]):
+                out = out + torch.relu(x * w1[u] + b1[u]) * w2[head, u]
+            return out
+
+        return score
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, eps={self.eps}"

@@ -57,6 +57,11 @@ class _Kerple(PositionEncoding):
         r1, distance = per_head(self.r1, distance)
         return self.kernel(r1, self.r2[:, None, None], distance)
 
+    def bias_score(self):
+        self.project()
+        r1, r2, kernel = self.r1, self.r2, self.kernel
+        return lambda q, k, head: kernel(r1[head], r2[head], (q - k).float().abs())
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, eps={self.eps}"
 

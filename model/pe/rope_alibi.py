@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from model.config import GPTConfig
-from model.pe.alibi import alibi_slopes
+from model.pe.alibi import alibi_slopes, linear_bias_score
 from model.pe.base import per_head, relative_distance
 from model.pe.rope import RoPE
 
@@ -37,6 +37,12 @@ class RoPEALiBi(RoPE, name="rope_alibi"):
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))
         return -slopes * distance
+
+    def bias_score(self):
+        return linear_bias_score(self.slopes)
+
+    def key_only_slopes(self) -> Tensor:
+        return self.slopes
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bias_heads={self.bias_heads}, slope_multiplier={self.slope_multiplier}"

@@ -60,5 +60,9 @@ class T5RelativeBias(PositionEncoding, name="t5"):
         buckets = t5_bucket(distance, self.num_buckets, self.max_distance)
         return self.relative_attention_bias(buckets).movedim(-1, -3).float()  # (..., H, Tq, Tk)
 
+    def bias_score(self):
+        table, num_buckets, max_distance = self.relative_attention_bias.weight, self.num_buckets, self.max_distance
+        return lambda q, k, head: table[t5_bucket(q - k, num_buckets, max_distance), head].float()
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_buckets={self.num_buckets}, max_distance={self.max_distance}"
