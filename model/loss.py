@@ -1,0 +1,230 @@
+"""Chunked LM head + cross-entropy for large vocabularies.
+
+``chunked_cross_entropy(hidden, weight, targets, vocab_size)`` returns the same mean
+cross-entropy as ``F.cross_entropy(F.linear(hidden, weight)[:, :vocab_size].float(),
+targets, ignore_index=-1)``, with the same gradients w.r.t. ``hidden`` and ``weight``, but
+never holds the full (N, V) logits: rows are processed ``chunk_size`` at a time, and only one
+chunk's (chunk_size, V) logits exist at once.
+
+How it works (the "gradients in forward" trick, as in Liger-Kernel's fused linear
+cross-entropy and Apple's Cut Cross-Entropy): the forward of the autograd Function, for every
+chunk of rows,
+
+1. computes the chunk's logits ``h_c @ W[:vocab_size].T`` in the compute dtype (the autocast
+   dtype under ``torch.autocast``, else the inputs' dtype),
+2. takes ``log_softmax`` in float32 and adds the chunk's share of the loss,
+3. forms d loss / d logits = (softmax - one_hot(target)) / n_valid in float32 (zero for
+   ignored rows) and casts it to the compute dtype (exactly what autograd does for the
+   full-logits reference),
+4. stores d loss / d h_c = g_c @ W and accumulates d loss / d W += g_c.T @ h_c (float32
+   accumulator).
+
+The backward then only multiplies the stored gradients by ``grad_output``. Padded vocabulary
+rows (``weight.shape[0] > vocab_size``, see ``GPTConfig.padded_vocab_size``) are never part
+of the softmax and get zero gradient from the loss; with a tied embedding the embedding's own
+gradient still accumulates into the same Parameter through autograd as usual.
+
+The mean is over targets != ``ignore_index``. When every target is ignored the loss is 0 (not
+NaN, as ``F.cross_entropy`` would give) and every gradient is zero.
+
+Use from ``GPT`` (model/gpt.py) for the training loss::
+
+    from model.loss import chunked_cross_entropy, use_chunked_loss
+
+    h = self.hidden(idx, positions)                         # (B, T, C)
+    if targets is not None and use_chunked_loss(self.config.vocab_size):
+        loss = chunked_cross_entropy(h, self.lm_head.weight, targets,
+                                     vocab_size=self.config.vocab_size)   # ignore_index=-1
+        # no (B, T, V) logits exist; return None (or compute self.logits(h) lazily if needed)
+
+``hidden`` may be (N, C) or (..., C) with ``targets`` of the matching leading shape; it is
+flattened. Pass the Parameter itself (``self.lm_head.weight``, shape (padded_vocab, C)), not
+a slice, so the gradient lands on the tied weight directly. Works with and without
+``torch.autocast`` (bf16 matmuls, float32 softmax statistics). Double backward is not
+supported (the gradients are computed in forward).
+
+Measured on this 2-core CPU (AMD EPYC, AVX512-BF16/AMX), N = 16*256 tokens, V = 50304
+padded / 50257 real, bf16 autocast, forward + backward, medians of several runs:
+see ``DEFAULT_CHUNK_SIZE`` below and the report in the project history.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: Vocabulary size from which the chunked loss is worth it. Below it the (N, V) logits are
+#: small (the byte vocabulary: 256 -> 1 MB of fp32 logits for 4096 tokens) and the plain
+#: ``F.cross_entropy`` path is as fast; from 8192 on the fp32 logits of a 16x256 batch reach
+#: 128 MB and grow to 824 MB at the gpt2 vocabulary.
+CHUNKED_LOSS_MIN_VOCAB = 8192
+
+#: Rows per chunk. Chosen from measurement (see module docstring): big enough that the
+#: per-chunk (V, C) weight-gradient accumulation and the matmuls stay efficient, small
+#: enough that one chunk's fp32 logits (chunk_size * V * 4 bytes, 51 MB at V=50304) are a
+#: small fraction of the full (N, V) tensor.
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def use_chunked_loss(vocab_size: int, min_vocab: int = CHUNKED_LOSS_MIN_VOCAB) -> bool:
+    """True when the vocabulary is large enough (``vocab_size >= min_vocab``, default
+    8192) that the chunked LM-head loss should replace full logits + ``F.cross_entropy``."""
+    return vocab_size >= min_vocab
+
+
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+#: Below this softmax probability of the target, its -log is taken from logsumexp instead
+#: (float32 subnormals start at 1.2e-38; 2**-100 keeps a wide margin).
+_TINY = 2.0 ** -100
+
+
+def _softmax_(x: Tensor) -> Tensor:
+    """Row softmax of a 2-D float32 tensor in place: the fused kernel writes each element
+    after reading it, so input and output may alias (2x faster on CPU than max, sub, exp,
+    sum as separate passes, and no second (rows, V) buffer)."""
+    return torch.ops.aten._softmax.out(x, 1, False, out=x)
+
+
+def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Tensor, chunk_size: int,
+                       dtype: torch.dtype, loss: Tensor, grad_h: Tensor | None, grad_w: Tensor | None) -> None:
+    """The chunk loop: adds the loss into ``loss`` (0-dim float32) and writes d loss / d hidden
+    into ``grad_h`` (N, C) and adds d loss / d w into ``grad_w`` (V, C, float32), each when not
+    None. ``w`` is the (V, C) weight in the compute ``dtype``; ``row_scale`` (N,) float32 is
+    1/n_valid for scored rows and 0 for ignored ones (whose targets are any valid id).
+
+    Every (chunk, V) buffer is allocated once and reused: on CPU a fresh allocation of this
+    size is a fresh mmap, and its page faults cost more than the arithmetic on it.
+    """
+    N = hidden.shape[0]
+    V, C = w.shape
+    rows = min(chunk_size, N)
+    device = hidden.device
+    logits_buf = torch.empty((rows, V), dtype=dtype, device=device)  # logits, then d loss / d logits
+    # float32 work buffer for the softmax statistics (the logits buffer itself when dtype is fp32)
+    work_buf = logits_buf if dtype == torch.float32 else torch.empty((rows, V), dtype=torch.float32, device=device)
+    need_grad = grad_h is not None or grad_w is not None
+    gh_buf = torch.empty((rows, C), dtype=dtype, device=device) if grad_h is not None and grad_h.dtype != dtype else None
+    gw_buf = torch.empty((V, C), dtype=dtype, device=device) if grad_w is not None and grad_w.dtype != dtype else None
+    for s in range(0, N, chunk_size):
+        e = min(s + chunk_size, N)
+        n = e - s
+        h_c = hidden[s:e].to(dtype)
+        t_c = targets[s:e].unsqueeze(1)
+        scale_c = row_scale[s:e].unsqueeze(1)
+        logits = torch.mm(h_c, w.t(), out=logits_buf[:n])
+        x = work_buf[:n]
+        if x is not logits:
+            x.copy_(logits)  # compute dtype -> float32, exact
+        target_logit = x.gather(1, t_c)
+        _softmax_(x)  # x = softmax(logits) in float32, in place (one fused pass)
+        p_target = x.gather(1, t_c)
+        nll = p_target.log().neg_()
+        tiny = ((p_target < _TINY) & (scale_c > 0)).squeeze(1)
+        if bool(tiny.any()):  # -log p would lose precision or be inf: logsumexp of these rows' logits
+            again = torch.mm(h_c[tiny], w.t()).float()  # (the buffer now holds the softmax)
+            nll[tiny] = torch.logsumexp(again, dim=1, keepdim=True) - target_logit[tiny]
+        loss += (nll.masked_fill_(scale_c == 0, 0.0) * scale_c).sum()  # ignored rows may have p = 0
+        if not need_grad:
+            continue
+        # d loss / d logits = (softmax - one_hot) * scale, formed in float32 and rounded once to
+        # the compute dtype (as autograd does for the full-logits reference)
+        x.scatter_add_(1, t_c, torch.full_like(p_target, -1.0))
+        x.mul_(scale_c)
+        g = logits
+        if g is not x:
+            g.copy_(x)
+        if grad_h is not None:
+            if gh_buf is None:
+                torch.mm(g, w, out=grad_h[s:e])
+            else:
+                grad_h[s:e].copy_(torch.mm(g, w, out=gh_buf[:n]))
+        if grad_w is not None:
+            if gw_buf is None:
+                grad_w.addmm_(g.t(), h_c)
+            else:
+                grad_w.add_(torch.mm(g.t(), h_c, out=gw_buf))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
+                chunk_size: int, compute_dtype: torch.dtype, grad_enabled: bool) -> Tensor:
+        N, C = hidden.shape
+        ctx.weight_dtype = weight.dtype
+        device_type = hidden.device.type
+        # forward runs under no_grad; the caller's grad mode decides whether gradients are made
+        need_h = ctx.needs_input_grad[0] and grad_enabled
+        need_w = ctx.needs_input_grad[1] and grad_enabled
+        with torch.autocast(device_type, enabled=False):
+            w = weight[:vocab_size].to(compute_dtype)  # (V, C): padded rows never enter
+            valid = targets != ignore_index
+            n_valid = int(valid.sum())
+            safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+            if n_valid and bool(((safe_targets < 0) | (safe_targets >= vocab_size)).any()):
+                raise IndexError(f"target out of range [0, {vocab_size}) (ignore_index {ignore_index})")
+            # per-row gradient scale: 1/n_valid for scored rows, 0 for ignored ones
+            row_scale = valid.to(torch.float32) / max(n_valid, 1)
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_h = (torch.empty if n_valid else torch.zeros)(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+            # float32 accumulator of the weight's full (padded) shape, so that autograd can hand
+            # it to the Parameter without a copy; padded rows stay zero
+            grad_w = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                                 device=weight.device) if need_w else None
+            if n_valid:
+                _accumulate_chunks(hidden, w, safe_targets, row_scale, chunk_size, compute_dtype,
+                                   loss, grad_h, grad_w[:vocab_size] if need_w else None)
+        # kept as attributes (not save_for_backward) so that backward can drop the last
+        # reference and autograd can steal the tensors instead of copying them
+        ctx.grads = (grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: Tensor):
+        if not hasattr(ctx, "grads"):
+            raise RuntimeError("chunked_cross_entropy: backward through the same loss twice is not supported "
+                               "(its gradients are computed in forward and handed over once)")
+        grad_h, grad_w = ctx.grads
+        del ctx.grads
+        one = grad_output.device.type == "cpu" and bool(grad_output == 1)
+        if grad_h is not None and not one:
+            grad_h = grad_h * grad_output.to(grad_h.dtype)
+        if grad_w is not None and not one:
+            grad_w = grad_w * grad_output.to(grad_w.dtype)
+        if grad_w is not None and grad_w.dtype != ctx.weight_dtype:
+            grad_w = grad_w.to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int | None = None,
+                          ignore_index: int = -1, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """Mean cross-entropy of ``hidden @ weight[:vocab_size].T`` against ``targets``, computed
+    ``chunk_size`` rows at a time (forward and backward) without the full (N, V) logits.
+
+    hidden: (..., C) final hidden states; weight: (V_padded, C) LM-head weight (may be tied to
+    the embedding); targets: (...) int64 ids in [0, vocab_size) or ``ignore_index``;
+    vocab_size: real vocabulary (default ``weight.shape[0]``), rows past it are padding and
+    never win. Returns a float32 scalar: the mean over non-ignored targets, 0 if all are
+    ignored. Matmuls run in the autocast dtype when autocast is on, log-softmax in float32.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    C = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != C:
+        raise ValueError(f"weight must be (V, {C}), got {tuple(weight.shape)}")
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= weight.shape[0]:
+        raise ValueError(f"vocab_size {vocab_size} must be in (0, {weight.shape[0]}]")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must match hidden {tuple(hidden.shape[:-1])}")
+    h = hidden.reshape(-1, C)
+    t = targets.reshape(-1)
+    return _ChunkedLinearCrossEntropy.apply(h, weight, t, vocab_size, ignore_index, chunk_size,
+                                            _compute_dtype(hidden, weight), torch.is_grad_enabled())
