@@ -6,19 +6,33 @@ a row is a whole document (an end-of-text separator goes after each: Gutenberg b
 hub corpora by default) or a line of one running text (no separator: WikiText).
 ``fingerprint()`` is a hash of the corpus content and options, stored with the token cache
 so an edited corpus is detected.
+
+Held-out splits, all deterministic and independent of the seed:
+
+- ``GutenbergCorpus``: the last ``val_fraction`` of every book (contiguous).
+- ``TextFilesCorpus`` (``data=text``, the user's files): whole documents, chosen by a hash of
+  their text (``held_out_by_hash``): a document is held out when its 64-bit BLAKE2b hash is
+  below ``val_fraction`` x 2^64. Identical documents land in the same split, and adding or
+  removing files never moves the other documents between splits.
+- ``HubCorpus``: the corpus's own validation split, or, for corpora with only a train split
+  (FineWeb-Edu, OpenWebText), ``val_documents`` rows spread evenly over it
+  (``held_out_evenly``).
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import re
 import socket
+import urllib.parse
 from importlib import resources
 from pathlib import Path
 
 import datasets
+import numpy as np
 
 # Gutenberg headers in big.txt look like "*** START OF THE PROJECT GUTENBERG EBOOK, WAR AND PEACE ***"
 # (or "THIS PROJECT ..."). Everything outside START..END is licence text or word lists.
@@ -106,20 +120,52 @@ class GutenbergCorpus:
         )
 
 
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
-    host = re.sub(r"^https?://", "", os.environ.get("HF_ENDPOINT", "https://huggingface.co")).split("/")[0]
+    """Whether a TCP connection to the hub (``HF_ENDPOINT``, default huggingface.co) opens
+    within ``timeout`` seconds: one try, so an offline machine learns it in seconds instead
+    of after the libraries' retry loops."""
+    url = urllib.parse.urlsplit(hub_endpoint() if "://" in hub_endpoint() else f"https://{hub_endpoint()}")
     try:
-        with socket.create_connection((host.split(":")[0], 443), timeout=timeout):
+        port = url.port or (80 if url.scheme == "http" else 443)
+        with socket.create_connection((url.hostname or "", port), timeout=timeout):
             return True
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
-class HubCorpus:
-    """A corpus from the Hugging Face hub, e.g. ``Salesforce/wikitext`` / ``wikitext-103-raw-v1``.
+def _offline_env() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
-    ``rows_are_documents``: TinyStories/PG-19 rows are documents (an end-of-text token goes
-    after each); WikiText rows are lines of one running text (no separator).
+
+def held_out_evenly(num_rows: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) row indices: ``count`` val rows spread evenly over ``num_rows`` (row
+    i·num_rows // count for i < count, so the first row is one), the rest train."""
+    val = np.arange(count, dtype=np.int64) * num_rows // count
+    mask = np.ones(num_rows, dtype=bool)
+    mask[val] = False
+    return np.flatnonzero(mask), val
+
+
+class HubCorpus:
+    """A corpus loaded with ``datasets.load_dataset(path, name)``: a hub repository such as
+    ``Salesforce/wikitext`` / ``wikitext-103-raw-v1`` or ``HuggingFaceFW/fineweb-edu`` /
+    ``sample-10BT``, or a packaged builder on local files (``path="parquet"``,
+    ``data_files=...``), which takes exactly the same code path without network.
+
+    ``rows_are_documents``: TinyStories/PG-19/FineWeb rows are documents (an end-of-text token
+    goes after each); WikiText rows are lines of one running text (no separator).
+    ``val_split=None`` (corpora with only a train split): ``val_documents`` rows spread evenly
+    over the train split are held out (``held_out_evenly``), the same rows in every run.
+    ``num_proc``: processes for ``load_dataset``'s download and preparation.
+
+    Offline it fails in seconds with what is needed: without ``HF_HUB_OFFLINE``/
+    ``HF_DATASETS_OFFLINE`` one TCP connect to the hub (3 s at most) before any download;
+    with them, ``datasets`` looks only in its local cache.
     """
 
     def __init__(
@@ -127,35 +173,56 @@ class HubCorpus:
         path: str,
         name: str | None = None,
         train_split: str = "train",
-        val_split: str = "validation",
+        val_split: str | None = "validation",
         text_column: str = "text",
         rows_are_documents: bool = True,
+        val_documents: int = 2000,
+        data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+        num_proc: int | None = None,
     ) -> None:
+        if isinstance(val_documents, bool) or not isinstance(val_documents, int) or val_documents < 1:
+            raise ValueError(f"data.corpus.val_documents must be a positive integer, got {val_documents!r}")
+        if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+            raise ValueError(f"data.corpus.num_proc must be a positive integer or null, got {num_proc!r}")
         self.path, self.name = path, name
         self.train_split, self.val_split = train_split, val_split
         self.text_column, self.rows_are_documents = text_column, rows_are_documents
+        self.val_documents, self.data_files, self.num_proc = val_documents, data_files, num_proc
         self._splits: datasets.DatasetDict | None = None
 
     @property
     def cache_name(self) -> str:
         key = f"{self.path}|{self.name}|{self.train_split}|{self.val_split}|{self.text_column}"
+        if self.val_split is None:  # (kept out of the key otherwise: existing caches keep their names)
+            key += f"|val_documents={self.val_documents}"
+        if self.data_files is not None:
+            key += f"|{json.dumps(self.data_files, sort_keys=True)}"
         slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{self.path}-{self.name or ''}").strip("_")
         return f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+    @property
+    def needs_hub(self) -> bool:
+        """False for a packaged builder on local files or a local dataset directory."""
+        return self.data_files is None and not Path(self.path).exists()
 
     def _failure(self, reason: str) -> RuntimeError:
         return RuntimeError(
             f"could not load hub corpus {self.path!r} (config {self.name!r}): {reason}\n"
-            "Hub corpora need network access to huggingface.co (or a filled HF cache with "
-            "HF_DATASETS_OFFLINE=1). Without network use the embedded corpus: data=gutenberg"
+            f"Hub corpora need network access to {hub_endpoint()} (set HF_ENDPOINT for a mirror), or a "
+            "cache already filled by an earlier run on a machine with network: point HF_HOME (or "
+            "HF_DATASETS_CACHE) at it and set HF_HUB_OFFLINE=1. Without either, train on your own files "
+            "(data=text data.paths=[...]) or on the embedded corpus: data=gutenberg"
         )
 
     def fingerprint(self) -> str:
         """sha256 of the options and of the ``datasets`` fingerprints of both splits. Loads the
         corpus (from the local HF cache after the first download; offline that needs
-        HF_DATASETS_OFFLINE=1)."""
+        HF_HUB_OFFLINE=1)."""
         splits = self.load()
         key = [self.path, self.name, self.train_split, self.val_split, self.text_column, self.rows_are_documents,
                splits["train"]._fingerprint, splits["val"]._fingerprint]
+        if self.val_split is None:
+            key.append(self.val_documents)
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
     def load(self, workdir: Path | None = None) -> datasets.DatasetDict:
@@ -164,15 +231,206 @@ class HubCorpus:
         return self._splits
 
     def _load(self) -> datasets.DatasetDict:
-        offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes")
-                      for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
-        if not offline and not hub_reachable():  # fail now instead of after minutes of retries
-            raise self._failure("the Hugging Face hub is unreachable")
+        if self.needs_hub and not _offline_env() and not hub_reachable():  # now, not after minutes of retries
+            raise self._failure(f"{hub_endpoint()} is unreachable (the hub is unreachable from this machine)")
+        wanted = [self.train_split] if self.val_split is None else [self.train_split, self.val_split]
         try:
-            loaded = datasets.load_dataset(self.path, self.name, split=[self.train_split, self.val_split])
+            loaded = datasets.load_dataset(self.path, self.name, split=wanted, data_files=self.data_files,
+                                           num_proc=self.num_proc)
         except Exception as err:
+            if not self.needs_hub:
+                raise
             raise self._failure(f"{type(err).__name__}: {err}") from err
-        splits = dict(zip(("train", "val"), loaded))
+        for split, dataset in zip(wanted, loaded):
+            if self.text_column not in dataset.column_names:
+                raise ValueError(f"data.corpus.text_column={self.text_column!r} is not a column of {self.path!r} "
+                                 f"split {split!r}; columns: {', '.join(dataset.column_names)}")
+        loaded = [d.select_columns([self.text_column]) for d in loaded]
         if self.text_column != "text":
-            splits = {k: v.rename_column(self.text_column, "text") for k, v in splits.items()}
-        return datasets.DatasetDict({k: v.select_columns(["text"]) for k, v in splits.items()})
+            loaded = [d.rename_column(self.text_column, "text") for d in loaded]
+        if self.val_split is not None:
+            return datasets.DatasetDict({"train": loaded[0], "val": loaded[1]})
+        whole = loaded[0]
+        if len(whole) <= self.val_documents:
+            raise ValueError(f"{self.path!r} split {self.train_split!r} has {len(whole)} rows: "
+                             f"data.corpus.val_documents={self.val_documents} must leave some for training")
+        train, val = held_out_evenly(len(whole), self.val_documents)
+        return datasets.DatasetDict({"train": whole.select(train), "val": whole.select(val)})
+
+
+# data=text: the user's own files. Suffix -> the ``datasets`` packaged builder that reads it.
+FILE_FORMATS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
+_FORMAT_HELP = (".txt (a file is a document, or see data.text_sample_by), .jsonl (a document per line, in "
+                "data.text_field), .parquet (column data.text_field)")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def find_corpus_files(paths: list[str]) -> list[Path]:
+    """The files named by ``paths``: files, glob patterns (``**`` recurses) and directories
+    (searched recursively; hidden files and folders skipped), keeping the supported suffixes,
+    each file once, sorted. A file named explicitly must have a supported suffix; files of
+    other kinds found in directories or by globs are skipped, and listed in the error when
+    nothing is left."""
+    found: set[Path] = set()
+    skipped: list[str] = []
+    for entry in paths:
+        pattern = os.path.expanduser(str(entry))
+        if _GLOB_CHARS.search(pattern):
+            matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
+            if not matches:
+                raise ValueError(f"data.paths: {entry!r} matches no file")
+        elif Path(pattern).is_dir():
+            matches = [p for p in sorted(Path(pattern).rglob("*"))
+                       if not any(part.startswith(".") for part in p.relative_to(pattern).parts)]
+        elif Path(pattern).is_file():
+            if Path(pattern).suffix.lower() not in FILE_FORMATS:
+                raise ValueError(f"data.paths: {entry!r} has an unsupported format {Path(pattern).suffix!r}; "
+                                 f"supported: {_FORMAT_HELP}")
+            matches = [Path(pattern)]
+        else:
+            raise ValueError(f"data.paths: {entry!r} is neither a file, a directory nor a glob pattern that "
+                             f"matches something")
+        for match in matches:
+            if not match.is_file():
+                continue
+            if match.suffix.lower() in FILE_FORMATS:
+                found.add(match.resolve())
+            else:
+                skipped.append(str(match))
+    if not found:
+        seen = (f"found only {len(skipped)} file(s) of other kinds: {', '.join(skipped[:5])}"
+                + (", ..." if len(skipped) > 5 else "")) if skipped else "found no files at all"
+        raise ValueError(f"data.paths={list(paths)} names no corpus file ({seen}); supported: {_FORMAT_HELP}")
+    return sorted(found)
+
+
+def document_key(text: str) -> int:
+    """A document's 64-bit BLAKE2b hash: what decides its split."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def held_out_by_hash(keys: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) indices of documents with hash ``keys`` (uint64): a document is held out
+    when its key is below ``val_fraction`` x 2^64, so about that fraction is, whatever the
+    seed or the order of the files. At least one document on each side: with none held out,
+    the one with the smallest key is; with all held out, the one with the largest key trains."""
+    if len(keys) < 2:
+        raise ValueError(f"{len(keys)} document(s): a held-out split needs at least two")
+    val = keys < np.uint64(min(int(val_fraction * 2**64), 2**64 - 1))
+    if not val.any():
+        val[np.argmin(keys)] = True
+    if val.all():
+        val[np.argmax(keys)] = False
+    return np.flatnonzero(~val), np.flatnonzero(val)
+
+
+class TextFilesCorpus:
+    """The user's own files (``data=text data.paths=[...]``): plain text, JSONL or Parquet,
+    given as files, globs or directories (``find_corpus_files``), read with the ``datasets``
+    builders ``text``, ``json`` and ``parquet``.
+
+    - ``.txt``: ``text_sample_by="document"`` makes each file one document; ``"paragraph"``
+      splits files at blank lines, ``"line"`` at newlines (newlines dropped), each piece a
+      document.
+    - ``.jsonl``: one JSON object per line, the document in ``text_field``.
+    - ``.parquet``: the document in column ``text_field``.
+
+    Empty and missing (null) documents are dropped. Held-out split by document:
+    ``held_out_by_hash`` with ``val_fraction``. ``fingerprint()`` hashes the options and every
+    file's path and bytes, so any edit rebuilds the token cache; ``cache_name`` depends on
+    the file list and options only, so the rebuilt cache replaces the old one.
+    """
+
+    rows_are_documents = True
+
+    def __init__(self, paths: list[str] | str, text_field: str = "text", val_fraction: float = 0.05,
+                 text_sample_by: str = "document") -> None:
+        if isinstance(paths, str):
+            paths = [paths]
+        if not paths:
+            raise ValueError("data.paths is empty: name your files, e.g. data.paths=[corpus/] or "
+                             "data.paths='[books/*.txt,web.jsonl]'")
+        if not (isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool)
+                and 0.0 < val_fraction <= 0.5):
+            raise ValueError(f"data.val_fraction must be in (0, 0.5], got {val_fraction!r}")
+        if text_sample_by not in ("document", "paragraph", "line"):
+            raise ValueError(f"data.text_sample_by must be one of 'document', 'paragraph', 'line', "
+                             f"got {text_sample_by!r}")
+        if not isinstance(text_field, str) or not text_field:
+            raise ValueError(f"data.text_field must be a field name, got {text_field!r}")
+        self.paths = [str(p) for p in paths]
+        self.text_field, self.val_fraction, self.text_sample_by = text_field, float(val_fraction), text_sample_by
+        self.files = find_corpus_files(self.paths)
+        if len(self.files) == 1 and self.files[0].suffix.lower() == ".txt" and text_sample_by == "document":
+            raise ValueError(f"data.paths names one document ({self.files[0]}): a held-out split needs at least "
+                             f"two; add files, or split it with data.text_sample_by=paragraph (or line)")
+
+    def _options(self) -> list:
+        return [self.text_field, self.val_fraction, self.text_sample_by]
+
+    @property
+    def cache_name(self) -> str:
+        key = json.dumps([[str(f) for f in self.files], self._options()])
+        stem = re.sub(r"[^A-Za-z0-9]+", "_", Path(self.paths[0].rstrip("/*")).name or "files").strip("_")
+        return f"files-{stem[:40]}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+    def fingerprint(self) -> str:
+        """sha256 over the options and every file's path, size and sha256 (reads every byte
+        once: ~1 s per GB)."""
+        digest = hashlib.sha256(json.dumps(self._options()).encode())
+        for path in self.files:
+            with open(path, "rb") as f:
+                content = hashlib.file_digest(f, "sha256").hexdigest()
+            digest.update(json.dumps([str(path), path.stat().st_size, content]).encode())
+        return digest.hexdigest()
+
+    def _read(self, builder: str, files: list[Path], cache: Path) -> datasets.Dataset:
+        options = {"sample_by": self.text_sample_by} if builder == "text" else {}
+        kind = next(s for s, b in FILE_FORMATS.items() if b == builder)
+        try:
+            # Re-read, never datasets' cache: it recognises local files by mtime only, and this
+            # runs only when the fingerprint says the files changed.
+            dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                            cache_dir=str(cache), download_mode="force_redownload", **options)
+        except Exception as err:
+            raise ValueError(f"data.paths: could not read the {kind} files ({', '.join(map(str, files[:3]))}"
+                             f"{', ...' if len(files) > 3 else ''}): {type(err).__name__}: {err}") from err
+        field = "text" if builder == "text" else self.text_field
+        if field not in dataset.column_names:
+            raise ValueError(f"data.text_field={self.text_field!r} is not a field of the {kind} files "
+                             f"({', '.join(map(str, files[:3]))}{', ...' if len(files) > 3 else ''}); fields "
+                             f"found: {', '.join(dataset.column_names)}")
+        feature = dataset.features[field]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"data.text_field={self.text_field!r} holds {feature}, not text, in the {kind} files")
+        dataset = dataset.select_columns([field])
+        if field != "text":
+            dataset = dataset.rename_column(field, "text")
+        return dataset.cast_column("text", datasets.Value("string"))
+
+    def load(self, workdir: Path) -> datasets.DatasetDict:
+        cache = workdir / "hf_cache"
+        by_builder: dict[str, list[Path]] = {}
+        for path in self.files:
+            by_builder.setdefault(FILE_FORMATS[path.suffix.lower()], []).append(path)
+        parts = [self._read(builder, files, cache) for builder, files in by_builder.items()]
+        documents = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+        def keyed(batch: dict) -> dict:
+            texts = batch["text"]
+            return {"keep": [bool(t) and not t.isspace() for t in [t or "" for t in texts]],
+                    "key": np.array([document_key(t or "") for t in texts], dtype=np.uint64)}
+
+        documents = documents.map(keyed, batched=True, load_from_cache_file=False, desc="hashing documents",
+                                  features=datasets.Features({"text": datasets.Value("string"),
+                                                              "keep": datasets.Value("bool"),
+                                                              "key": datasets.Value("uint64")}))
+        keep = np.flatnonzero(documents.with_format("numpy")["keep"])
+        keys = np.asarray(documents.with_format("numpy")["key"], dtype=np.uint64)[keep]
+        if len(keep) < 2:
+            raise ValueError(f"data.paths holds {len(keep)} non-empty document(s) in {len(self.files)} file(s) "
+                             f"({', '.join(map(str, self.files[:3]))}): a held-out split needs at least two; add "
+                             f"documents, or split plain text with data.text_sample_by=paragraph (or line)")
+        train, val = held_out_by_hash(keys, self.val_fraction)
+        documents = documents.select_columns(["text"])
+        return datasets.DatasetDict({"train": documents.select(keep[train]), "val": documents.select(keep[val])})

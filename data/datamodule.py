@@ -302,3 +302,34 @@ class TextDataModule(StreamDataModule):
         counts = np.bincount(train, minlength=self.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
         logp = np.log(counts / counts.sum())
         return float(-logp[val].mean())
+
+
+class TextFilesDataModule(TextDataModule):
+    """``data=text``: a TextDataModule over the user's files (``data.corpus.TextFilesCorpus``).
+    The corpus options sit at ``data.*`` so the command line stays short
+    (``data=text data.paths=[corpus/]``); conf/data/text.yaml passes them to ``data.corpus`` by
+    interpolation, where they are checked and used. Here they are only recorded."""
+
+    def __init__(
+        self,
+        corpus,
+        paths: list[str] | str,
+        text_field: str = "text",
+        val_fraction: float = 0.05,
+        text_sample_by: str = "document",
+        tokenizer: str = "bytes",
+        block_size: int = 256,
+        batch_size: int = 16,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 1337,
+        data_dir: str | None = None,
+        train_samples: int = 2**40,
+        tokenize_num_proc: int | None = None,
+        val_windows: int | None = 256,
+    ) -> None:
+        super().__init__(corpus, tokenizer=tokenizer, block_size=block_size, batch_size=batch_size,
+                         val_batch_size=val_batch_size, num_workers=num_workers, seed=seed, data_dir=data_dir,
+                         train_samples=train_samples, tokenize_num_proc=tokenize_num_proc, val_windows=val_windows)
+        self.paths, self.text_field = paths, text_field
+        self.val_fraction, self.text_sample_by = val_fraction, text_sample_by
