@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pelab.hydra_callbacks import check_writable_dir
-from pelab.run import build_loggers, describe_run, finish_loggers  # also registers the run_slug resolver
+from pelab.run import build_loggers, describe_run, finish_loggers, wandb_run_id  # also registers the run_slug resolver
 from pelab.redact import redact
 
 
@@ -148,6 +148,29 @@ def build_callbacks(cfg: DictConfig) -> list:
     return [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c and "_target_" in c]
 
 
+def resume_from_run_dir(cfg: DictConfig, output_dir: Path) -> bool:
+    """``resume=auto``: set ``ckpt_path`` to the newest checkpoint of the run dir and say so
+    (True), or start fresh when the dir has none (a first start and a restart are one command)."""
+    from model.checkpoint import newest_checkpoint
+    from pelab.config import ConfigError, fail
+
+    resume = cfg.get("resume")
+    if resume is None:
+        return False
+    if resume != "auto":
+        fail("resume", resume, "null or auto")
+    if cfg.ckpt_path:
+        raise ConfigError(f"resume=auto and ckpt_path={cfg.ckpt_path} both given: resume=auto picks the newest "
+                          f"checkpoint of the run dir itself; keep one of them")
+    newest = newest_checkpoint(output_dir)
+    if newest is None:
+        print(f"[pelab] resume=auto: no checkpoint in {output_dir}, starting fresh", flush=True)
+        return False
+    cfg.ckpt_path = str(newest)
+    print(f"[pelab] resume=auto: continuing from {newest}", flush=True)
+    return True
+
+
 def train(cfg: DictConfig) -> float | None:
     import warnings
 
@@ -160,9 +183,10 @@ def train(cfg: DictConfig) -> float | None:
     from model.lit import LitGPT
     from pelab.loggers import SafeWandbLogger
 
+    output_dir = Path(cfg.paths.output_dir)
+    resuming = resume_from_run_dir(cfg, output_dir)
     validate_config(cfg)
     identity = describe_run(cfg)
-    output_dir = Path(cfg.paths.output_dir)
     check_writable_dir(output_dir)  # Hydra checked its run dir; paths.output_dir may point elsewhere
     with open_dict(cfg):  # record how the run appears on W&B in its saved config
         cfg.run_name, cfg.group, cfg.tags = identity.name, identity.group, identity.tags
@@ -176,7 +200,7 @@ def train(cfg: DictConfig) -> float | None:
         cfg.model.vocab_size = datamodule.vocab_size
     module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile)
 
-    loggers = build_loggers(cfg, identity)
+    loggers = build_loggers(cfg, identity, wandb_run_id(output_dir, resuming))
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=build_callbacks(cfg))
 
     resolved = redact(OmegaConf.to_container(cfg, resolve=True))  # saved and logged: no secrets

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
 class TokensPerSecond(L.Callback):
@@ -137,3 +138,42 @@ class NonFiniteGuard(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+
+class PreemptionCheckpoint(L.Callback):
+    """Save ``last.ckpt`` and exit cleanly when the job is told to stop (SIGTERM: preemption,
+    ``scancel``, a cluster's time limit; SIGUSR1 where no one else handles it).
+
+    Lightning already turns SIGTERM into a flag that ends the run at the end of the current
+    step, on every rank alike (``SIGTERMException``); this callback only writes the state it
+    ends with, through the trainer's checkpoint IO (atomic), where ``resume=auto`` looks. On
+    SLURM with auto-requeue Lightning handles SIGUSR1 itself (checkpoint and requeue), so
+    SIGUSR1 is taken here only when nothing else is registered for it.
+    """
+
+    def __init__(self, filename: str = "last") -> None:
+        self.filename = filename
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import signal
+        import threading
+
+        if stage != "fit" or threading.current_thread() is not threading.main_thread():
+            return
+        if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+            def stop_after_this_step(signum, frame) -> None:
+                trainer._signal_connector.received_sigterm = True  # the flag Lightning's SIGTERM handler sets
+
+            signal.signal(signal.SIGUSR1, stop_after_this_step)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, SIGTERMException):
+            return  # a crash (NaN, error) must not overwrite the last good checkpoint
+        ckpt = trainer.checkpoint_callback
+        dirpath = getattr(ckpt, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
+        path = os.path.join(dirpath, f"{self.filename}.ckpt")
+        trainer.save_checkpoint(path)
+        rank_zero_info(f"[pelab] stop signal: saved {path} at step {trainer.global_step}; "
+                       f"continue with resume=auto in the same run dir")

@@ -233,3 +233,11 @@ def load_lit_gpt(path, map_location=None, key: str = "ckpt"):
 
     read_checkpoint(path, key)
     return LitGPT.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+
+
+def newest_checkpoint(run_dir) -> Path | None:
+    """The most recently written checkpoint of a run dir (``checkpoints/*.ckpt``, and the
+    ``hpc_ckpt_*.ckpt`` Lightning writes on a SLURM requeue signal), or None."""
+    run_dir = Path(run_dir)
+    found = [p for p in [*run_dir.glob("checkpoints/*.ckpt"), *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None

@@ -30,7 +30,7 @@ NOT_IN_NAME = (
     "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.enable_checkpointing",
     "trainer.log_every_n_steps", "trainer.val_check_interval", "trainer.limit_val_batches",
     "trainer.num_sanity_val_steps", "data.num_workers", "data.data_dir", "data.tokenize_num_proc",
-    "data.val_batch_size", "ckpt_path", "compile", "run_name", "group", "tags", "project",
+    "data.val_batch_size", "ckpt_path", "resume", "compile", "run_name", "group", "tags", "project",
 )
 NAME_LIMIT = 128
 
@@ -125,7 +125,7 @@ def wandb_offline_reason() -> str | None:
     return None
 
 
-def build_loggers(cfg: DictConfig, identity: RunIdentity) -> list:
+def build_loggers(cfg: DictConfig, identity: RunIdentity, run_id: str | None = None) -> list:
     from lightning.pytorch.loggers import WandbLogger
 
     loggers = []
@@ -135,6 +135,8 @@ def build_loggers(cfg: DictConfig, identity: RunIdentity) -> list:
         extra = {}
         if issubclass(hydra.utils.get_class(logger_cfg._target_), WandbLogger):
             extra = {"name": identity.name, "group": identity.group, "tags": identity.tags}
+            if run_id:  # same id after a restart: the W&B run continues (resume="allow": or starts)
+                extra |= {"id": run_id, "resume": "allow"}
             mode = os.environ.get("WANDB_MODE", "")
             if mode not in ("offline", "disabled") and not logger_cfg.get("offline"):
                 why = wandb_offline_reason()
@@ -162,3 +164,27 @@ def finish_loggers(loggers: list) -> list[str]:
             logger.save()  # flush what was logged after fit (extrapolation, unigram baseline)
             lines.append(f"[pelab] {type(logger).__name__}: {getattr(logger, 'log_dir', None) or logger.save_dir}")
     return [line for line in lines if line]
+
+
+RUN_ID_FILE = "wandb_run_id.txt"
+
+
+def wandb_run_id(output_dir: Path, resuming: bool) -> str:
+    """The W&B run id of this run dir: the stored one when resuming (a restart after preemption
+    continues the same W&B run, offline too), else a new one, stored for the next restart.
+    Only rank zero writes (the other ranks log nothing)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    path = Path(output_dir) / RUN_ID_FILE
+    if resuming and path.is_file():
+        return path.read_text().strip()
+    import secrets
+    import string
+
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id form
+    if rank_zero_only.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".partial")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, path)
+    return run_id
