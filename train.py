@@ -13,6 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from pelab.batch import accumulation_for, describe_batch
 from pelab.hydra_callbacks import check_writable_dir
 from pelab.run import build_loggers, describe_run, finish_loggers, wandb_run_id  # also registers the run_slug resolver
 from pelab.redact import redact
@@ -83,6 +84,10 @@ def validate_config(cfg: DictConfig) -> None:
 
     data = plain(cfg.data)
     corpus = data.pop("corpus", None)
+    if data.pop("tokens_per_step", None) is not None and cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+        raise ConfigError(f"data.tokens_per_step={cfg.data.tokens_per_step} and trainer.accumulate_grad_batches="
+                          f"{cfg.trainer.accumulate_grad_batches} both given: tokens_per_step sets the accumulation; "
+                          f"keep one of them")
     check_options("data", data, target("data", data))
     if isinstance(corpus, dict):
         corpus_class = target("data.corpus", corpus)
@@ -195,13 +200,22 @@ def train(cfg: DictConfig) -> float | None:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
 
-    datamodule = hydra.utils.instantiate(cfg.data)
+    data_options = [k for k in cfg.data if k != "tokens_per_step"]  # tokens_per_step sets the trainer's accumulation
+    datamodule = hydra.utils.instantiate(OmegaConf.masked_copy(cfg.data, data_options))
     with open_dict(cfg):
         cfg.model.vocab_size = datamodule.vocab_size
     module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile)
 
     loggers = build_loggers(cfg, identity, wandb_run_id(output_dir, resuming))
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=build_callbacks(cfg))
+    if cfg.data.get("tokens_per_step") is not None:
+        trainer.accumulate_grad_batches = accumulation_for(cfg.data.tokens_per_step, cfg.data.batch_size,
+                                                           cfg.model.block_size, trainer.num_devices, trainer.num_nodes)
+        with open_dict(cfg):
+            cfg.trainer.accumulate_grad_batches = trainer.accumulate_grad_batches  # saved as it ran
+    if trainer.is_global_zero:
+        print(describe_batch(cfg.data.batch_size, cfg.model.block_size, trainer.num_devices, trainer.num_nodes,
+                             trainer.accumulate_grad_batches), flush=True)
 
     resolved = redact(OmegaConf.to_container(cfg, resolve=True))  # saved and logged: no secrets
     if trainer.is_global_zero:

@@ -30,7 +30,7 @@ import lightning as L
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from data.tokenizers import Tokenizer, cache_dir, get_tokenizer
 
@@ -217,18 +217,26 @@ class ValidationWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class RankShard(Sampler):
+    """Indices rank, rank + world, ... of a dataset of ``length``: the ranks validate disjoint
+    windows that together are every window exactly once (torch's DistributedSampler pads with
+    repeats, which would count some windows twice in the token-weighted mean)."""
+
+    def __init__(self, length: int, rank: int, world: int) -> None:
+        self.indices = range(rank, length, world)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 class StreamDataModule(L.LightningDataModule):
     """Loaders shared by the data modules: ``train_set`` is an indexed stream whose ``offset``
     lets a resumed run continue after the samples already trained on; ``val_set`` is fixed.
     Subclasses set both in ``setup`` and provide ``batch_size``, ``val_batch_size`` and
     ``num_workers``."""
-
-    def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:
-        return DataLoader(
-            dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
 
     def train_dataloader(self) -> DataLoader:
         if self.trainer is not None:  # resumed: continue after the samples already trained on
@@ -236,7 +244,18 @@ class StreamDataModule(L.LightningDataModule):
         return self._loader(self.train_set, self.batch_size, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, self.val_batch_size, drop_last=False)
+        # Under DDP each rank validates its own share of the windows (N ranks: N times the
+        # windows per second, not the same ones N times); val/loss is reduced token-weighted.
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        shard = RankShard(len(self.val_set), rank, world) if world > 1 else None
+        return self._loader(self.val_set, self.val_batch_size, drop_last=False, sampler=shard)
+
+    def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool, sampler=None) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last, sampler=sampler,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
 
 
 class TextDataModule(StreamDataModule):

@@ -1,0 +1,62 @@
+"""Data parallelism on CPU processes (gloo): gradient parity with one process, validation and
+extrapolation sharded across ranks with the single-process values, the tokens-per-step rule."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(devices: int, batch: int, tokens: Path, out: Path) -> dict:
+    proc = subprocess.run([sys.executable, "tests/ddp_worker.py", str(devices), str(batch), str(tokens), str(out)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=True)
+
+
+def test_two_ranks_with_batch_b_equal_one_process_with_2b_and_validate_disjoint_shards(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint16).tofile(tokens)
+    one = worker(1, 8, tokens, tmp_path / "one.pt")
+    two = worker(2, 4, tokens, tmp_path / "two.pt")
+    for name, value in one["params"].items():
+        torch.testing.assert_close(two["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert one["val_batches"] == 6 and two["val_batches"] == 3  # 22 windows: rank 0 holds 11 of them, not 22
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)  # token-weighted over the same windows
+    # the extrapolation table: each rank scored half the windows, summed NLL and counts reduced
+    assert [row[:3] for row in two["table"]] == [row[:3] for row in one["table"]]
+    # every window of 6000 tokens: 187 x 32, 46 x 128; sliding (stride = half): 373 x 16, 92 x 64
+    assert [row[2] for row in one["table"]] == [5984, 5888, 5968, 5888]
+    assert [row[3] for row in two["table"]] == pytest.approx([row[3] for row in one["table"]], rel=1e-9)
+
+
+@pytest.mark.parametrize("tokens_per_step, batch, block, devices, nodes, expected", [
+    (524288, 16, 1024, 8, 2, 2),   # nanoGPT's 0.5M-token GPT-2 batch on 2 nodes of 8 GPUs
+    (524288, 16, 1024, 4, 1, 8),
+    (4096, 16, 256, 1, 1, 1),
+])
+def test_tokens_per_step_sets_the_accumulation(tokens_per_step, batch, block, devices, nodes, expected):
+    from pelab.batch import accumulation_for
+
+    assert accumulation_for(tokens_per_step, batch, block, devices, nodes) == expected
+
+
+@pytest.mark.parametrize("tokens_per_step, why", [
+    (500000, r"data.tokens_per_step=500000 is not a whole number .* = 262144 tokens; allowed: a multiple of "
+             r"262144, e.g. 262144 or 524288"),
+    (131072, r"allowed: a multiple of 262144, e.g. 262144$"),
+    (0, r"data.tokens_per_step=0 is not valid"),
+])
+def test_impossible_tokens_per_step_is_named(tokens_per_step, why):
+    from pelab.batch import accumulation_for
+    from pelab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=why):
+        accumulation_for(tokens_per_step, 16, 1024, 8, 2)
