@@ -200,8 +200,9 @@ def train(cfg: DictConfig) -> float | None:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
 
-    data_options = [k for k in cfg.data if k != "tokens_per_step"]  # tokens_per_step sets the trainer's accumulation
-    datamodule = hydra.utils.instantiate(OmegaConf.masked_copy(cfg.data, data_options))
+    data_options = OmegaConf.to_container(cfg.data, resolve=True)
+    data_options.pop("tokens_per_step", None)  # not the data module's: it sets the trainer's accumulation
+    datamodule = hydra.utils.instantiate(data_options)
     with open_dict(cfg):
         cfg.model.vocab_size = datamodule.vocab_size
     module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile)
