@@ -116,7 +116,7 @@ def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: i
         print(f"[pelab] token cache {out_dir} is stale: {why}; rebuilding", flush=True)
         meta_path.unlink()  # first: a crash mid-rebuild must leave no meta.json over half-written bins
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"[pelab] preparing token cache {out_dir} ({corpus.cache_name}, {tokenizer.name})", flush=True)
+    print(f"[pelab] tokenizing {corpus.cache_name} ({tokenizer.name}) into {out_dir}", flush=True)
     splits = corpus.load(out_dir)
     separate = getattr(corpus, "rows_are_documents", True)
     dtype = token_dtype(tokenizer.vocab_size)

@@ -75,5 +75,5 @@ def test_rank_zero_alone_prepares_the_token_cache(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr
-    assert output.count("[pelab] preparing token cache") == 1, output[-3000:]
+    assert output.count("[pelab] tokenizing gutenberg") == 1, output[-3000:]
     assert len(list(cache.glob("gutenberg*/bytes/meta.json"))) == 1 and "finished at step 2" in proc.stdout
