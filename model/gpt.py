@@ -132,6 +132,9 @@ class KVCache:
 # ---------------------------------------------------------------------------------------
 
 # bf16 pieces whose float32 sum is exactly a float32 value (8 + 8 + 8 significand bits).
+# q, k, v of the key-only path are padded to one head dim, a multiple of this: 8 for CUDA's
+# flash kernels; none on CPU, where padding 32 + 3 to 40 dims measured 1.4x slower than 35.
+KEY_PAD_MULTIPLE = {"cuda": 8}
 KEY_PIECES = {torch.float32: 1, torch.float64: 1, torch.bfloat16: 3}
 
 
@@ -181,10 +184,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, 
 
 def _sdpa_key(q: Tensor, k: Tensor, v: Tensor, features: Tensor, dropout: float) -> Tensor:
     """The key-only path: [q, 1] . [k, features] with the original 1/sqrt(head_dim) scale;
-    q, k, v padded to one head dim (a multiple of 8) so SDPA keeps its fused kernel."""
+    q, k, v padded to one head dim (v with zeros) so SDPA keeps its fused kernel."""
     B, H, Tq, D = q.shape
     Tk, n = k.shape[2], features.shape[-1]
-    pad = -(D + n) % 8
+    pad = -(D + n) % KEY_PAD_MULTIPLE.get(q.device.type, 1)
     dtype = v.dtype
     q = torch.cat((q.to(dtype), q.new_ones(B, H, Tq, n, dtype=dtype)), dim=-1)
     k = torch.cat((k.to(dtype), features.to(dtype).expand(B, H, Tk, n)), dim=-1)
