@@ -1,135 +1,768 @@
-"""Training-step benchmark: the Lightning path against a plain PyTorch loop, side by side.
+"""Training-speed benchmark: pelab's real training path against an independent plain-PyTorch loop.
 
-    python scripts/bench.py                          # tiny model, every scheme, CPU or GPU
-    python scripts/bench.py schemes=rope,alibi steps=50 batch_size=16 block_size=256
+    python scripts/bench.py                                    # CPU default, ~10 min on 2 cores
+    python scripts/bench.py configs=byte-tiny,gpt2-tiny precision=bf16-mixed,32 compile=false,true \\
+        schemes=learned,rope,alibi rounds=12 steps=3 out=bench.jsonl
+    python scripts/bench.py smoke=true                         # seconds: what tests/test_bench.py runs
 
-For each scheme, in one process and on the same batches: median ms per optimisation step of
-(a) a plain loop (autocast forward, backward, clip, AdamW, LR schedule), (b) LitGPT under the
-Lightning Trainer with pelab's default callbacks, and (c) the same plus the attention-map
-callback firing at every validation. Medians over `steps` (after `warmup`), runs interleaved
-`repeats` times; ratios are (b)/(a) and (c)/(b). Speed targets live here, never in tests.
+What is timed, in one process, on the same random token batches:
+
+- ``reference``: a nanoGPT-style training loop written here with its own model code (not
+  pelab's GPT): token + learned absolute position embeddings, pre-LN blocks with causal SDPA
+  (``is_causal=True``), GELU MLP, tied LM head, full logits + ``F.cross_entropy``; AdamW
+  (decay on matrices only, pelab's hyperparameters, fused only on CUDA), gradient clipping 1.0,
+  warmup + cosine LR through a ``LambdaLR`` lambda; bf16 autocast or fp32; optionally
+  ``torch.compile`` of the model.
+- ``pelab`` (one per scheme of ``model.pe.SCHEMES``): ``LitGPT`` fitted by a lightning
+  ``Trainer`` with the trainer settings of conf/trainer/default.yaml (precision, gradient
+  clipping, log_every_n_steps) and the callbacks of conf/callbacks/default.yaml minus those that
+  only write files or probe at validation / at the end (model_checkpoint, attention_maps,
+  position_functions, end_of_training). No validation loader, ``limit_val_batches=0``,
+  ``enable_checkpointing=False``, ``max_steps=10**9`` (the bench stops the fit itself): no
+  validation or checkpointing ever runs inside the timed region, whatever ``steps`` is.
+
+Every path runs in its own thread, and exactly one runs at a time (a baton): after ``warmup``
+untimed steps each, ``rounds`` rounds follow, each giving every path ``steps`` consecutive steps
+(the order reversed every other round). A step's time is the wall time between consecutive
+step ends (``time.perf_counter``; for pelab at ``on_train_batch_end`` of the last callback), so
+data loading, every hook, the optimizer and the LR scheduler are inside it; the first step
+after a path resumes is timed from the resume. Per path: the median step over all timed steps
+(-> ``tokens_per_s``). Ratios are paired by round: the median over rounds of the ratio of the
+two paths' per-round medians, so slow drifts of a shared machine's load cancel.
+
+Output: a table on stdout, and one JSON object per (config, precision, compile, path) row,
+printed on stdout as ``BENCH_JSON {...}`` lines and, with ``out=FILE``, written to FILE (one
+object per line). Fields:
+
+- ``config`` (``byte-tiny``, ``gpt2-small``, ...: vocabulary and conf/model size), ``scheme``,
+  ``path`` (``pelab`` or ``reference``), ``precision``, ``compile``, ``device``, ``batch_size``,
+  ``block_size``, ``step_ms`` (median), ``tokens_per_s``;
+- ``ratio_vs_reference``: pelab tokens/s / reference tokens/s, on the ``learned`` rows (the
+  reference's scheme); null on other schemes; 1.0 on the reference row;
+- ``ratio_vs_learned``: this scheme's tokens/s / pelab ``learned``'s, same config;
+- ``compile_s``: with compile, the first ``warmup`` steps minus ``warmup`` steady (median) steps;
+- ``peak_mem_mb``: training memory (model, gradients, AdamW state, activations) of a few steps
+  of the same path in a fresh child process: on CUDA ``torch.cuda.max_memory_allocated``; on
+  CPU the rise of the process's peak RSS (``resource.getrusage`` ru_maxrss, child forked from a
+  process that has imported torch and lightning but computed nothing) above its RSS before the
+  model is built; ``peak_mem_method`` says which;
+- ``mfu``: ``flops_per_token`` (``LitGPT.flops_per_token``: 6N + 12·L·d·T; the same formula for
+  the reference) x tokens/s / device peak; ``peak_tflops`` and ``peak_source``: on CUDA
+  lightning's table of the device's peak; on CPU a peak *measured here* as the best of repeated
+  2048^3 matmuls in the compute dtype (so CPU MFU is relative to the achievable matmul rate);
+- ``eval_s_16x``, ``eval_peak_mem_mb_16x``, ``eval_length``: ``GPT.token_nll`` with
+  ``q_chunk=1024`` (as evaluation/extrapolation.py) at 16x the training length, batch
+  16384 // length, eval mode, under the row's precision, median of 2 after one warm-up, peak
+  memory as above, in a child process; the learned scheme is built with a 16x position table
+  for this (its trained table cannot reach that far; the time is what is measured).
+  Evaluation does not depend on ``compile`` (the extrapolation code runs the eager module).
+- ``load_avg``: the 1-minute load average at the start and end of the config's timing.
+
+Speed targets live in issue 10 and the README, never in tests.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import sys
+import threading
 import time
+from pathlib import Path
 
-from _common import parse_key_values, split_list
+from _common import ROOT, describe_options, parse_key_values, split_list
 
 OPTIONS = {
-    "schemes": "comma-separated schemes (default: all)",
-    "steps": "timed steps per measurement (default 30)",
-    "warmup": "untimed steps first (default 5)",
-    "repeats": "interleaved repeats of the three measurements (default 3)",
+    "configs": "comma-separated VOCAB-SIZE[:scheme+scheme...], VOCAB byte|gpt2, SIZE a conf/model file "
+               "(default: byte-tiny:all,byte-small:learned+rope+alibi,gpt2-tiny:learned)",
+    "schemes": "comma-separated schemes, or all, for configs without their own list (default all)",
+    "precision": "comma-separated bf16-mixed and/or 32 (default bf16-mixed)",
+    "compile": "comma-separated false and/or true (default false)",
+    "rounds": "timed rounds (default 10)",
+    "steps": "consecutive steps per path per round (default 3)",
+    "warmup": "untimed steps per path first (default 2)",
     "batch_size": "sequences per step (default 16)",
-    "block_size": "tokens per sequence (default 256)",
-    "n_layer": "default 4", "n_head": "default 4", "n_embd": "default 128",
-    "vocab_size": "default 256",
+    "block_size": "training length (default: the conf/model file's, 256)",
+    "eval": "evaluation time and memory at eval_factor x the training length (default true)",
+    "eval_factor": "default 16",
+    "memory": "peak training memory in a child process (default true)",
     "device": "cpu or cuda (default: cuda when available)",
+    "out": "also write the JSON lines to this file",
+    "smoke": "true: byte-tiny, learned+alibi, 2 steps, 1 round, eager, batch 4, eval at 2x (the test suite's run)",
 }
+
+VOCABS = {"byte": (256, 1), "gpt2": (50257, 64)}  # vocabulary, pad_vocab_multiple
+# conf/callbacks/default.yaml entries left out of the timed fit: they write files or probe the
+# model only at validation or at the end of training, none of which happens in the timed steps
+NOT_TIMED_CALLBACKS = ("model_checkpoint", "attention_maps", "position_functions", "end_of_training")
+EVAL_Q_CHUNK = 1024
+EVAL_TOKENS_PER_BATCH = 16384
+
+
+def truthy(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise SystemExit(f"expected true or false, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------
+
+def model_config(config: str, block_size: int | None) -> dict:
+    from omegaconf import OmegaConf
+
+    vocab, _, size = config.partition("-")
+    if vocab not in VOCABS or not (ROOT / "conf" / "model" / f"{size}.yaml").is_file():
+        raise SystemExit(f"config {config!r}: expected VOCAB-SIZE with VOCAB in {sorted(VOCABS)} and SIZE a "
+                         f"file of conf/model/")
+    model = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{size}.yaml"), resolve=True)
+    model["vocab_size"], model["pad_vocab_multiple"] = VOCABS[vocab]
+    if block_size:
+        model["block_size"] = block_size
+    return model
+
+
+def pe_config(scheme: str, **overrides) -> dict:
+    """The scheme's conf/pe file (what train.py uses), or its class with defaults."""
+    from omegaconf import OmegaConf
+
+    from model.pe import SCHEMES
+
+    path = ROOT / "conf" / "pe" / f"{scheme}.yaml"
+    if path.is_file():
+        pe = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    else:
+        cls = SCHEMES[scheme]
+        pe = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
+    return pe | overrides
+
+
+def optim_config() -> dict:
+    from omegaconf import OmegaConf
+
+    optim = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "optim" / "adamw.yaml"), resolve=True)
+    optim["warmup_steps"] = 10
+    return optim
+
+
+def trainer_defaults() -> dict:
+    from omegaconf import OmegaConf
+
+    t = OmegaConf.load(ROOT / "conf" / "trainer" / "default.yaml")
+    return {"gradient_clip_val": t.gradient_clip_val, "log_every_n_steps": t.log_every_n_steps,
+            "accumulate_grad_batches": t.accumulate_grad_batches}
+
+
+def timed_callbacks() -> list:
+    """conf/callbacks/default.yaml, instantiated, minus NOT_TIMED_CALLBACKS."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(ROOT / "conf" / "callbacks" / "default.yaml")
+    return [hydra.utils.instantiate(cfg[name]) for name in cfg if name not in NOT_TIMED_CALLBACKS]
+
+
+# ---------------------------------------------------------------------------------------
+# the independent reference: nanoGPT-style model and loop, no pelab code
+# ---------------------------------------------------------------------------------------
+
+def reference_model(model: dict):
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    C, H, T, p = model["n_embd"], model["n_head"], model["block_size"], model.get("dropout", 0.0)
+    bias = model.get("bias", False)
+    m = model.get("pad_vocab_multiple", 1)
+    V = (model["vocab_size"] + m - 1) // m * m
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(C, 3 * C, bias=bias), nn.Linear(C, C, bias=bias)
+            self.resid = nn.Dropout(p)
+
+        def forward(self, x):
+            B, T_, _ = x.shape
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T_, H, C // H).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p if self.training else 0.0, is_causal=True)
+            return self.resid(self.c_proj(y.transpose(1, 2).contiguous().view(B, T_, C)))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(C, bias=bias), nn.LayerNorm(C, bias=bias)
+            self.attn = Attention()
+            self.mlp = nn.Sequential(nn.Linear(C, 4 * C, bias=bias), nn.GELU(), nn.Linear(4 * C, C, bias=bias),
+                                     nn.Dropout(p))
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class Reference(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+            self.drop = nn.Dropout(p)
+            self.h = nn.ModuleList(Block() for _ in range(model["n_layer"]))
+            self.ln_f = nn.LayerNorm(C, bias=bias)
+            self.lm_head = nn.Linear(C, V, bias=False)
+            self.wte.weight = self.lm_head.weight
+            for mod in self.modules():
+                if isinstance(mod, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(mod.weight, 0.0, 0.02)
+                    if getattr(mod, "bias", None) is not None:
+                        nn.init.zeros_(mod.bias)
+            for name, w in self.named_parameters():
+                if name.endswith("2.weight") or name.endswith("c_proj.weight"):
+                    nn.init.normal_(w, 0.0, 0.02 / math.sqrt(2 * model["n_layer"]))
+
+        def forward(self, idx, targets):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    return Reference()
+
+
+def reference_optimizer(net, optim: dict, device: str, total_steps: int):
+    import math
+
+    import torch
+
+    params = [p for p in net.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim["weight_decay"]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"],
+                            fused=device == "cuda")
+    lr, min_lr, warm = optim["lr"], optim["min_lr"], optim["warmup_steps"]
+
+    def factor(step: int) -> float:  # linear warmup, cosine to min_lr
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return (min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - min_lr)) / lr
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def flops_per_token(net, model: dict) -> int:
+    """LitGPT's formula (PaLM appendix B), for the reference."""
+    n = sum(p.numel() for p in net.parameters())
+    return 6 * n + 12 * model["n_layer"] * model["n_embd"] * model["block_size"]
+
+
+# ---------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------
+
+def batches(vocab_size: int, B: int, T: int, seed: int = 0):
+    """A DataLoader of endless (x, y) batches cycling over 64 fixed random windows."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab_size, (64, T + 1), generator=g)
+
+    class Windows(Dataset):
+        def __len__(self) -> int:
+            return 10**12
+
+        def __getitem__(self, i: int):
+            w = data[i % len(data)]
+            return w[:-1], w[1:]
+
+    return DataLoader(Windows(), batch_size=B, shuffle=False, num_workers=0)
+
+
+# ---------------------------------------------------------------------------------------
+# paths: each in a thread, one at a time
+# ---------------------------------------------------------------------------------------
+
+class Stop(Exception):
+    pass
+
+
+class Path_:
+    """A training path run in its own thread, ``quota`` steps at a time on request.
+
+    The body calls ``begin()`` once before its first step and ``tick()`` at every step end;
+    ``tick`` records the interval since the previous step end (or since ``begin``/the resume),
+    and hands the baton back when the quota is used up."""
+
+    def __init__(self, name: str, body, sync) -> None:
+        self.name, self.body, self.sync = name, body, sync
+        self.times: list[float] = []   # every interval, warm-up included
+        self.rounds: list[list[float]] = []
+        self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
+        self._quota, self._stop, self._last = 0, False, None
+        self.error: BaseException | None = None
+        self.flops_per_token = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        self._go.acquire()
+        try:
+            if not self._stop:
+                self.body(self)
+        except Stop:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            self.error = e
+        self._done.release()
+
+    def begin(self) -> None:
+        self.sync()
+        self._last = time.perf_counter()
+
+    def tick(self) -> bool:
+        """Call at every step end; True when the body must stop."""
+        self.sync()
+        now = time.perf_counter()
+        self.times.append(now - self._last)
+        self._quota -= 1
+        if self._quota <= 0:
+            self._done.release()
+            self._go.acquire()
+            if self._stop:
+                return True
+            now = time.perf_counter()
+        self._last = now
+        return False
+
+    def run(self, n: int) -> list[float]:
+        """Run n steps now (blocking); their intervals."""
+        if not self.thread.is_alive() and not self.thread.ident:
+            self.thread.start()
+        start = len(self.times)
+        self._quota = n
+        self._go.release()
+        self._done.acquire()
+        if self.error is not None:
+            raise RuntimeError(f"path {self.name} failed: {self.error!r}") from self.error
+        if len(self.times) - start < n:
+            raise RuntimeError(f"path {self.name} stopped after {len(self.times) - start} of {n} steps")
+        return self.times[start:]
+
+    def finish(self) -> None:
+        if self.thread.ident and self.thread.is_alive():
+            self._stop = True
+            self._go.release()
+            self.thread.join()
+
+
+def reference_body(model: dict, precision: str, compile_: bool, device: str, B: int, nthreads: int):
+    import torch
+
+    torch.manual_seed(0)
+    net = reference_model(model).to(device)
+    optim = optim_config()
+    fpt = flops_per_token(net, model)
+
+    def body(path: Path_) -> None:
+        torch.set_num_threads(nthreads)
+        run_net = torch.compile(net) if compile_ else net
+        opt, sched = reference_optimizer(net, optim, device, 10**9)
+        params = list(net.parameters())
+        net.train()
+        path.begin()
+        for x, y in batches(model["vocab_size"], B, model["block_size"]):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                loss = run_net(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if path.tick():
+                return
+
+    return body, fpt
+
+
+def lit_module(model: dict, scheme: str, compile_: bool, **pe_overrides):
+    import torch
+
+    from model.lit import LitGPT
+
+    torch.manual_seed(0)
+    return LitGPT(model=model, pe=pe_config(scheme, **pe_overrides), optim=optim_config(), compile=compile_)
+
+
+def lightning_trainer(precision: str, device: str, callbacks: list, max_steps: int = 10**9):
+    import lightning as L
+
+    return L.Trainer(max_steps=max_steps, accelerator=device, devices=1, precision=precision, logger=False,
+                     callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                     default_root_dir="/tmp/pelab-bench", **trainer_defaults())
+
+
+def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device: str, B: int, nthreads: int):
+    import lightning as L
+    import torch
+
+    lit = lit_module(model, scheme, compile_)
+
+    class StepTimer(L.Callback):
+        """Last in the list: a step ends after every other callback's on_train_batch_end."""
+
+        def __init__(self, path: Path_) -> None:
+            self.path = path
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.path.begin()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if self.path.tick():
+                raise Stop
+
+    def body(path: Path_) -> None:
+        torch.set_num_threads(nthreads)
+        trainer = lightning_trainer(precision, device, timed_callbacks() + [StepTimer(path)])
+        trainer.fit(lit, train_dataloaders=batches(model["vocab_size"], B, model["block_size"]))
+
+    return body, lit.flops_per_token
+
+
+# ---------------------------------------------------------------------------------------
+# peak memory and evaluation, each in a fresh child
+# ---------------------------------------------------------------------------------------
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_start(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    return _rss_bytes()
+
+
+def _peak_mb(device: str, start: float) -> float:
+    import resource
+
+    import torch
+
+    if device == "cuda":
+        return (torch.cuda.max_memory_allocated() - start) / 2**20
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start) / 2**20
+
+
+def child_train_memory(job: dict) -> dict:
+    """Peak memory of a few training steps of one path (fresh child)."""
+    import torch
+
+    torch.set_num_threads(job["nthreads"])
+    device, steps = job["device"], 3
+    start = _peak_start(device)
+    holder = {}
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    path = Path_("memory", None, sync)
+    path._quota = 10**9
+    if job["scheme"] is None:
+        body, _ = reference_body(job["model"], job["precision"], job["compile"], device, job["B"], job["nthreads"])
+    else:
+        body, _ = pelab_body(job["model"], job["scheme"], job["precision"], job["compile"], device, job["B"],
+                             job["nthreads"])
+
+    def tick() -> bool:  # no baton: run `steps` steps and stop
+        holder["n"] = holder.get("n", 0) + 1
+        if holder["n"] >= steps:
+            if job["scheme"] is None:
+                return True
+            raise Stop
+        return False
+
+    path.tick = tick
+    try:
+        body(path)
+    except Stop:
+        pass
+    return {"peak_mem_mb": _peak_mb(device, start)}
+
+
+def child_eval(job: dict) -> dict:
+    """Time and peak memory of GPT.token_nll at eval_factor x the training length (fresh child)."""
+    import torch
+
+    torch.set_num_threads(job["nthreads"])
+    device, model = job["device"], job["model"]
+    L_eval = model["block_size"] * job["eval_factor"]
+    start = _peak_start(device)
+    overrides = {"max_positions": L_eval} if job["scheme"] == "learned" else {}
+    gpt = lit_module(model, job["scheme"], False, **overrides).model.to(device).eval()
+    batch = max(1, EVAL_TOKENS_PER_BATCH // L_eval)
+    g = torch.Generator().manual_seed(1)
+    xy = torch.randint(0, model["vocab_size"], (batch, L_eval + 1), generator=g).to(device)
+    times = []
+    for _ in range(3):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16,
+                                             enabled=job["precision"] == "bf16-mixed"):
+            nll = gpt.token_nll(xy[:, :-1], xy[:, 1:], q_chunk=EVAL_Q_CHUNK)
+        float(nll.sum())
+        times.append(time.perf_counter() - t0)
+    return {"eval_s_16x": statistics.median(times[1:]), "eval_peak_mem_mb_16x": _peak_mb(device, start),
+            "eval_length": L_eval, "eval_batch": batch}
+
+
+def quiet() -> None:
+    """No lightning banners or warnings (after lightning's import, which sets its levels)."""
+    import logging
+    import warnings
+
+    import lightning  # noqa: F401
+
+    warnings.filterwarnings("ignore")
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("lightning"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _child(kind: str, job: dict):
+    quiet()
+    return child_eval(job) if kind == "eval" else child_train_memory(job)
+
+
+class Children:
+    """Fresh processes forked from a server that has imported torch and lightning but computed
+    nothing, so each child's peak RSS starts at its import footprint and its OpenMP is fresh."""
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "lightning", "model.lit"])
+
+    def run(self, kind: str, job: dict) -> dict:
+        with self.ctx.Pool(1, maxtasksperchild=1) as pool:
+            return pool.apply(_child, (kind, job))
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------
+
+def peak_flops(device: str, precision: str) -> tuple[float, str]:
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    if device == "cuda":
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        flops = get_available_flops(torch.device("cuda"), dtype)
+        if flops:
+            return float(flops), "lightning table of the device's peak"
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(8):
+        t0 = time.perf_counter()
+        (a @ b).sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best, f"measured: best of 8 {n}^3 {str(dtype).removeprefix('torch.')} matmuls on {device}"
+
+
+def median_of_ratios(num: list[list[float]], den: list[list[float]]) -> float:
+    """Median over rounds of median(num's round) / median(den's round). With step times, called as
+    (other, this) it is this path's tokens/s / the other's, paired round by round."""
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(num, den))
+
+
+def load1() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, opts: dict, children) -> list[dict]:
+    import torch
+
+    model = model_config(cfg, opts["block_size"])
+    device, B, T = opts["device"], opts["batch_size"], model["block_size"]
+    nthreads = torch.get_num_threads()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    paths: dict[str, Path_] = {}
+    body, fpt = reference_body(model, precision, compile_, device, B, nthreads)
+    paths["reference"] = Path_("reference", body, sync)
+    paths["reference"].flops_per_token = fpt
+    for s in schemes:
+        body, fpt = pelab_body(model, s, precision, compile_, device, B, nthreads)
+        paths[s] = Path_(s, body, sync)
+        paths[s].flops_per_token = fpt
+    load_start = load1()
+    order = list(paths)
+    try:
+        for p in order:
+            paths[p].run(opts["warmup"])
+        for r in range(opts["rounds"]):
+            for p in (order if r % 2 == 0 else order[::-1]):
+                paths[p].rounds.append(paths[p].run(opts["steps"]))
+    finally:
+        for p in order:
+            paths[p].finish()
+    load_end = load1()
+    peak, peak_source = peak_flops(device, precision)
+
+    rows = []
+    ref = paths["reference"]
+    learned = paths.get("learned")
+    for name, p in paths.items():
+        timed = [t for r in p.rounds for t in r]
+        step = statistics.median(timed)
+        row = {"config": cfg, "scheme": "learned" if name == "reference" else name,
+               "path": "reference" if name == "reference" else "pelab", "precision": precision,
+               "compile": compile_, "device": device, "batch_size": B, "block_size": T,
+               "step_ms": round(step * 1000, 2), "tokens_per_s": round(B * T / step, 1)}
+        # step-time ratio other/this = tokens/s ratio this/other
+        if name == "reference":
+            row["ratio_vs_reference"] = 1.0
+        elif name == "learned":
+            row["ratio_vs_reference"] = round(median_of_ratios(ref.rounds, p.rounds), 4)
+        else:
+            row["ratio_vs_reference"] = None
+        row["ratio_vs_learned"] = (round(median_of_ratios(learned.rounds, p.rounds), 4)
+                                   if learned is not None and name != "reference" else None)
+        warm = p.times[: opts["warmup"]]
+        row["compile_s"] = round(sum(warm) - len(warm) * step, 2) if compile_ else None
+        row["flops_per_token"] = p.flops_per_token
+        row["mfu"] = round(p.flops_per_token * B * T / step / peak, 4)
+        row["peak_tflops"], row["peak_source"] = round(peak / 1e12, 3), peak_source
+        row["load_avg"] = [load_start, load_end]
+        rows.append(row)
+
+    for row in rows:
+        scheme = None if row["path"] == "reference" else row["scheme"]
+        job = {"model": model, "scheme": scheme, "precision": precision, "compile": compile_, "device": device,
+               "B": B, "nthreads": nthreads, "eval_factor": opts["eval_factor"]}
+        row["peak_mem_mb"] = round(children.run("memory", job)["peak_mem_mb"], 1) if opts["memory"] else None
+        row["peak_mem_method"] = ("cuda max_memory_allocated" if device == "cuda" else
+                                  "cpu peak RSS rise (getrusage ru_maxrss) in a forked child") if opts["memory"] else None
+        if opts["eval"] and scheme is not None:
+            key = (cfg, scheme, precision)
+            if key not in opts["eval_cache"]:
+                opts["eval_cache"][key] = children.run("eval", job)
+            ev = opts["eval_cache"][key]
+            row["eval_s_16x"] = round(ev["eval_s_16x"], 3)
+            row["eval_peak_mem_mb_16x"] = round(ev["eval_peak_mem_mb_16x"], 1)
+            row["eval_length"] = ev["eval_length"]
+        else:
+            row["eval_s_16x"] = row["eval_peak_mem_mb_16x"] = row["eval_length"] = None
+    return rows
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| config | precision | compile | scheme | path | ms/step | tokens/s | vs reference | vs learned "
+          "| MFU | peak MB | compile s | eval 16x s | eval 16x MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['precision']} | {str(r['compile']).lower()} | {r['scheme']} | {r['path']} "
+              f"| {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {fmt(r['ratio_vs_reference'], '.3f')} "
+              f"| {fmt(r['ratio_vs_learned'], '.3f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_mem_mb'], '.0f')} "
+              f"| {fmt(r['compile_s'], '.1f')} | {fmt(r['eval_s_16x'], '.2f')} "
+              f"| {fmt(r['eval_peak_mem_mb_16x'], '.0f')} |", flush=True)
+
+
+DEFAULT_CONFIGS = "byte-tiny:all,byte-small:learned+rope+alibi,gpt2-tiny:learned"
 
 
 def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
-    import lightning as L
+    smoke = truthy(args.get("smoke", "false"))
+    if smoke:
+        args = {"configs": "byte-tiny", "schemes": "learned,alibi", "precision": "bf16-mixed", "compile": "false",
+                "rounds": "1", "steps": "2", "warmup": "1", "batch_size": "4", "eval_factor": "2"} | args
     import torch
-    from torch.utils.data import DataLoader, Dataset
 
-    from evaluation.attention_maps import AttentionMaps
-    from model.callbacks import TokensPerSecond
-    from model.lit import LitGPT
     from model.pe import SCHEMES
 
-    schemes = split_list(args["schemes"]) if "schemes" in args else sorted(SCHEMES)
-    steps, warmup, repeats = int(args.get("steps", 30)), int(args.get("warmup", 5)), int(args.get("repeats", 3))
-    B, T = int(args.get("batch_size", 16)), int(args.get("block_size", 256))
-    model = {"vocab_size": int(args.get("vocab_size", 256)), "block_size": T, "n_layer": int(args.get("n_layer", 4)),
-             "n_head": int(args.get("n_head", 4)), "n_embd": int(args.get("n_embd", 128))}
-    device = args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    optim = {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10}
+    quiet()
 
-    class Windows(Dataset):  # fixed random batches, identical for every path
-        def __init__(self, n: int) -> None:
-            g = torch.Generator().manual_seed(0)
-            self.data = torch.randint(0, model["vocab_size"], (n, T + 1), generator=g)
+    def schemes_of(spec: str) -> list[str]:
+        names = sorted(SCHEMES) if spec == "all" else spec.split("+") if "+" in spec else split_list(spec)
+        names = sorted(set(names), key=lambda s: (s != "learned", s))  # learned first
+        unknown = [s for s in names if s not in SCHEMES]
+        if unknown:
+            raise SystemExit(f"unknown schemes {unknown}; registered: {', '.join(sorted(SCHEMES))}")
+        return names
 
-        def __len__(self) -> int:
-            return len(self.data)
-
-        def __getitem__(self, i: int):
-            return self.data[i, :-1], self.data[i, 1:]
-
-    total = warmup + steps
-    data = Windows(total * B)
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    def plain(scheme: str) -> float:
-        torch.manual_seed(0)
-        lit = LitGPT(model=model, pe={"_target_": f"{SCHEMES[scheme].__module__}.{SCHEMES[scheme].__name__}"}, optim=optim)
-        gpt = lit.model.to(device).train()
-        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3, fused=device == "cuda")
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lit.optim.lr_at(s, total) / lit.optim.lr)
-        stamps = []
-        for x, y in DataLoader(data, batch_size=B):
-            sync()
-            stamps.append(time.perf_counter())  # batch start to batch start: loader included
-            x, y = x.to(device), y.to(device)
-            with torch.autocast(device, dtype=torch.bfloat16):
-                _, loss = gpt(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
-            opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-        return statistics.median([b - a for a, b in zip(stamps, stamps[1:])][warmup:])
-
-    class StepTimer(L.Callback):
-        """Batch start to batch start, as in the plain loop; intervals with a validation are dropped."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self._last: float | None = None
-            self._validated = False
-
-        def on_train_batch_start(self, *a) -> None:
-            sync()
-            now = time.perf_counter()
-            if self._last is not None and not self._validated:
-                self.times.append(now - self._last)
-            self._last, self._validated = now, False
-
-        def on_validation_start(self, *a) -> None:
-            self._validated = True
-
-    def lightning(scheme: str, attention_maps: bool) -> float:
-        torch.manual_seed(0)
-        lit = LitGPT(model=model, pe={"_target_": f"{SCHEMES[scheme].__module__}.{SCHEMES[scheme].__name__}"}, optim=optim)
-        timer = StepTimer()
-        callbacks = [TokensPerSecond(), timer]
-        if attention_maps:
-            callbacks.append(AttentionMaps(every_n_validations=1, output_subdir="bench-attention"))
-        trainer = L.Trainer(max_steps=total, accelerator=device, devices=1, precision="bf16-mixed", logger=False,
-                            callbacks=callbacks,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            gradient_clip_val=1.0, val_check_interval=10, limit_val_batches=1,
-                            num_sanity_val_steps=0, default_root_dir="/tmp/pelab-bench")
-        trainer.fit(lit, DataLoader(data, batch_size=B), DataLoader(Windows(B), batch_size=B))
-        return statistics.median(timer.times[warmup:])
-
-    print(f"device={device} model={model} batch={B}x{T} steps={steps} repeats={repeats} (median ms/step)")
-    print("| scheme | plain loop | Lightning | Lightning/plain | + attention maps | maps/Lightning |")
-    print("|---|---|---|---|---|---|")
-    for scheme in schemes:
-        runs = {"plain": [], "lightning": [], "maps": []}
-        for _ in range(repeats):
-            runs["plain"].append(plain(scheme))
-            runs["lightning"].append(lightning(scheme, attention_maps=False))
-            runs["maps"].append(lightning(scheme, attention_maps=True))
-        p, l, m = (statistics.median(runs[k]) * 1000 for k in ("plain", "lightning", "maps"))
-        print(f"| {scheme} | {p:.1f} | {l:.1f} | {l / p:.3f} | {m:.1f} | {m / l:.3f} |", flush=True)
+    default_schemes = args.get("schemes", "all")
+    configs = []
+    for item in split_list(args.get("configs", DEFAULT_CONFIGS)):
+        cfg, _, own = item.partition(":")
+        if own and "schemes" not in args:
+            configs.append((cfg, schemes_of(own)))
+        else:
+            configs.append((cfg, schemes_of(",".join(split_list(default_schemes))) if default_schemes != "all"
+                            else schemes_of("all")))
+    precisions = [{"bf16": "bf16-mixed", "32-true": "32", "fp32": "32"}.get(p, p)
+                  for p in split_list(args.get("precision", "bf16-mixed"))]
+    for p in precisions:
+        if p not in ("bf16-mixed", "32"):
+            raise SystemExit(f"precision {p!r}: expected bf16-mixed or 32")
+    compiles = [truthy(c) for c in split_list(args.get("compile", "false"))]
+    opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 3)),
+            "warmup": int(args.get("warmup", 2)), "batch_size": int(args.get("batch_size", 16)),
+            "block_size": int(args["block_size"]) if "block_size" in args else None,
+            "eval": truthy(args.get("eval", "true")), "eval_factor": int(args.get("eval_factor", 16)),
+            "memory": truthy(args.get("memory", "true")),
+            "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
+    if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:
+        raise SystemExit("rounds, steps and warmup must be >= 1")
+    children = Children() if opts["memory"] or opts["eval"] else None
+    out = open(args["out"], "w") if "out" in args else None  # noqa: SIM115
+    print(f"[bench] device={opts['device']} threads={torch.get_num_threads()} batch={opts['batch_size']} "
+          f"rounds={opts['rounds']} steps={opts['steps']} warmup={opts['warmup']} load={os.getloadavg()}",
+          flush=True)
+    rows = []
+    try:
+        for cfg, schemes in configs:
+            for precision in precisions:
+                for compile_ in compiles:
+                    t0 = time.perf_counter()
+                    group = bench_group(cfg, schemes, precision, compile_, opts, children)
+                    print(f"[bench] {cfg} {precision} compile={compile_}: {time.perf_counter() - t0:.0f} s",
+                          flush=True)
+                    for row in group:
+                        line = json.dumps(row)
+                        print("BENCH_JSON " + line, flush=True)
+                        if out:
+                            out.write(line + "\n")
+                            out.flush()
+                    rows += group
+    finally:
+        if out:
+            out.close()
+    print_table(rows)
     return 0
 
 

@@ -1,0 +1,47 @@
+"""scripts/bench.py smoke run: the benchmark runs end to end and its JSON lines carry every field.
+
+Numbers are never asserted (speed targets live in the README and issue 10)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIELDS = {"config", "scheme", "path", "precision", "compile", "tokens_per_s", "ratio_vs_reference",
+          "ratio_vs_learned", "peak_mem_mb", "mfu", "eval_s_16x", "eval_peak_mem_mb_16x", "compile_s", "step_ms"}
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench.jsonl"
+    env = dict(os.environ, WANDB_MODE="offline")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "smoke=true", f"out={out}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed = [json.loads(line.removeprefix("BENCH_JSON ")) for line in proc.stdout.splitlines()
+               if line.startswith("BENCH_JSON ")]
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert printed == written
+    paths = {(r["path"], r["scheme"]) for r in written}
+    assert paths == {("reference", "learned"), ("pelab", "learned"), ("pelab", "alibi")}
+    for row in written:
+        assert FIELDS <= row.keys(), FIELDS - row.keys()
+        assert "byte" in row["config"] and "tiny" in row["config"]
+        assert row["precision"] == "bf16-mixed" and row["compile"] is False
+        for key in ("tokens_per_s", "mfu", "peak_mem_mb", "step_ms"):
+            assert isinstance(row[key], float), (key, row[key])
+        pelab = row["path"] == "pelab"
+        assert (row["ratio_vs_learned"] is not None) == pelab
+        assert (row["ratio_vs_reference"] is None) == (pelab and row["scheme"] != "learned")
+        assert (row["eval_s_16x"] is not None) == pelab
+    assert "| config |" in proc.stdout  # the table
+
+
+def test_bench_rejects_unknown_options() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "nonsense=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "valid options" in proc.stderr
