@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pelab.batch import accumulation_for, describe_batch
 from pelab.hydra_callbacks import check_writable_dir
-from pelab.run import build_loggers, describe_run, finish_loggers, wandb_run_id  # also registers the run_slug resolver
+from pelab.run import build_loggers, describe_run, finish_loggers, save_run_id, wandb_run_id  # also registers the run_slug resolver
 from pelab.redact import redact
 
 
@@ -185,6 +185,7 @@ def train(cfg: DictConfig) -> float | None:
     # config.yaml is written into the checkpoint dir on purpose, before the first checkpoint.
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
+    from data.datamodule import build_datamodule
     from model.lit import LitGPT
     from pelab.loggers import SafeWandbLogger
 
@@ -200,14 +201,13 @@ def train(cfg: DictConfig) -> float | None:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
 
-    data_options = OmegaConf.to_container(cfg.data, resolve=True)
-    data_options.pop("tokens_per_step", None)  # not the data module's: it sets the trainer's accumulation
-    datamodule = hydra.utils.instantiate(data_options)
+    datamodule = build_datamodule(cfg.data)
     with open_dict(cfg):
         cfg.model.vocab_size = datamodule.vocab_size
     module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile)
 
-    loggers = build_loggers(cfg, identity, wandb_run_id(output_dir, resuming))
+    run_id = wandb_run_id(output_dir, resuming)
+    loggers = build_loggers(cfg, identity, run_id)
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=build_callbacks(cfg))
     if cfg.data.get("tokens_per_step") is not None:
         trainer.accumulate_grad_batches = accumulation_for(cfg.data.tokens_per_step, cfg.data.batch_size,
@@ -223,6 +223,7 @@ def train(cfg: DictConfig) -> float | None:
         ckpt_dir = output_dir / "checkpoints"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(resolved), ckpt_dir / "config.yaml")  # resolved, next to checkpoints
+        save_run_id(output_dir, run_id)  # a restart with resume=auto continues this W&B run
     for logger in loggers:
         logger.log_hyperparams({"config": resolved, **identity.as_dict()})
 

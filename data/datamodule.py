@@ -353,3 +353,14 @@ class TextFilesDataModule(TextDataModule):
                          train_samples=train_samples, tokenize_num_proc=tokenize_num_proc, val_windows=val_windows)
         self.paths, self.text_field = paths, text_field
         self.val_fraction, self.text_sample_by = val_fraction, text_sample_by
+
+
+def build_datamodule(options) -> L.LightningDataModule:
+    """The data module of a ``data`` config (train.py and the scripts): every option but
+    ``tokens_per_step``, which sets the trainer's gradient accumulation (pelab/batch.py)."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else dict(options)
+    values.pop("tokens_per_step", None)
+    return hydra.utils.instantiate(values, _convert_="all")

@@ -10,10 +10,19 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from data.datamodule import load_tokens
 from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
 from pelab.loggers import log_results
+
+
+def sharded_parameters(trainer: L.Trainer) -> bool:
+    """True under strategies that shard the weights across ranks (FSDP, model parallel): a
+    forward of the bare module outside the strategy's wrapper would see only shards."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
 class EndOfTrainingEvaluation(L.Callback):
@@ -29,6 +38,13 @@ class EndOfTrainingEvaluation(L.Callback):
         output_dir = Path(trainer.default_root_dir)
         step = trainer.global_step
         options = dict(self.extrapolation)
+        if sharded_parameters(trainer) and (options.get("enabled") or self.tasks.get("enabled")):
+            ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "RUN_DIR/checkpoints/last.ckpt"
+            rank_zero_warn(f"end-of-training evaluation skipped under {type(trainer.strategy).__name__} (each rank holds "
+                           f"a shard of the weights): run scripts/eval_extrapolation.py ckpt={ckpt} (or "
+                           f"scripts/eval_tasks.py) on the full checkpoint")
+            options["enabled"] = False
+            self.tasks = {**self.tasks, "enabled": False}
         if options.pop("enabled", False):
             config = ExtrapolationConfig.from_dict(options)
             tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])

@@ -171,20 +171,20 @@ RUN_ID_FILE = "wandb_run_id.txt"
 
 def wandb_run_id(output_dir: Path, resuming: bool) -> str:
     """The W&B run id of this run dir: the stored one when resuming (a restart after preemption
-    continues the same W&B run, offline too), else a new one, stored for the next restart.
-    Only rank zero writes (the other ranks log nothing)."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
+    continues the same W&B run, offline too), else a new one (``save_run_id`` stores it once
+    the run is sure to start)."""
     path = Path(output_dir) / RUN_ID_FILE
     if resuming and path.is_file():
         return path.read_text().strip()
     import secrets
     import string
 
-    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id form
-    if rank_zero_only.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".partial")
-        tmp.write_text(run_id + "\n")
-        os.replace(tmp, path)
-    return run_id
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id form
+
+
+def save_run_id(output_dir: Path, run_id: str) -> None:
+    path = Path(output_dir) / RUN_ID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)

@@ -38,13 +38,12 @@ def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
     ckpt = checkpoint_arg(args, OPTIONS)
 
-    import hydra
     import torch
     from omegaconf import OmegaConf
 
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
     from model.checkpoint import load_lit_gpt
-    from data.datamodule import load_tokens
+    from data.datamodule import build_datamodule, load_tokens
 
     cfg = load_run_config(ckpt, "which data and training length to use")
     defaults = OmegaConf.load(ROOT / "conf" / "eval" / "default.yaml").extrapolation
@@ -67,7 +66,7 @@ def main(argv: list[str]) -> int:
 
     device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     module = load_lit_gpt(ckpt, map_location=device)
-    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule = build_datamodule(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("validate")
     tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])

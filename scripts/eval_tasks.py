@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
     ckpt = checkpoint_arg(args, OPTIONS)
 
-    import hydra
+    from data.datamodule import build_datamodule
     import torch
     from omegaconf import OmegaConf
 
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
         options["precision"] = args["precision"]
     try:
         config = TaskEvalConfig.from_dict(options)
-        datamodule = hydra.utils.instantiate(cfg.data, _convert_="all")  # builds the task; reads nothing
+        datamodule = build_datamodule(cfg.data)  # builds the task; reads nothing
     except (ConfigError, ValueError) as e:
         raise SystemExit(str(e)) from None
     seed = _number("seed", args["seed"], int) if "seed" in args else datamodule.seed

@@ -77,3 +77,53 @@ def test_rank_zero_alone_prepares_the_token_cache(tmp_path):
     output = proc.stdout + proc.stderr
     assert output.count("[pelab] tokenizing gutenberg") == 1, output[-3000:]
     assert len(list(cache.glob("gutenberg*/bytes/meta.json"))) == 1 and "finished at step 2" in proc.stdout
+
+
+def test_fsdp_preset_builds_a_block_wrapped_full_shard_strategy():
+    """Lightning 2.6 refuses FSDP without a GPU, so on CPU the preset is checked as far as it
+    can be: it composes with the model presets and builds the strategy Lightning will run."""
+    import hydra
+    from hydra import compose, initialize_config_dir
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from model.config import GPTConfig
+    from model.gpt import Block
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose("config", overrides=["trainer=fsdp", "model=gpt2_medium", "data=gutenberg_gpt2"])
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy) and strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
+    assert strategy._state_dict_type == "full"  # one loadable checkpoint file
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (24, 16, 1024, 1024)
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        large = compose("config", overrides=["trainer=fsdp", "model=gpt2_large"]).model
+    config = GPTConfig(vocab_size=50257, **large)
+    # GPT-2 large: 774M parameters = 12 L d^2 (blocks) + V d (tied embedding) + T d (learned positions)
+    params = 12 * config.n_layer * config.n_embd**2 + config.padded_vocab_size * config.n_embd + 1024 * config.n_embd
+    assert abs(params / 774e6 - 1) < 0.01 and config.head_dim == 64
+
+
+def test_end_of_training_evaluation_says_it_is_skipped_under_fsdp(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from evaluation.end_of_training import EndOfTrainingEvaluation
+
+    class Data:
+        def unigram_loss(self):
+            return 3.25
+
+        def split_path(self, split):
+            raise AssertionError("no evaluation may read the held-out split under FSDP")
+
+    trainer = SimpleNamespace(strategy=FSDPStrategy(), checkpoint_callback=None, datamodule=Data(), loggers=[],
+                              default_root_dir=str(tmp_path), global_step=7, is_global_zero=True, world_size=2,
+                              callback_metrics={})
+    callback = EndOfTrainingEvaluation(extrapolation={"enabled": True}, tasks={"enabled": False})
+    with pytest.warns(UserWarning, match=r"skipped under FSDPStrategy .* scripts/eval_extrapolation.py"):
+        callback.on_fit_end(trainer, pl_module=None)
+    assert not (tmp_path / "extrapolation").exists()
+    assert float(trainer.callback_metrics["val/unigram_loss"]) == 3.25  # the model-free baseline still runs

@@ -223,13 +223,13 @@ def compose(overrides):
 
 
 def test_configs_compose_validate_and_build():
-    import hydra
+    from data.datamodule import build_datamodule
 
     from train import validate_config
 
     cfg = compose(["data=synthetic", "data.task=copy", "eval.extrapolation.enabled=false"])
     validate_config(cfg)
-    dm = hydra.utils.instantiate(cfg.data)
+    dm = build_datamodule(cfg.data)
     assert dm.task.name == "copy" and dm.block_size == cfg.model.block_size == 256
     cfg = compose(["experiment=task_ablation", "pe=alibi"])
     validate_config(cfg)
