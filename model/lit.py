@@ -85,6 +85,12 @@ class LitGPT(L.LightningModule):
         if self.compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
             self.model = torch.compile(self.model)
 
+    def on_fit_start(self) -> None:
+        if self.global_rank == 0:  # the attention backend, once per fit
+            gpt = getattr(self.model, "_orig_mod", self.model)
+            print(f"[pelab] attention: {gpt.attention_backend(self.device)} "
+                  f"(model.attention={self.config.attention}, pe={self.pe_name}, {self.device.type})")
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         return self.model(idx, targets, positions)
 
