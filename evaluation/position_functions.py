@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from lightning.pytorch.loggers import WandbLogger  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from model.gpt import uncompiled  # noqa: E402
@@ -48,6 +49,12 @@ class PositionFunctions(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
+            return
+        from evaluation.end_of_training import sharded_parameters
+
+        if sharded_parameters(trainer):  # the scheme's parameters are flattened shards here
+            rank_zero_warn(f"position-function plots skipped under {type(trainer.strategy).__name__}: the weights "
+                           f"are sharded; plot from the full checkpoint")
             return
         gpt = uncompiled(getattr(pl_module, "model", pl_module))
         curves = gpt.pe.learned_functions(gpt.config.block_size)
