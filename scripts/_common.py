@@ -10,6 +10,22 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def join_torchrun_group(device) -> bool:
+    """Under ``torchrun`` (WORLD_SIZE > 1): join its process group (NCCL on CUDA, else gloo),
+    one GPU per local rank, and return True; a plain ``python`` start returns False."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return True
+
+
 def describe_options(allowed: dict[str, str]) -> str:
     return "\n".join(f"  {k:20s} {help}" for k, help in allowed.items())
 

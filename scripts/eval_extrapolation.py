@@ -3,6 +3,7 @@
     python scripts/eval_extrapolation.py ckpt=outputs/DATE/TIME/checkpoints/last.ckpt
     python scripts/eval_extrapolation.py ckpt=... multipliers=1,2,4,8,16 mode=nonoverlapping,sliding stride=128
     python scripts/eval_extrapolation.py ckpt=... rope_scaling=linear,ntk,yarn
+    torchrun --nproc_per_node=8 scripts/eval_extrapolation.py ckpt=...   # windows sharded over 8 GPUs
 
 The data and training length come from the run's resolved config (checkpoints/config.yaml,
 written by train.py). Results go to RUN_DIR/extrapolation/eval-<ckpt>-<time>/ as CSV, PNG and
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, checkpoint_arg, load_run_config, log_rows_to_new_wandb_run, parse_key_values, split_list
+from _common import ROOT, checkpoint_arg, join_torchrun_group, load_run_config, log_rows_to_new_wandb_run, parse_key_values, split_list
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py (required)",
@@ -65,14 +66,24 @@ def main(argv: list[str]) -> int:
     config = ExtrapolationConfig.from_dict(options)
 
     device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    distributed = join_torchrun_group(device)
+    if distributed and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    rank_zero = not distributed or torch.distributed.get_rank() == 0
     module = load_lit_gpt(ckpt, map_location=device)
     datamodule = build_datamodule(cfg.data)
-    datamodule.prepare_data()
+    if rank_zero:
+        datamodule.prepare_data()
+    if distributed:
+        torch.distributed.barrier()  # the other ranks read the cache rank zero prepared
     datamodule.setup("validate")
     tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
     train_length = module.config.block_size
 
-    rows = evaluate_extrapolation(module.model.to(device), tokens, train_length, config)
+    rows = evaluate_extrapolation(module.model.to(device), tokens, train_length, config,
+                                  log=print if rank_zero else (lambda _: None), distributed=distributed)
+    if not rank_zero:
+        return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.get("out") or ckpt.parent.parent / "extrapolation" / f"eval-{ckpt.stem}-{stamp}")
     paths = save_results(rows, out, title=f"pe={module.pe_name}, trained at {train_length}")

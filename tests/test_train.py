@@ -124,6 +124,24 @@ def test_eval_script_sweeps_rope_scaling(sweep, tmp_path):
     assert (tmp_path / "extrapolation.png").exists()
 
 
+def test_eval_script_under_torchrun_shards_windows_and_gives_the_same_table(sweep, tmp_path):
+    from evaluation.extrapolation import read_csv
+
+    out, _ = sweep
+    ckpt = next(out.glob("*-alibi-*")) / "checkpoints" / "last.ckpt"
+    args = [f"ckpt={ckpt}", "multipliers=1,4", "mode=nonoverlapping,sliding", "max_tokens=2048", "precision=32"]
+    tables = {}
+    for name, launcher in (("one", [sys.executable]),
+                           ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"])):
+        proc = subprocess.run([*launcher, "scripts/eval_extrapolation.py", *args, f"out={tmp_path / name}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        tables[name] = read_csv(tmp_path / name / "extrapolation.csv")
+    assert [(r.mode, r.eval_length, r.tokens) for r in tables["two"]] == \
+        [(r.mode, r.eval_length, r.tokens) for r in tables["one"]]
+    assert [r.loss for r in tables["two"]] == pytest.approx([r.loss for r in tables["one"]], rel=1e-6)
+
+
 def test_eval_script_rejects_unknown_option(sweep):
     proc = subprocess.run([sys.executable, "scripts/eval_extrapolation.py", "ckpt=x", "lenghts=5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
