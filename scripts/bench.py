@@ -2,7 +2,7 @@
 
     python scripts/bench.py                                    # CPU default, ~10 min on 2 cores
     python scripts/bench.py configs=byte-tiny,gpt2-tiny precision=bf16-mixed,32 compile=false,true \\
-        schemes=learned,rope,alibi rounds=12 steps=3 out=bench.jsonl
+        schemes=learned,rope,alibi rounds=12 steps=2 out=bench.jsonl
     python scripts/bench.py smoke=true                         # seconds: what tests/test_bench.py runs
 
 What is timed, in one process, on the same random token batches:
@@ -22,13 +22,17 @@ What is timed, in one process, on the same random token batches:
   validation or checkpointing ever runs inside the timed region, whatever ``steps`` is.
 
 Every path runs in its own thread, and exactly one runs at a time (a baton): after ``warmup``
-untimed steps each, ``rounds`` rounds follow, each giving every path ``steps`` consecutive steps
-(the order reversed every other round). A step's time is the wall time between consecutive
+untimed steps each, ``rounds`` rounds follow, each giving every path 1 + ``steps`` consecutive
+steps, of which the first (right after the switch from another path: cold caches, a sleeping
+OpenMP team) is not timed; the order rotates by one path per round and is reversed every other
+round, so every path sits at every place. A step's time is the wall time between consecutive
 step ends (``time.perf_counter``; for pelab at ``on_train_batch_end`` of the last callback), so
-data loading, every hook, the optimizer and the LR scheduler are inside it; the first step
-after a path resumes is timed from the resume. Per path: the median step over all timed steps
-(-> ``tokens_per_s``). Ratios are paired by round: the median over rounds of the ratio of the
-two paths' per-round medians, so slow drifts of a shared machine's load cancel.
+data loading, every hook, the optimizer and the LR scheduler are inside it. Other processes on
+a shared machine only ever add time to a step, so each round is summarised by its fastest
+step: ``step_ms`` is the median over rounds of the per-round fastest step (``tokens_per_s`` =
+batch tokens / ``step_ms``; ``step_ms_all_median``, the plain median of every timed step, is
+given too). Ratios are paired by round: the median over rounds of the ratio of the two paths'
+per-round fastest steps, so slow drifts of the machine's load cancel.
 
 Output: a table on stdout, and one JSON object per (config, precision, compile, path) row,
 printed on stdout as ``BENCH_JSON {...}`` lines and, with ``out=FILE``, written to FILE (one
@@ -40,6 +44,9 @@ object per line). Fields:
 - ``ratio_vs_reference``: pelab tokens/s / reference tokens/s, on the ``learned`` rows (the
   reference's scheme); null on other schemes; 1.0 on the reference row;
 - ``ratio_vs_learned``: this scheme's tokens/s / pelab ``learned``'s, same config;
+- ``cpu_ms``, ``ratio_vs_reference_cpu``, ``ratio_vs_learned_cpu``: the same statistics from
+  the process's CPU time per step (``time.process_time``), a cross-check that depends less on
+  what other processes do (it undercounts single-threaded parts relative to wall time);
 - ``compile_s``: with compile, the first ``warmup`` steps minus ``warmup`` steady (median) steps;
 - ``peak_mem_mb``: training memory (model, gradients, AdamW state, activations) of a few steps
   of the same path in a fresh child process: on CUDA ``torch.cuda.max_memory_allocated``; on
@@ -52,7 +59,7 @@ object per line). Fields:
   2048^3 matmuls in the compute dtype (so CPU MFU is relative to the achievable matmul rate);
 - ``eval_s_16x``, ``eval_peak_mem_mb_16x``, ``eval_length``: ``GPT.token_nll`` with
   ``q_chunk=1024`` (as evaluation/extrapolation.py) at 16x the training length, batch
-  16384 // length, eval mode, under the row's precision, median of 2 after one warm-up, peak
+  max(1, 4096 // length) (one sequence at 16x 256), eval mode, under the row's precision, median of 2 after one warm-up, peak
   memory as above, in a child process; the learned scheme is built with a 16x position table
   for this (its trained table cannot reach that far; the time is what is measured).
   Evaluation does not depend on ``compile`` (the extrapolation code runs the eager module).
@@ -75,12 +82,12 @@ from _common import ROOT, describe_options, parse_key_values, split_list
 
 OPTIONS = {
     "configs": "comma-separated VOCAB-SIZE[:scheme+scheme...], VOCAB byte|gpt2, SIZE a conf/model file "
-               "(default: byte-tiny:all,byte-small:learned+rope+alibi,gpt2-tiny:learned)",
+               "(default: byte-tiny:all,byte-small:learned+alibi,gpt2-tiny:learned)",
     "schemes": "comma-separated schemes, or all, for configs without their own list (default all)",
     "precision": "comma-separated bf16-mixed and/or 32 (default bf16-mixed)",
     "compile": "comma-separated false and/or true (default false)",
     "rounds": "timed rounds (default 10)",
-    "steps": "consecutive steps per path per round (default 3)",
+    "steps": "timed consecutive steps per path per round, after one untimed (default 2)",
     "warmup": "untimed steps per path first (default 2)",
     "batch_size": "sequences per step (default 16)",
     "block_size": "training length (default: the conf/model file's, 256)",
@@ -97,7 +104,7 @@ VOCABS = {"byte": (256, 1), "gpt2": (50257, 64)}  # vocabulary, pad_vocab_multip
 # model only at validation or at the end of training, none of which happens in the timed steps
 NOT_TIMED_CALLBACKS = ("model_checkpoint", "attention_maps", "position_functions", "end_of_training")
 EVAL_Q_CHUNK = 1024
-EVAL_TOKENS_PER_BATCH = 16384
+EVAL_TOKENS_PER_BATCH = 4096
 
 
 def truthy(value: str) -> bool:
@@ -304,9 +311,11 @@ class Path_:
     def __init__(self, name: str, body, sync) -> None:
         self.name, self.body, self.sync = name, body, sync
         self.times: list[float] = []   # every interval, warm-up included
+        self.cpu: list[float] = []     # the process's CPU seconds over the same intervals
         self.rounds: list[list[float]] = []
+        self.cpu_rounds: list[list[float]] = []
         self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
-        self._quota, self._stop, self._last = 0, False, None
+        self._quota, self._stop, self._last, self._last_cpu = 0, False, None, None
         self.error: BaseException | None = None
         self.flops_per_token = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -324,36 +333,40 @@ class Path_:
 
     def begin(self) -> None:
         self.sync()
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
     def tick(self) -> bool:
         """Call at every step end; True when the body must stop."""
         self.sync()
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.times.append(now - self._last)
+        self.cpu.append(cpu - self._last_cpu)
         self._quota -= 1
         if self._quota <= 0:
             self._done.release()
             self._go.acquire()
             if self._stop:
                 return True
-            now = time.perf_counter()
-        self._last = now
+            now, cpu = time.perf_counter(), time.process_time()
+        self._last, self._last_cpu = now, cpu
         return False
 
-    def run(self, n: int) -> list[float]:
-        """Run n steps now (blocking); their intervals."""
+    def run(self, n: int, skip: int = 0, record: bool = True) -> None:
+        """Run skip + n steps now (blocking); the last n are added to ``rounds`` (wall) and
+        ``cpu_rounds`` (process CPU time)."""
         if not self.thread.is_alive() and not self.thread.ident:
             self.thread.start()
         start = len(self.times)
-        self._quota = n
+        self._quota = skip + n
         self._go.release()
         self._done.acquire()
         if self.error is not None:
             raise RuntimeError(f"path {self.name} failed: {self.error!r}") from self.error
-        if len(self.times) - start < n:
-            raise RuntimeError(f"path {self.name} stopped after {len(self.times) - start} of {n} steps")
-        return self.times[start:]
+        if len(self.times) - start < skip + n:
+            raise RuntimeError(f"path {self.name} stopped after {len(self.times) - start} of {skip + n} steps")
+        if record:
+            self.rounds.append(self.times[start + skip:])
+            self.cpu_rounds.append(self.cpu[start + skip:])
 
     def finish(self) -> None:
         if self.thread.ident and self.thread.is_alive():
@@ -587,9 +600,9 @@ def peak_flops(device: str, precision: str) -> tuple[float, str]:
 
 
 def median_of_ratios(num: list[list[float]], den: list[list[float]]) -> float:
-    """Median over rounds of median(num's round) / median(den's round). With step times, called as
+    """Median over rounds of min(num's round) / min(den's round). With step times, called as
     (other, this) it is this path's tokens/s / the other's, paired round by round."""
-    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(num, den))
+    return statistics.median(min(a) / min(b) for a, b in zip(num, den))
 
 
 def load1() -> float:
@@ -619,10 +632,13 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
     order = list(paths)
     try:
         for p in order:
-            paths[p].run(opts["warmup"])
+            paths[p].run(opts["warmup"], record=False)
         for r in range(opts["rounds"]):
-            for p in (order if r % 2 == 0 else order[::-1]):
-                paths[p].rounds.append(paths[p].run(opts["steps"]))
+            # every path at every place of the order in turn; the first step after a switch
+            # (other threads' data in the caches, this thread's OpenMP team asleep) is not timed
+            turn = order[r % len(order):] + order[: r % len(order)]
+            for p in (turn if r % 2 == 0 else turn[::-1]):
+                paths[p].run(opts["steps"], skip=1)
     finally:
         for p in order:
             paths[p].finish()
@@ -633,12 +649,12 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
     ref = paths["reference"]
     learned = paths.get("learned")
     for name, p in paths.items():
-        timed = [t for r in p.rounds for t in r]
-        step = statistics.median(timed)
+        step = statistics.median(min(r) for r in p.rounds)  # see the module docstring
+        all_steps = statistics.median(t for r in p.rounds for t in r)
         row = {"config": cfg, "scheme": "learned" if name == "reference" else name,
                "path": "reference" if name == "reference" else "pelab", "precision": precision,
                "compile": compile_, "device": device, "batch_size": B, "block_size": T,
-               "step_ms": round(step * 1000, 2), "tokens_per_s": round(B * T / step, 1)}
+               "step_ms": round(step * 1000, 2), "step_ms_all_median": round(all_steps * 1000, 2), "tokens_per_s": round(B * T / step, 1)}
         # step-time ratio other/this = tokens/s ratio this/other
         if name == "reference":
             row["ratio_vs_reference"] = 1.0
@@ -648,6 +664,13 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
             row["ratio_vs_reference"] = None
         row["ratio_vs_learned"] = (round(median_of_ratios(learned.rounds, p.rounds), 4)
                                    if learned is not None and name != "reference" else None)
+        # the same from the process's CPU time per step (less sensitive to other processes)
+        row["cpu_ms"] = round(statistics.median(min(r) for r in p.cpu_rounds) * 1000, 2)
+        row["ratio_vs_reference_cpu"] = (1.0 if name == "reference" else
+                                         round(median_of_ratios(ref.cpu_rounds, p.cpu_rounds), 4)
+                                         if name == "learned" else None)
+        row["ratio_vs_learned_cpu"] = (round(median_of_ratios(learned.cpu_rounds, p.cpu_rounds), 4)
+                                       if learned is not None and name != "reference" else None)
         warm = p.times[: opts["warmup"]]
         row["compile_s"] = round(sum(warm) - len(warm) * step, 2) if compile_ else None
         row["flops_per_token"] = p.flops_per_token
@@ -692,7 +715,7 @@ def print_table(rows: list[dict]) -> None:
               f"| {fmt(r['eval_peak_mem_mb_16x'], '.0f')} |", flush=True)
 
 
-DEFAULT_CONFIGS = "byte-tiny:all,byte-small:learned+rope+alibi,gpt2-tiny:learned"
+DEFAULT_CONFIGS = "byte-tiny:all,byte-small:learned+alibi,gpt2-tiny:learned"
 
 
 def main(argv: list[str]) -> int:
@@ -730,7 +753,7 @@ def main(argv: list[str]) -> int:
         if p not in ("bf16-mixed", "32"):
             raise SystemExit(f"precision {p!r}: expected bf16-mixed or 32")
     compiles = [truthy(c) for c in split_list(args.get("compile", "false"))]
-    opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 3)),
+    opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 2)),
             "warmup": int(args.get("warmup", 2)), "batch_size": int(args.get("batch_size", 16)),
             "block_size": int(args["block_size"]) if "block_size" in args else None,
             "eval": truthy(args.get("eval", "true")), "eval_factor": int(args.get("eval_factor", 16)),
