@@ -271,6 +271,7 @@ class AttentionMaps(L.Callback):
         self.output_subdir = output_subdir
         self.max_heads_plotted = max_heads_plotted
         self.validations = 0  # completed (non-sanity) validation runs
+        self._warned_sharded = False
         self._sample: Tensor | None = None
         self._last_step: int | None = None
         self.last_path: Path | None = None
@@ -317,6 +318,14 @@ class AttentionMaps(L.Callback):
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_step = trainer.global_step
         if not trainer.is_global_zero:
+            return
+        from evaluation.end_of_training import sharded_parameters
+
+        if sharded_parameters(trainer):  # rank zero alone cannot run a forward over weight shards
+            if not self._warned_sharded:
+                rank_zero_warn(f"AttentionMaps: skipped under {type(trainer.strategy).__name__} (the weights are "
+                               f"sharded across ranks); remove it with ~callbacks.attention_maps")
+                self._warned_sharded = True
             return
         idx = self.sample(trainer)
         if idx is None:

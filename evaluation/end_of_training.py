@@ -22,7 +22,7 @@ def sharded_parameters(trainer: L.Trainer) -> bool:
     forward of the bare module outside the strategy's wrapper would see only shards."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+    return isinstance(getattr(trainer, "strategy", None), (FSDPStrategy, ModelParallelStrategy))
 
 
 class EndOfTrainingEvaluation(L.Callback):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import GPTConfig
+from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.pe.base import PositionEncoding
 
 
@@ -553,12 +554,18 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, positions: Tensor | None = None
-    ) -> tuple[Tensor, Tensor | None]:
+    ) -> tuple[Tensor | None, Tensor | None]:
         """idx (B, T) token ids; positions (T,) or (B, T) integer positions, default 0..T-1.
 
         Returns logits (B, T, V) and, with targets, the mean cross-entropy (ignore_index -1).
+        With targets and a large vocabulary (``use_chunked_loss``: gpt2's 50257) the LM head
+        and the loss run in row chunks that never build the (B, T, V) logits, and the logits
+        returned are None.
         """
-        logits = self.logits(self.hidden(idx, positions))
+        h = self.hidden(idx, positions)
+        if targets is not None and use_chunked_loss(self.config.vocab_size):
+            return None, chunked_cross_entropy(h, self.lm_head.weight, targets, vocab_size=self.config.vocab_size)
+        logits = self.logits(h)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)

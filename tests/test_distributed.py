@@ -127,3 +127,17 @@ def test_end_of_training_evaluation_says_it_is_skipped_under_fsdp(tmp_path):
         callback.on_fit_end(trainer, pl_module=None)
     assert not (tmp_path / "extrapolation").exists()
     assert float(trainer.callback_metrics["val/unigram_loss"]) == 3.25  # the model-free baseline still runs
+
+
+def test_attention_maps_say_they_are_skipped_under_fsdp(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from evaluation.attention_maps import AttentionMaps
+
+    trainer = SimpleNamespace(strategy=FSDPStrategy(), global_step=3, is_global_zero=True,
+                              default_root_dir=str(tmp_path), log_dir=None)
+    with pytest.warns(UserWarning, match=r"AttentionMaps: skipped under FSDPStrategy"):
+        AttentionMaps().run(trainer, pl_module=None)
+    assert not any(tmp_path.iterdir())

@@ -215,7 +215,7 @@ def test_no_full_logits_tensor_exists(autocast):
 
 
 PEAK_SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import torch, torch.nn.functional as F
     sys.path.insert(0, sys.argv[1])
     from model.loss import chunked_cross_entropy
@@ -227,23 +227,29 @@ PEAK_SCRIPT = textwrap.dedent("""
     t = torch.randint(0, V, (N,))
     h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
     out = {}
-    # ru_maxrss is a high-water mark: measure the chunked path first, then the full one
+
+    def status_kb(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+
     for mode in ("chunked", "full"):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        open("/proc/self/clear_refs", "w").write("5")  # resets the high-water mark VmHWM to the current RSS
+        before = status_kb("VmRSS")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if mode == "full":
                 loss = F.cross_entropy(F.linear(h, w).float(), t)
             else:
                 loss = chunked_cross_entropy(h, w, t, chunk_size=128)
         loss.backward()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = status_kb("VmHWM")
         out[mode] = {"peak_mb": (peak - before) / 1024, "loss": loss.item()}
         del loss
     print(json.dumps(out))
 """)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM")
 def test_peak_memory_is_lower():
     """Peak resident memory of forward + backward in a fresh process: the full path holds
     (N, V) bf16 and several (N, V) fp32 tensors (128 MB each here), ours one chunk."""
@@ -254,3 +260,28 @@ def test_peak_memory_is_lower():
     logits_fp32_mb = 2048 * 16384 * 4 / 2**20
     assert res["full"]["peak_mb"] > 2 * logits_fp32_mb, res  # the reference really materialises them
     assert res["chunked"]["peak_mb"] < 0.5 * logits_fp32_mb, res
+
+
+def test_gpt_training_loss_with_gpt2_vocabulary_equals_full_logits():
+    """GPT.forward uses the chunked loss for a large vocabulary: the same loss and gradients as
+    F.cross_entropy on the full logits of the same model (fp32), and no logits returned."""
+    from model.config import GPTConfig
+    from model.gpt import GPT
+    from model.pe.rope import RoPE
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50257, block_size=16, n_layer=1, n_head=2, n_embd=16, pad_vocab_multiple=64)
+    gpt = GPT(config, RoPE(config))
+    idx = torch.randint(0, 50257, (2, 16))
+    targets = torch.randint(0, 50257, (2, 16))
+    targets[0, :5] = -1
+    logits, loss = gpt(idx, targets)
+    assert logits is None
+    loss.backward()
+    chunked = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    gpt.zero_grad()
+    full = F.cross_entropy(gpt.logits(gpt.hidden(idx)).flatten(0, 1).double(), targets.flatten(), ignore_index=-1)
+    full.backward()
+    assert loss.item() == pytest.approx(full.item(), rel=1e-5)
+    for name, p in gpt.named_parameters():
+        torch.testing.assert_close(chunked[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
