@@ -337,20 +337,9 @@ class TextFilesDataModule(TextDataModule):
         text_field: str = "text",
         val_fraction: float = 0.05,
         text_sample_by: str = "document",
-        tokenizer: str = "bytes",
-        block_size: int = 256,
-        batch_size: int = 16,
-        val_batch_size: int | None = None,
-        num_workers: int = 0,
-        seed: int = 1337,
-        data_dir: str | None = None,
-        train_samples: int = 2**40,
-        tokenize_num_proc: int | None = None,
-        val_windows: int | None = 256,
+        **options,
     ) -> None:
-        super().__init__(corpus, tokenizer=tokenizer, block_size=block_size, batch_size=batch_size,
-                         val_batch_size=val_batch_size, num_workers=num_workers, seed=seed, data_dir=data_dir,
-                         train_samples=train_samples, tokenize_num_proc=tokenize_num_proc, val_windows=val_windows)
+        super().__init__(corpus, **options)  # the TextDataModule options, checked against its signature
         self.paths, self.text_field = paths, text_field
         self.val_fraction, self.text_sample_by = val_fraction, text_sample_by
 

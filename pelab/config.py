@@ -84,15 +84,33 @@ def describe(hint: Any) -> str:
     return words.get(hint, getattr(hint, "__name__", str(hint)))
 
 
+def _keyword_options(target: Any) -> tuple[dict, dict, bool]:
+    """(parameters, type hints, takes any keyword) of ``target``'s constructor. A class whose
+    ``__init__`` forwards ``**options`` to its base also gets the base's parameters (up the
+    MRO until a constructor without ``**``), so a subclass need not repeat its parent's
+    signature for its options to be checked."""
+    init = target if hasattr(target, "__dataclass_fields__") else getattr(target, "__init__", target)
+    params, hints = dict(inspect.signature(target).parameters), typing.get_type_hints(init)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    for base in (target.__mro__[1:] if inspect.isclass(target) else ()):
+        if not takes_any or base is object:
+            break
+        if "__init__" not in vars(base):
+            continue
+        base_params = inspect.signature(base).parameters
+        params = {**{n: p for n, p in base_params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)},
+                  **{n: p for n, p in params.items() if p.kind is not p.VAR_KEYWORD}}
+        hints = {**typing.get_type_hints(base.__init__), **hints}
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in base_params.values())
+    return params, hints, takes_any
+
+
 def check_options(section: str, values: dict, target: Any, ignore: tuple[str, ...] = ()) -> None:
     """Unknown keys and wrong types in ``values``, the keyword arguments of ``target`` (a class
     or dataclass). Keys starting with '_' (Hydra's ``_target_`` ...) and ``ignore`` are skipped."""
-    params = inspect.signature(target).parameters
-    init = target if hasattr(target, "__dataclass_fields__") else getattr(target, "__init__", target)
-    hints = typing.get_type_hints(init)
+    params, hints, takes_any = _keyword_options(target)
     options = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                and n not in ignore]
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     name = getattr(target, "__qualname__", str(target))
     for key, value in values.items():
         if key.startswith("_") or key in ignore:

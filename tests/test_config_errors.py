@@ -63,6 +63,10 @@ CASES = [
     ("data.tokens_per_step=8192 trainer.accumulate_grad_batches=2",
      ["data.tokens_per_step=8192 and trainer.accumulate_grad_batches=2 both given"]),
     ("resume=yes", ["resume must be null or auto, got 'yes'"]),
+    # data=text forwards its data-module options to TextDataModule: still checked by name and type
+    ("data=text data.paths=[a.txt] +data.batch_sise=4", ["data.batch_sise=4 is not an option of data",
+                                                        "text_field", "batch_size", "val_windows"]),
+    ("data=text data.paths=[a.txt] data.batch_size=two", ["data.batch_size must be an integer, got 'two'"]),
     ("eval.tasks.enabled=true", ["eval.tasks.enabled=true needs a synthetic task: data=synthetic"]),
     ("experiment=task_ablation eval.tasks.samples=0", ["eval.tasks.samples must be an integer >= 1, got 0"]),
     ("pe.randomize_to=100", ["pe.randomize_to must be null or an integer >= model.block_size=256", "got 100"]),
