@@ -677,6 +677,7 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
         row["mfu"] = round(p.flops_per_token * B * T / step / peak, 4)
         row["peak_tflops"], row["peak_source"] = round(peak / 1e12, 3), peak_source
         row["load_avg"] = [load_start, load_end]
+        row["rounds_ms"] = [[round(t * 1000, 1) for t in r] for r in p.rounds]  # every timed step, by round
         rows.append(row)
 
     for row in rows:
