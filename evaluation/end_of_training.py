@@ -37,14 +37,13 @@ class EndOfTrainingEvaluation(L.Callback):
         datamodule = trainer.datamodule
         output_dir = Path(trainer.default_root_dir)
         step = trainer.global_step
-        options = dict(self.extrapolation)
-        if sharded_parameters(trainer) and (options.get("enabled") or self.tasks.get("enabled")):
+        options, tasks = dict(self.extrapolation), dict(self.tasks)
+        if sharded_parameters(trainer) and (options.get("enabled") or tasks.get("enabled")):
             ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "RUN_DIR/checkpoints/last.ckpt"
             rank_zero_warn(f"end-of-training evaluation skipped under {type(trainer.strategy).__name__} (each rank holds "
                            f"a shard of the weights): run scripts/eval_extrapolation.py ckpt={ckpt} (or "
                            f"scripts/eval_tasks.py) on the full checkpoint")
-            options["enabled"] = False
-            self.tasks = {**self.tasks, "enabled": False}
+            options["enabled"] = tasks["enabled"] = False
         if options.pop("enabled", False):
             config = ExtrapolationConfig.from_dict(options)
             tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
@@ -60,10 +59,10 @@ class EndOfTrainingEvaluation(L.Callback):
                 print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md)", flush=True)
         if not trainer.is_global_zero:
             return
-        if self.tasks.get("enabled"):
+        if tasks.get("enabled"):
             from evaluation.tasks import run_task_evaluation
 
-            run_task_evaluation(self.tasks, pl_module, datamodule, trainer.loggers, output_dir, step)
+            run_task_evaluation(tasks, pl_module, datamodule, trainer.loggers, output_dir, step)
         baseline = datamodule.unigram_loss()
         trainer.callback_metrics["val/unigram_loss"] = torch.tensor(baseline)  # for the end-of-run summary
         for logger in trainer.loggers:
