@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.bias_grad import attention_with_bias_grad
 from model.config import GPTConfig
 from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.pe.base import PositionEncoding
@@ -179,8 +180,12 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, 
     """SDPA in the compute dtype of v with a float32 mask added in float32: autocast is off
     here because it would cast the mask to bf16 (q, k, v already are)."""
     with torch.autocast(v.device.type, enabled=False):
-        return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask, dropout_p=dropout,
-                                              is_causal=causal, scale=scale)
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        if mask is not None and mask.requires_grad and v.device.type == "cpu" and not dropout \
+                and torch.is_grad_enabled():  # a learned bias: SDPA would fall back to float32 math
+            return attention_with_bias_grad(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                              scale=scale)
 
 
 def _sdpa_key(q: Tensor, k: Tensor, v: Tensor, features: Tensor, dropout: float) -> Tensor:

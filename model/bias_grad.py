@@ -1,0 +1,84 @@
+"""Attention with a learned bias on CPU: the fused kernel forward, a cache-sized backward.
+
+A scheme whose bias has parameters (T5 buckets, KERPLE, FIRE) needs the gradient of the
+loss with respect to every (head, i, j) logit. SDPA's CPU flash kernel does not give one, so
+a mask that requires grad sends SDPA to its math path, which upcasts bf16 q, k, v to float32
+matmuls and materialises (B, H, T, T) float32 tensors in both directions: 1.3x the step of
+the learned scheme at the tiny size (issue 10).
+
+Here the forward is the flash kernel with the float32 mask, and the backward is the
+softmax-attention gradient written out, a few sequences at a time so that each
+(b, H, Tq, Tk) float32 block stays in cache:
+
+    P  = softmax(scale q k^T + mask)           (recomputed in float32, not stored)
+    dP = dO V^T                                (float32)
+    dS = P * (dP - rowsum(P * dP))             (torch's fused softmax backward)
+    dV = P^T dO,   dQ = scale dS K,   dK = scale dS^T Q
+    dmask = dS, summed over the batch rows the mask was broadcast over
+
+The bias gradient is as exact as SDPA's float32 math path: q k^T and dO V^T are float32
+matmuls of the (exact) compute-dtype values, and P is normalised by its own row sums, so
+every row of dS sums to zero to float32 rounding (a parameter that shifts a whole row, like
+FIRE's threshold, sums dS along rows and is otherwise swamped by rounding). The three
+matmuls that produce dQ, dK, dV run in the compute dtype, as in the flash kernel's backward.
+Used by ``model.gpt._sdpa`` on CPU when the mask requires grad and attention dropout is
+off; CUDA's SDPA kernels take the bias gradient themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# float32 elements of one backward block: 2 MiB, about one core's L2.
+BLOCK_ELEMENTS = 1 << 19
+
+
+class _BiasGradAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        # autocast off: a compiled graph traces the backward under the forward's autocast,
+        # which would turn the float32 matmuls below into bf16 ones
+        with torch.autocast(d_out.device.type, enabled=False):
+            return _BiasGradAttention._backward(ctx, d_out)
+
+    @staticmethod
+    def _backward(ctx, d_out: Tensor):
+        q, k, v, mask = ctx.saved_tensors
+        scale, dtype = ctx.scale, q.dtype
+        d_out = d_out.to(dtype)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        d_mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        B, H, Tq, Tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        step = max(1, BLOCK_ELEMENTS // (H * Tq * Tk))
+        shared = mask.shape[0] == 1
+        for b in range(0, B, step):
+            rows = slice(b, b + step)
+            qb, kb, vb, gb = q[rows], k[rows], v[rows], d_out[rows]
+            scores = torch.matmul(qb.float(), kb.float().transpose(-2, -1))
+            p = torch.softmax(torch.add(mask if shared else mask[rows], scores, alpha=scale), dim=-1)
+            dp = torch.matmul(gb.float(), vb.float().transpose(-2, -1))
+            ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
+            if shared:
+                d_mask += ds.sum(0, keepdim=True)
+            else:
+                d_mask[rows] = ds
+            ds_c = ds.to(dtype)
+            dv[rows] = torch.matmul(p.to(dtype).transpose(-2, -1), gb)
+            dq[rows] = torch.matmul(ds_c, kb).mul_(scale)
+            dk[rows] = torch.matmul(ds_c.transpose(-2, -1), qb).mul_(scale)
+        return dq, dk, dv, d_mask.to(mask.dtype), None
+
+def attention_with_bias_grad(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(scale q k^T + mask) v for (B, H, Tq, hd) q, k, v and a (1 or B, H, Tq, Tk)
+    float mask (bias plus -inf on hidden keys; every query sees at least one key), with
+    gradients for q, k, v and the mask."""
+    return _BiasGradAttention.apply(q, k, v, mask, scale)

@@ -1,0 +1,107 @@
+"""The CPU attention path for learned biases (model/bias_grad.py) against a naive float64
+softmax(q k^T / sqrt(d) + mask) v, forward and every gradient, and its use by the model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import model.bias_grad as bias_grad
+import model.gpt as gpt
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.pe import SCHEMES
+
+torch.set_num_threads(2)
+
+
+def naive(q, k, v, mask):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def inputs(dtype, B, H, Tq, Tk, D, mask_batch):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, Tq, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H, Tk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = 2 * torch.randn(mask_batch, H, Tq, Tk, generator=g, dtype=torch.float64)
+    hidden = torch.arange(Tk)[None, :] > torch.arange(Tk - Tq, Tk)[:, None]  # queries = the last Tq keys
+    mask = bias.masked_fill(hidden, float("-inf"))
+    d_out = torch.randn(B, H, Tq, D, generator=g, dtype=torch.float64)
+    # the compute-dtype values are the exact inputs of both sides
+    q, k, v, d_out = (t.to(dtype).double() for t in (q, k, v, d_out))
+    return q, k, v, mask.float().double(), d_out
+
+
+def grads(fn, tensors, d_out):
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    out.backward(d_out.to(out.dtype))
+    return out.detach().double(), [t.grad.double() for t in leaves]
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("mask_batch", [1, 5])
+@pytest.mark.parametrize("Tq, Tk", [(24, 24), (7, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_gradients_match_naive_float64(monkeypatch, dtype, Tq, Tk, mask_batch):
+    monkeypatch.setattr(bias_grad, "BLOCK_ELEMENTS", 2 * 3 * Tq * Tk)  # 2 rows per block: 5 = 2 + 2 + 1
+    q, k, v, mask, d_out = inputs(dtype, 5, 3, Tq, Tk, 16, mask_batch)
+    ref_out, ref_grads = grads(naive, (q, k, v, mask), d_out)
+    out, got = grads(lambda q, k, v, m: bias_grad.attention_with_bias_grad(q, k, v, m, 1 / math.sqrt(16)),
+                     (q.to(dtype), k.to(dtype), v.to(dtype), mask.float()), d_out)
+    assert got[3].shape == mask.shape
+    if dtype == torch.float32:
+        limits = [1e-5] * 5
+    else:  # q, k, v gradients at bf16 rounding, as the flash kernel's; the mask's at float32 level
+        limits = [1e-2, 1.5e-2, 1.5e-2, 1.5e-2, 1e-5]
+    for name, a, b, limit in zip(("out", "q", "k", "v", "mask"), [out] + got, [ref_out] + ref_grads, limits):
+        assert rel_err(a, b) < limit, (name, rel_err(a, b))
+
+
+def test_bias_gradient_rows_sum_to_zero():
+    """Adding a constant to a query's row of logits changes nothing, so each row of the mask
+    gradient sums to zero: in bf16 too, where an unnormalised P would leave rounding there."""
+    q, k, v, mask, d_out = inputs(torch.bfloat16, 4, 2, 32, 32, 16, 1)
+    _, got = grads(lambda q, k, v, m: bias_grad.attention_with_bias_grad(q, k, v, m, 0.25),
+                   (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.float()), d_out)
+    row_sums = got[3].sum(-1)
+    assert row_sums.abs().max() < 1e-6 * got[3].abs().max()
+
+
+def _model(name: str, dropout: float = 0.0) -> GPT:
+    config = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=dropout)
+    torch.manual_seed(0)
+    return GPT(config, SCHEMES[name](config))
+
+
+@pytest.mark.parametrize("name, used", [("t5", True), ("fire", True), ("kerple_log", True), ("alibi", False),
+                                        ("rope", False)])
+def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name, used):
+    calls = []
+    monkeypatch.setattr(gpt, "attention_with_bias_grad",
+                        lambda *a: calls.append(1) or bias_grad.attention_with_bias_grad(*a))
+    model = _model(name)
+    idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    assert len(calls) == (2 if used else 0)  # one per layer; alibi's bias has no parameters
+    calls.clear()
+    with torch.no_grad():
+        model(idx, idx)
+    assert not calls  # evaluation: plain SDPA with the float32 mask
+
+
+def test_attention_dropout_keeps_torch_sdpa(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpt, "attention_with_bias_grad", lambda *a: calls.append(1))
+    model = _model("t5", dropout=0.1)
+    idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(idx, idx)[1].backward()
+    assert not calls and model.pe.relative_attention_bias.weight.grad is not None
