@@ -63,6 +63,10 @@ object per line). Fields:
   memory as above, in a child process; the learned scheme is built with a 16x position table
   for this (its trained table cannot reach that far; the time is what is measured).
   Evaluation does not depend on ``compile`` (the extrapolation code runs the eager module).
+  With ``eval_factor=16,32,64`` (several factors) every evaluation runs one sequence, the
+  ``_16x`` fields come from factor 16 (else the largest), and the row also gets ``eval_curve``
+  ([{length, batch, s, peak_mb}] per factor) and ``eval_mem_exponent``, the log-log slope of
+  peak memory against length (1: linear in T; 2: quadratic).
 - ``load_avg``: the 1-minute load average at the start and end of the config's timing.
 
 Speed targets live in issue 10 and the README, never in tests.
@@ -71,6 +75,7 @@ Speed targets live in issue 10 and the README, never in tests.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -92,7 +97,8 @@ OPTIONS = {
     "batch_size": "sequences per step (default 16)",
     "block_size": "training length (default: the conf/model file's, 256)",
     "eval": "evaluation time and memory at eval_factor x the training length (default true)",
-    "eval_factor": "default 16",
+    "eval_factor": "comma-separated multiples of the training length (default 16); with several, every "
+                   "evaluation runs one sequence and each row gets eval_curve and eval_mem_exponent",
     "memory": "peak training memory in a child process (default true)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "also write the JSON lines to this file",
@@ -525,7 +531,7 @@ def child_eval(job: dict) -> dict:
     start = _peak_start(device)
     overrides = {"max_positions": L_eval} if job["scheme"] == "learned" else {}
     gpt = lit_module(model, job["scheme"], False, **overrides).model.to(device).eval()
-    batch = max(1, EVAL_TOKENS_PER_BATCH // L_eval)
+    batch = job.get("eval_batch") or max(1, EVAL_TOKENS_PER_BATCH // L_eval)
     g = torch.Generator().manual_seed(1)
     xy = torch.randint(0, model["vocab_size"], (batch, L_eval + 1), generator=g).to(device)
     times = []
@@ -683,21 +689,39 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
     for row in rows:
         scheme = None if row["path"] == "reference" else row["scheme"]
         job = {"model": model, "scheme": scheme, "precision": precision, "compile": compile_, "device": device,
-               "B": B, "nthreads": nthreads, "eval_factor": opts["eval_factor"]}
+               "B": B, "nthreads": nthreads}
         row["peak_mem_mb"] = round(children.run("memory", job)["peak_mem_mb"], 1) if opts["memory"] else None
         row["peak_mem_method"] = ("cuda max_memory_allocated" if device == "cuda" else
                                   "cpu peak RSS rise (getrusage ru_maxrss) in a forked child") if opts["memory"] else None
+        row["eval_s_16x"] = row["eval_peak_mem_mb_16x"] = row["eval_length"] = None
         if opts["eval"] and scheme is not None:
-            key = (cfg, scheme, precision)
-            if key not in opts["eval_cache"]:
-                opts["eval_cache"][key] = children.run("eval", job)
-            ev = opts["eval_cache"][key]
-            row["eval_s_16x"] = round(ev["eval_s_16x"], 3)
-            row["eval_peak_mem_mb_16x"] = round(ev["eval_peak_mem_mb_16x"], 1)
-            row["eval_length"] = ev["eval_length"]
-        else:
-            row["eval_s_16x"] = row["eval_peak_mem_mb_16x"] = row["eval_length"] = None
+            factors = opts["eval_factors"]
+            curve = []
+            for factor in factors:
+                key = (cfg, scheme, precision, factor, len(factors))
+                if key not in opts["eval_cache"]:
+                    opts["eval_cache"][key] = children.run("eval", job | {
+                        "eval_factor": factor, "eval_batch": 1 if len(factors) > 1 else None})
+                curve.append(opts["eval_cache"][key])
+            main = next((ev for f, ev in zip(factors, curve) if f == 16), curve[-1])
+            row["eval_s_16x"] = round(main["eval_s_16x"], 3)
+            row["eval_peak_mem_mb_16x"] = round(main["eval_peak_mem_mb_16x"], 1)
+            row["eval_length"] = main["eval_length"]
+            if len(curve) > 1:
+                row["eval_curve"] = [{"length": ev["eval_length"], "batch": ev["eval_batch"],
+                                      "s": round(ev["eval_s_16x"], 3), "peak_mb": round(ev["eval_peak_mem_mb_16x"], 1)}
+                                     for ev in curve]
+                row["eval_mem_exponent"] = round(growth_exponent(
+                    [ev["eval_length"] for ev in curve], [ev["eval_peak_mem_mb_16x"] for ev in curve]), 3)
     return rows
+
+
+def growth_exponent(lengths: list[int], values: list[float]) -> float:
+    """Least-squares slope of log(value) against log(length): 1 for memory linear in the
+    length, 2 for quadratic."""
+    xs, ys = [math.log(x) for x in lengths], [math.log(max(y, 1e-9)) for y in values]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
 def fmt(v, spec: str) -> str:
@@ -757,7 +781,8 @@ def main(argv: list[str]) -> int:
     opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 2)),
             "warmup": int(args.get("warmup", 2)), "batch_size": int(args.get("batch_size", 16)),
             "block_size": int(args["block_size"]) if "block_size" in args else None,
-            "eval": truthy(args.get("eval", "true")), "eval_factor": int(args.get("eval_factor", 16)),
+            "eval": truthy(args.get("eval", "true")),
+            "eval_factors": [int(f) for f in split_list(str(args.get("eval_factor", 16)))],
             "memory": truthy(args.get("memory", "true")),
             "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
     if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:

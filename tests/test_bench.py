@@ -19,7 +19,8 @@ FIELDS = {"config", "scheme", "path", "precision", "compile", "tokens_per_s", "r
 def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.jsonl"
     env = dict(os.environ, WANDB_MODE="offline")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "smoke=true", f"out={out}"],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "smoke=true", "eval_factor=1,2",
+                           f"out={out}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     printed = [json.loads(line.removeprefix("BENCH_JSON ")) for line in proc.stdout.splitlines()
@@ -38,6 +39,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert (row["ratio_vs_learned"] is not None) == pelab
         assert (row["ratio_vs_reference"] is None) == (pelab and row["scheme"] != "learned")
         assert (row["eval_s_16x"] is not None) == pelab
+        if pelab:  # two evaluation lengths: a memory curve, one sequence each
+            assert [(c["length"], c["batch"]) for c in row["eval_curve"]] == [(256, 1), (512, 1)]
+            assert row["eval_length"] == 512 and isinstance(row["eval_mem_exponent"], float)
     assert "| config |" in proc.stdout  # the table
 
 
@@ -45,3 +49,12 @@ def test_bench_rejects_unknown_options() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "nonsense=1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "valid options" in proc.stderr
+
+
+def test_growth_exponent_reads_linear_and_quadratic_growth() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import growth_exponent
+
+    assert abs(growth_exponent([1024, 2048, 4096], [30.0, 60.0, 120.0]) - 1.0) < 1e-12
+    assert abs(growth_exponent([1024, 2048, 4096], [10.0, 40.0, 160.0]) - 2.0) < 1e-12
+    assert abs(growth_exponent([2, 8], [3.0, 6.0]) - 0.5) < 1e-12  # log 2 / log 4
