@@ -21,7 +21,10 @@ What is timed, in one process, on the same random token batches:
   ``enable_checkpointing=False``, ``max_steps=10**9`` (the bench stops the fit itself): no
   validation or checkpointing ever runs inside the timed region, whatever ``steps`` is.
 
-Every path runs in its own thread, and exactly one runs at a time (a baton): after ``warmup``
+Every path runs in its own process, forked from a server that has imported torch and lightning
+but computed nothing, so it trains in its process's main thread with its own allocator and OpenMP
+team as a real run does (threads sharing one process measured allocation-heavy paths up to 1.3x
+slower than they run alone). Exactly one path runs at a time (a baton): after ``warmup``
 untimed steps each, ``rounds`` rounds follow, each giving every path 1 + ``steps`` consecutive
 steps, of which the first (right after the switch from another path: cold caches, a sleeping
 OpenMP team) is not timed; the order rotates by one path per round and is reversed every other
@@ -79,9 +82,8 @@ import math
 import os
 import statistics
 import sys
-import threading
 import time
-from pathlib import Path
+
 
 from _common import ROOT, describe_options, parse_key_values, split_list
 
@@ -300,85 +302,131 @@ def batches(vocab_size: int, B: int, T: int, seed: int = 0):
 
 
 # ---------------------------------------------------------------------------------------
-# paths: each in a thread, one at a time
+# paths: each in its own process, one at a time
 # ---------------------------------------------------------------------------------------
 
 class Stop(Exception):
     pass
 
 
-class Path_:
-    """A training path run in its own thread, ``quota`` steps at a time on request.
+class StepClock:
+    """The body's side of a path: ``begin()`` once before the first step, ``tick()`` at every
+    step end. ``tick`` records the interval since the previous step end (or since ``begin``/
+    the resume) in wall and process-CPU seconds, and at the end of a quota reports them over
+    ``conn`` and waits for the next quota; it returns True when the body must stop."""
 
-    The body calls ``begin()`` once before its first step and ``tick()`` at every step end;
-    ``tick`` records the interval since the previous step end (or since ``begin``/the resume),
-    and hands the baton back when the quota is used up."""
+    def __init__(self, conn, sync) -> None:
+        self.conn, self.sync = conn, sync
+        self.times: list[tuple[float, float]] = []
+        self._quota, self._last, self._last_cpu = 0, 0.0, 0.0
 
-    def __init__(self, name: str, body, sync) -> None:
-        self.name, self.body, self.sync = name, body, sync
-        self.times: list[float] = []   # every interval, warm-up included
-        self.cpu: list[float] = []     # the process's CPU seconds over the same intervals
-        self.rounds: list[list[float]] = []
-        self.cpu_rounds: list[list[float]] = []
-        self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
-        self._quota, self._stop, self._last, self._last_cpu = 0, False, None, None
-        self.error: BaseException | None = None
-        self.flops_per_token = None
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        self._go.acquire()
-        try:
-            if not self._stop:
-                self.body(self)
-        except Stop:
-            pass
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            self.error = e
-        self._done.release()
+    def wait(self) -> bool:
+        """Block until the parent sends the next quota; True means stop."""
+        quota = self.conn.recv()
+        if quota is None:
+            return True
+        self._quota = quota
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
+        return False
 
     def begin(self) -> None:
         self.sync()
         self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
     def tick(self) -> bool:
-        """Call at every step end; True when the body must stop."""
         self.sync()
         now, cpu = time.perf_counter(), time.process_time()
-        self.times.append(now - self._last)
-        self.cpu.append(cpu - self._last_cpu)
-        self._quota -= 1
-        if self._quota <= 0:
-            self._done.release()
-            self._go.acquire()
-            if self._stop:
-                return True
-            now, cpu = time.perf_counter(), time.process_time()
+        self.times.append((now - self._last, cpu - self._last_cpu))
         self._last, self._last_cpu = now, cpu
-        return False
+        self._quota -= 1
+        if self._quota > 0:
+            return False
+        self.conn.send(("steps", self.times))
+        self.times = []
+        return self.wait()
+
+
+def _path_process(conn, kind: str, job: dict) -> None:
+    """A path's process: build the model and its loop, report flops/token, then run quotas."""
+    import torch
+
+    quiet()
+    torch.set_num_threads(job["nthreads"])
+    device = job["device"]
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    clock = StepClock(conn, sync)
+    try:
+        if kind == "reference":
+            body, fpt = reference_body(job["model"], job["precision"], job["compile"], device, job["B"],
+                                       job["nthreads"])
+        else:
+            body, fpt = pelab_body(job["model"], kind, job["precision"], job["compile"], device, job["B"],
+                                   job["nthreads"])
+        conn.send(("ready", fpt))
+        if not clock.wait():
+            body(clock)
+    except Stop:
+        pass
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("done", None))
+
+
+class Path_:
+    """A training path in its own process (forked from the bench's fork server, so it trains
+    in that process's main thread with its own allocator and OpenMP team, as a real run
+    does), ``quota`` steps at a time on request: exactly one path runs at a time."""
+
+    def __init__(self, name: str, kind: str, job: dict, children: "Children") -> None:
+        self.name = name
+        self.times: list[float] = []   # every interval, warm-up included
+        self.cpu: list[float] = []     # this path's process CPU seconds over the same intervals
+        self.rounds: list[list[float]] = []
+        self.cpu_rounds: list[list[float]] = []
+        self.conn, child_conn = children.ctx.Pipe()
+        self.process = children.ctx.Process(target=_path_process, args=(child_conn, kind, job), name=name,
+                                            daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.flops_per_token = self._receive("ready")
+
+    def _receive(self, expected: str):
+        try:
+            what, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"path {self.name} died (exit code {self.process.exitcode})") from None
+        if what == "error":
+            raise RuntimeError(f"path {self.name} failed: {value}")
+        if what != expected:
+            raise RuntimeError(f"path {self.name} stopped early ({what})")
+        return value
 
     def run(self, n: int, skip: int = 0, record: bool = True) -> None:
         """Run skip + n steps now (blocking); the last n are added to ``rounds`` (wall) and
         ``cpu_rounds`` (process CPU time)."""
-        if not self.thread.is_alive() and not self.thread.ident:
-            self.thread.start()
-        start = len(self.times)
-        self._quota = skip + n
-        self._go.release()
-        self._done.acquire()
-        if self.error is not None:
-            raise RuntimeError(f"path {self.name} failed: {self.error!r}") from self.error
-        if len(self.times) - start < skip + n:
-            raise RuntimeError(f"path {self.name} stopped after {len(self.times) - start} of {skip + n} steps")
+        self.conn.send(skip + n)
+        steps = self._receive("steps")
+        self.times += [w for w, _ in steps]
+        self.cpu += [c for _, c in steps]
         if record:
-            self.rounds.append(self.times[start + skip:])
-            self.cpu_rounds.append(self.cpu[start + skip:])
+            self.rounds.append([w for w, _ in steps[skip:]])
+            self.cpu_rounds.append([c for _, c in steps[skip:]])
 
     def finish(self) -> None:
-        if self.thread.ident and self.thread.is_alive():
-            self._stop = True
-            self._go.release()
-            self.thread.join()
+        if self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(timeout=60)
+            if self.process.is_alive():
+                self.process.kill()
+        self.conn.close()
 
 
 def reference_body(model: dict, precision: str, compile_: bool, device: str, B: int, nthreads: int):
@@ -389,7 +437,7 @@ def reference_body(model: dict, precision: str, compile_: bool, device: str, B: 
     optim = optim_config()
     fpt = flops_per_token(net, model)
 
-    def body(path: Path_) -> None:
+    def body(path: StepClock) -> None:
         torch.set_num_threads(nthreads)
         run_net = torch.compile(net) if compile_ else net
         opt, sched = reference_optimizer(net, optim, device, 10**9)
@@ -438,7 +486,7 @@ def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device:
     class StepTimer(L.Callback):
         """Last in the list: a step ends after every other callback's on_train_batch_end."""
 
-        def __init__(self, path: Path_) -> None:
+        def __init__(self, path: StepClock) -> None:
             self.path = path
 
         def on_train_start(self, trainer, pl_module) -> None:
@@ -448,7 +496,7 @@ def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device:
             if self.path.tick():
                 raise Stop
 
-    def body(path: Path_) -> None:
+    def body(path: StepClock) -> None:
         torch.set_num_threads(nthreads)
         trainer = lightning_trainer(precision, device, timed_callbacks() + [StepTimer(path)])
         trainer.fit(lit, train_dataloaders=batches(model["vocab_size"], B, model["block_size"]))
@@ -493,27 +541,25 @@ def child_train_memory(job: dict) -> dict:
     start = _peak_start(device)
     holder = {}
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
+    class Steps:  # no baton: run `steps` steps and stop
+        def begin(self) -> None:
+            pass
 
-    path = Path_("memory", None, sync)
-    path._quota = 10**9
+        def tick(self) -> bool:
+            holder["n"] = holder.get("n", 0) + 1
+            if holder["n"] >= steps:
+                if job["scheme"] is None:
+                    return True
+                raise Stop
+            return False
+
+    path = Steps()
     if job["scheme"] is None:
         body, _ = reference_body(job["model"], job["precision"], job["compile"], device, job["B"], job["nthreads"])
     else:
         body, _ = pelab_body(job["model"], job["scheme"], job["precision"], job["compile"], device, job["B"],
                              job["nthreads"])
 
-    def tick() -> bool:  # no baton: run `steps` steps and stop
-        holder["n"] = holder.get("n", 0) + 1
-        if holder["n"] >= steps:
-            if job["scheme"] is None:
-                return True
-            raise Stop
-        return False
-
-    path.tick = tick
     try:
         body(path)
     except Stop:
@@ -622,32 +668,25 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
     device, B, T = opts["device"], opts["batch_size"], model["block_size"]
     nthreads = torch.get_num_threads()
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
+    job = {"model": model, "precision": precision, "compile": compile_, "device": device, "B": B,
+           "nthreads": nthreads}
     paths: dict[str, Path_] = {}
-    body, fpt = reference_body(model, precision, compile_, device, B, nthreads)
-    paths["reference"] = Path_("reference", body, sync)
-    paths["reference"].flops_per_token = fpt
-    for s in schemes:
-        body, fpt = pelab_body(model, s, precision, compile_, device, B, nthreads)
-        paths[s] = Path_(s, body, sync)
-        paths[s].flops_per_token = fpt
-    load_start = load1()
-    order = list(paths)
     try:
+        for name in ["reference", *schemes]:
+            paths[name] = Path_(name, name, job, children)
+        load_start = load1()
+        order = list(paths)
         for p in order:
             paths[p].run(opts["warmup"], record=False)
         for r in range(opts["rounds"]):
             # every path at every place of the order in turn; the first step after a switch
-            # (other threads' data in the caches, this thread's OpenMP team asleep) is not timed
+            # (other processes' data in the caches, this one's OpenMP team asleep) is not timed
             turn = order[r % len(order):] + order[: r % len(order)]
             for p in (turn if r % 2 == 0 else turn[::-1]):
                 paths[p].run(opts["steps"], skip=1)
     finally:
-        for p in order:
-            paths[p].finish()
+        for p in paths.values():
+            p.finish()
     load_end = load1()
     peak, peak_source = peak_flops(device, precision)
 
@@ -787,7 +826,7 @@ def main(argv: list[str]) -> int:
             "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
     if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:
         raise SystemExit("rounds, steps and warmup must be >= 1")
-    children = Children() if opts["memory"] or opts["eval"] else None
+    children = Children()
     out = open(args["out"], "w") if "out" in args else None  # noqa: SIM115
     print(f"[bench] device={opts['device']} threads={torch.get_num_threads()} batch={opts['batch_size']} "
           f"rounds={opts['rounds']} steps={opts['steps']} warmup={opts['warmup']} load={os.getloadavg()}",
