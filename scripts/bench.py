@@ -47,6 +47,9 @@ object per line). Fields:
 - ``ratio_vs_reference``: pelab tokens/s / reference tokens/s, on the ``learned`` rows (the
   reference's scheme); null on other schemes; 1.0 on the reference row;
 - ``ratio_vs_learned``: this scheme's tokens/s / pelab ``learned``'s, same config;
+- ``ratio_vs_eager``: with ``compile=false,true``, a compiled path's tokens/s / the same path's
+  eager tokens/s (eager and compiled paths of a config run interleaved in the same rounds);
+  null otherwise;
 - ``cpu_ms``, ``ratio_vs_reference_cpu``, ``ratio_vs_learned_cpu``: the same statistics from
   the process's CPU time per step (``time.process_time``), a cross-check that depends less on
   what other processes do (it undercounts single-threaded parts relative to wall time);
@@ -661,19 +664,22 @@ def load1() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, opts: dict, children) -> list[dict]:
+def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[bool], opts: dict, children
+                ) -> list[dict]:
+    """Time every path of one config and precision, eager and compiled interleaved in the same
+    rounds (so ``ratio_vs_eager`` is paired like the other ratios); rows per compile setting."""
     import torch
 
     model = model_config(cfg, opts["block_size"])
-    device, B, T = opts["device"], opts["batch_size"], model["block_size"]
+    device, B = opts["device"], opts["batch_size"]
     nthreads = torch.get_num_threads()
-
-    job = {"model": model, "precision": precision, "compile": compile_, "device": device, "B": B,
-           "nthreads": nthreads}
-    paths: dict[str, Path_] = {}
+    paths: dict[tuple[str, bool], Path_] = {}
     try:
-        for name in ["reference", *schemes]:
-            paths[name] = Path_(name, name, job, children)
+        for compile_ in compiles:
+            job = {"model": model, "precision": precision, "compile": compile_, "device": device, "B": B,
+                   "nthreads": nthreads}
+            for name in ["reference", *schemes]:
+                paths[name, compile_] = Path_(f"{name}{'+compile' if compile_ else ''}", name, job, children)
         load_start = load1()
         order = list(paths)
         for p in order:
@@ -689,7 +695,22 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
             p.finish()
     load_end = load1()
     peak, peak_source = peak_flops(device, precision)
+    rows = []
+    for compile_ in compiles:
+        group = {name: p for (name, c), p in paths.items() if c == compile_}
+        eager = {name: p for (name, c), p in paths.items() if not c} if compile_ and False in compiles else {}
+        rows += group_rows(cfg, model, precision, compile_, group, eager, opts, load_start, load_end, peak,
+                           peak_source, children)
+    return rows
 
+
+def group_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: dict, eager: dict, opts: dict,
+               load_start: float, load_end: float, peak: float, peak_source: str, children) -> list[dict]:
+    """The rows of one compile setting's paths (``eager``: the same paths uncompiled, or {})."""
+    import torch
+
+    device, B, T = opts["device"], opts["batch_size"], model["block_size"]
+    nthreads = torch.get_num_threads()
     rows = []
     ref = paths["reference"]
     learned = paths.get("learned")
@@ -709,6 +730,8 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compile_: bool, op
             row["ratio_vs_reference"] = None
         row["ratio_vs_learned"] = (round(median_of_ratios(learned.rounds, p.rounds), 4)
                                    if learned is not None and name != "reference" else None)
+        # compiled tokens/s / eager tokens/s of the same path, paired by round
+        row["ratio_vs_eager"] = round(median_of_ratios(eager[name].rounds, p.rounds), 4) if name in eager else None
         # the same from the process's CPU time per step (less sensitive to other processes)
         row["cpu_ms"] = round(statistics.median(min(r) for r in p.cpu_rounds) * 1000, 2)
         row["ratio_vs_reference_cpu"] = (1.0 if name == "reference" else
@@ -769,12 +792,12 @@ def fmt(v, spec: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print("| config | precision | compile | scheme | path | ms/step | tokens/s | vs reference | vs learned "
-          "| MFU | peak MB | compile s | eval 16x s | eval 16x MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| vs eager | MFU | peak MB | compile s | eval 16x s | eval 16x MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['precision']} | {str(r['compile']).lower()} | {r['scheme']} | {r['path']} "
               f"| {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {fmt(r['ratio_vs_reference'], '.3f')} "
-              f"| {fmt(r['ratio_vs_learned'], '.3f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_mem_mb'], '.0f')} "
+              f"| {fmt(r['ratio_vs_learned'], '.3f')} | {fmt(r['ratio_vs_eager'], '.3f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_mem_mb'], '.0f')} "
               f"| {fmt(r['compile_s'], '.1f')} | {fmt(r['eval_s_16x'], '.2f')} "
               f"| {fmt(r['eval_peak_mem_mb_16x'], '.0f')} |", flush=True)
 
@@ -816,7 +839,7 @@ def main(argv: list[str]) -> int:
     for p in precisions:
         if p not in ("bf16-mixed", "32"):
             raise SystemExit(f"precision {p!r}: expected bf16-mixed or 32")
-    compiles = [truthy(c) for c in split_list(args.get("compile", "false"))]
+    compiles = sorted({truthy(c) for c in split_list(args.get("compile", "false"))})  # eager first
     opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 2)),
             "warmup": int(args.get("warmup", 2)), "batch_size": int(args.get("batch_size", 16)),
             "block_size": int(args["block_size"]) if "block_size" in args else None,
@@ -835,18 +858,17 @@ def main(argv: list[str]) -> int:
     try:
         for cfg, schemes in configs:
             for precision in precisions:
-                for compile_ in compiles:
-                    t0 = time.perf_counter()
-                    group = bench_group(cfg, schemes, precision, compile_, opts, children)
-                    print(f"[bench] {cfg} {precision} compile={compile_}: {time.perf_counter() - t0:.0f} s",
-                          flush=True)
-                    for row in group:
-                        line = json.dumps(row)
-                        print("BENCH_JSON " + line, flush=True)
-                        if out:
-                            out.write(line + "\n")
-                            out.flush()
-                    rows += group
+                t0 = time.perf_counter()
+                group = bench_group(cfg, schemes, precision, compiles, opts, children)
+                print(f"[bench] {cfg} {precision} compile={','.join(str(c) for c in compiles)}: "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+                for row in group:
+                    line = json.dumps(row)
+                    print("BENCH_JSON " + line, flush=True)
+                    if out:
+                        out.write(line + "\n")
+                        out.flush()
+                rows += group
     finally:
         if out:
             out.close()

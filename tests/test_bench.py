@@ -39,6 +39,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert (row["ratio_vs_learned"] is not None) == pelab
         assert (row["ratio_vs_reference"] is None) == (pelab and row["scheme"] != "learned")
         assert (row["eval_s_16x"] is not None) == pelab
+        assert row["ratio_vs_eager"] is None  # eager only
         if pelab:  # two evaluation lengths: a memory curve, one sequence each
             assert [(c["length"], c["batch"]) for c in row["eval_curve"]] == [(256, 1), (512, 1)]
             assert row["eval_length"] == 512 and isinstance(row["eval_mem_exponent"], float)
