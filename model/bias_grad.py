@@ -54,19 +54,20 @@ class _BiasGradAttention(torch.autograd.Function):
     def _backward(ctx, d_out: Tensor):
         q, k, v, mask = ctx.saved_tensors
         scale, dtype = ctx.scale, q.dtype
+        acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 for float64 inputs
         d_out = d_out.to(dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        d_mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        d_mask = torch.zeros(mask.shape, dtype=acc, device=mask.device)
         B, H, Tq, Tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         step = max(1, BLOCK_ELEMENTS // (H * Tq * Tk))
         shared = mask.shape[0] == 1
         for b in range(0, B, step):
             rows = slice(b, b + step)
             qb, kb, vb, gb = q[rows], k[rows], v[rows], d_out[rows]
-            scores = torch.matmul(qb.float(), kb.float().transpose(-2, -1))
+            scores = torch.matmul(qb.to(acc), kb.to(acc).transpose(-2, -1))
             p = torch.softmax(torch.add(mask if shared else mask[rows], scores, alpha=scale), dim=-1)
-            dp = torch.matmul(gb.float(), vb.float().transpose(-2, -1))
-            ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
+            dp = torch.matmul(gb.to(acc), vb.to(acc).transpose(-2, -1))
+            ds = torch._softmax_backward_data(dp, p, -1, acc)
             if shared:
                 d_mask += ds.sum(0, keepdim=True)
             else:
@@ -76,6 +77,7 @@ class _BiasGradAttention(torch.autograd.Function):
             dq[rows] = torch.matmul(ds_c, kb).mul_(scale)
             dk[rows] = torch.matmul(ds_c.transpose(-2, -1), qb).mul_(scale)
         return dq, dk, dv, d_mask.to(mask.dtype), None
+
 
 def attention_with_bias_grad(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """softmax(scale q k^T + mask) v for (B, H, Tq, hd) q, k, v and a (1 or B, H, Tq, Tk)

@@ -48,15 +48,18 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("mask_batch", [1, 5])
 @pytest.mark.parametrize("Tq, Tk", [(24, 24), (7, 24)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_forward_and_gradients_match_naive_float64(monkeypatch, dtype, Tq, Tk, mask_batch):
     monkeypatch.setattr(bias_grad, "BLOCK_ELEMENTS", 2 * 3 * Tq * Tk)  # 2 rows per block: 5 = 2 + 2 + 1
     q, k, v, mask, d_out = inputs(dtype, 5, 3, Tq, Tk, 16, mask_batch)
     ref_out, ref_grads = grads(naive, (q, k, v, mask), d_out)
     out, got = grads(lambda q, k, v, m: bias_grad.attention_with_bias_grad(q, k, v, m, 1 / math.sqrt(16)),
-                     (q.to(dtype), k.to(dtype), v.to(dtype), mask.float()), d_out)
+                     (q.to(dtype), k.to(dtype), v.to(dtype), mask.to(torch.promote_types(dtype, torch.float32))),
+                     d_out)
     assert got[3].shape == mask.shape
-    if dtype == torch.float32:
+    if dtype == torch.float64:  # float64 end to end: no float32 step anywhere
+        limits = [1e-12] * 5
+    elif dtype == torch.float32:
         limits = [1e-5] * 5
     else:  # q, k, v gradients at bf16 rounding, as the flash kernel's; the mask's at float32 level
         limits = [1e-2, 1.5e-2, 1.5e-2, 1.5e-2, 1e-5]
