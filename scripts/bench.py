@@ -5,7 +5,7 @@
         schemes=learned,rope,alibi rounds=12 steps=2 out=bench.jsonl
     python scripts/bench.py smoke=true                         # seconds: what tests/test_bench.py runs
 
-What is timed, in one process, on the same random token batches:
+What is timed, on the same random token batches:
 
 - ``reference``: a nanoGPT-style training loop written here with its own model code (not
   pelab's GPT): token + learned absolute position embeddings, pre-LN blocks with causal SDPA
@@ -86,7 +86,6 @@ import os
 import statistics
 import sys
 import time
-
 
 from _common import ROOT, describe_options, parse_key_values, split_list
 
@@ -363,12 +362,7 @@ def _path_process(conn, kind: str, job: dict) -> None:
 
     clock = StepClock(conn, sync)
     try:
-        if kind == "reference":
-            body, fpt = reference_body(job["model"], job["precision"], job["compile"], device, job["B"],
-                                       job["nthreads"])
-        else:
-            body, fpt = pelab_body(job["model"], kind, job["precision"], job["compile"], device, job["B"],
-                                   job["nthreads"])
+        body, fpt = path_body(None if kind == "reference" else kind, job)
         conn.send(("ready", fpt))
         if not clock.wait():
             body(clock)
@@ -507,6 +501,15 @@ def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device:
     return body, lit.flops_per_token
 
 
+def path_body(scheme: str | None, job: dict):
+    """(body, flops per token) of the reference loop (``scheme`` None) or of pelab with ``scheme``."""
+    if scheme is None:
+        return reference_body(job["model"], job["precision"], job["compile"], job["device"], job["B"],
+                              job["nthreads"])
+    return pelab_body(job["model"], scheme, job["precision"], job["compile"], job["device"], job["B"],
+                      job["nthreads"])
+
+
 # ---------------------------------------------------------------------------------------
 # peak memory and evaluation, each in a fresh child
 # ---------------------------------------------------------------------------------------
@@ -557,11 +560,7 @@ def child_train_memory(job: dict) -> dict:
             return False
 
     path = Steps()
-    if job["scheme"] is None:
-        body, _ = reference_body(job["model"], job["precision"], job["compile"], device, job["B"], job["nthreads"])
-    else:
-        body, _ = pelab_body(job["model"], job["scheme"], job["precision"], job["compile"], device, job["B"],
-                             job["nthreads"])
+    body, _ = path_body(job["scheme"], job)
 
     try:
         body(path)
@@ -759,11 +758,11 @@ def group_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: dic
         if opts["eval"] and scheme is not None:
             factors = opts["eval_factors"]
             curve = []
+            batch = 1 if len(factors) > 1 else None  # a memory curve compares lengths alone
             for factor in factors:
-                key = (cfg, scheme, precision, factor, len(factors))
+                key = (cfg, scheme, precision, factor, batch)
                 if key not in opts["eval_cache"]:
-                    opts["eval_cache"][key] = children.run("eval", job | {
-                        "eval_factor": factor, "eval_batch": 1 if len(factors) > 1 else None})
+                    opts["eval_cache"][key] = children.run("eval", job | {"eval_factor": factor, "eval_batch": batch})
                 curve.append(opts["eval_cache"][key])
             main = next((ev for f, ev in zip(factors, curve) if f == 16), curve[-1])
             row["eval_s_16x"] = round(main["eval_s_16x"], 3)
