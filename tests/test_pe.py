@@ -357,6 +357,28 @@ def test_rope_base_option():
     torch.testing.assert_close(a.double(), naive_rope_vec(x, 50, base=10000.0), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("scheme,kwargs", [("rope", {}), ("rope", {"rotary_fraction": 0.5}), ("xpos", {})])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_rotation_backward_matches_finite_differences(scheme, kwargs, per_sequence):
+    """The rotation's hand-written backward (the transposed rotation) against float64 finite
+    differences, for full and partial rotation, xPos's different q and k tables, and
+    per-sequence positions."""
+    torch.manual_seed(3)
+    pe = SCHEMES[scheme](tiny_config(n_embd=64, n_head=4), **kwargs)  # head dim 16
+    positions = torch.tensor([[0, 5, 9, 300, 301], [7, 2, 40, 41, 1000]])
+    positions = positions if per_sequence else positions[1]
+    tables = pe.rotation_tables(positions, positions)
+    q, k = (torch.randn(2, 3, 5, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda q, k: pe.apply_rotation(q, k, tables), (q, k))
+    # and the values: the naive per-pair rotation at each position
+    rq, _ = pe.apply_rotation(q, k, tables)
+    if scheme == "rope":
+        rows = positions.expand(2, 5).tolist()
+        for b in range(2):
+            ref = naive_rope(q[b : b + 1].detach(), rows[b], rotary_dim=pe.rotary_dim)
+            torch.testing.assert_close(rq[b : b + 1].detach(), ref, atol=1e-4, rtol=0)  # float32 angles at 1000
+
+
 def test_rope_rotary_fraction_half():
     torch.manual_seed(9)
     cfg = tiny_config(n_embd=64, n_head=4)  # head dim 16 -> rotary dim 8

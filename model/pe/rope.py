@@ -37,31 +37,61 @@ from model.pe.base import PositionEncoding
 from model.pe.rope_scaling import RopeFrequencies, RopeScaling, scaled_frequencies
 
 
-def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first 2*cos.shape[-1] dims of x pairwise; later dims pass through."""
-    half = cos.shape[-1]
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-    return torch.cat((*rotated, rest), dim=-1) if rest.shape[-1] else torch.cat(rotated, dim=-1)
+def swap_halves(x: Tensor, half: int) -> Tensor:
+    """x with dims [0, half) and [half, 2*half) exchanged, later dims kept: a symmetric
+    permutation, so it is its own transpose."""
+    if 2 * half == x.shape[-1]:
+        return x.roll(half, -1)
+    return torch.cat((x[..., half : 2 * half], x[..., :half], x[..., 2 * half :]), dim=-1)
+
+
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor, half: int) -> Tensor:
+    """Pairs (x[k], x[k + half]) rotated: (x1 c - x2 s, x2 c + x1 s) = x * cos + swap(x) * sin
+    with full-width tables cos = (c, c, 1..) and sin = (-s, s, 0..) (``RotaryTables``)."""
+    return torch.addcmul(x * cos, swap_halves(x, half), sin)
+
+
+class _Rotation(torch.autograd.Function):
+    """q and k rotated in one autograd node whose backward is the transposed rotation,
+    g * cos + swap(g * sin). Composed of elementwise ops, the rotation costs about a dozen
+    autograd nodes per layer and full-size zero-filled slice gradients (7-10% of a tiny
+    CPU step, issue 10). Contiguous inputs: bf16 elementwise ops on the strided q, k views
+    run at half speed on CPU. The tables get no gradient: only ``rotate_half`` under autograd
+    carries one (learned frequencies)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos: Tensor, k_sin: Tensor,
+                half: int) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(q_cos, q_sin, k_cos, k_sin)
+        ctx.half = half
+        return rotate_half(q.contiguous(), q_cos, q_sin, half), rotate_half(k.contiguous(), k_cos, k_sin, half)
+
+    @staticmethod
+    def backward(ctx, d_q: Tensor, d_k: Tensor):
+        q_cos, q_sin, k_cos, k_sin = ctx.saved_tensors
+
+        def transposed(g: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor | None:
+            return None if g is None else swap_halves(g * sin, ctx.half).add_(g * cos)
+
+        return transposed(d_q, q_cos, q_sin), transposed(d_k, k_cos, k_sin), None, None, None, None, None
 
 
 class RotaryTables(NamedTuple):
-    """float32 cos/sin tables for queries and keys (equal for RoPE, different decays for xPos)."""
+    """Full-width float32 tables for queries and keys (equal for RoPE, different decays for
+    xPos): cos = (c, c, 1..), sin = (-s, s, 0..) over the head dim, so that the rotation is
+    x * cos + swap_halves(x) * sin."""
 
     q_cos: Tensor
     q_sin: Tensor
     k_cos: Tensor
     k_sin: Tensor
 
-    def q(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return _heads(self.q_cos, dtype), _heads(self.q_sin, dtype)
-
-    def k(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return _heads(self.k_cos, dtype), _heads(self.k_sin, dtype)
+    def cast(self, dtype: torch.dtype) -> "RotaryTables":
+        return RotaryTables(*(_heads(table, dtype) for table in self))
 
 
 def _heads(table: Tensor, dtype: torch.dtype) -> Tensor:
-    """(T, r/2) broadcasts over (B, H, T, .) as it is; per-sequence (B, T, r/2) needs a head dim."""
+    """(T, D) broadcasts over (B, H, T, .) as it is; per-sequence (B, T, D) needs a head dim."""
     return (table[:, None] if table.dim() == 3 else table).to(dtype)
 
 
@@ -144,18 +174,24 @@ class RoPE(PositionEncoding, name="rope"):
         return RotaryTables(cos, sin, cos, sin)
 
     def apply_rotation(self, q: Tensor, k: Tensor, tables: "RotaryTables") -> tuple[Tensor, Tensor]:
-        return rotate_half(q, *tables.q(q.dtype)), rotate_half(k, *tables.k(k.dtype))
+        tables, half = tables.cast(q.dtype), self.rotary_dim // 2
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tables):  # learned frequencies
+            return (rotate_half(q, tables.q_cos, tables.q_sin, half),
+                    rotate_half(k, tables.k_cos, tables.k_sin, half))
+        return _Rotation.apply(q, k, *tables, half)
 
     def _cos_sin(self, positions: Tensor, freqs: RopeFrequencies, scale: Tensor | None = None
                  ) -> tuple[Tensor, Tensor]:
-        """float32 (..., T, rotary_dim/2) cos and sin, times YaRN's attention factor and xPos's decay."""
+        """Full-width float32 (..., T, head_dim) cos and sin tables (``RotaryTables``), times
+        YaRN's attention factor and xPos's decay."""
         angles = self.angles(positions, freqs)
         cos, sin = angles.cos(), angles.sin()
         if freqs.attention_factor != 1.0:  # YaRN: on q and on k, so the logits scale by its square
             scale = freqs.attention_factor if scale is None else scale * freqs.attention_factor
         if scale is not None:  # xPos multiplies both the cos and sin terms
             cos, sin = cos * scale, sin * scale
-        return cos, sin
+        rest = cos.new_ones(()).expand(*cos.shape[:-1], self.head_dim - self.rotary_dim)
+        return torch.cat((cos, cos, rest), dim=-1), torch.cat((-sin, sin, rest * 0), dim=-1)
 
     @torch.no_grad()
     def learned_functions(self, length: int) -> dict[str, tuple[Tensor, Tensor, str]]:
