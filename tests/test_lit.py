@@ -62,6 +62,102 @@ def test_weight_decay_groups():
     assert total == sum(p.numel() for p in gpt.parameters())  # every parameter exactly once
 
 
+@pytest.mark.parametrize("precision,fused", [("bf16-mixed", True), ("32-true", True), ("16-mixed", False)])
+def test_adamw_is_fused_except_under_the_grad_scaler(precision, fused):
+    """The fused AdamW kernel on CPU too, except under 16-mixed, whose GradScaler makes
+    Lightning refuse gradient clipping with a fused step."""
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["learned"]})
+    module.trainer = type("T", (), {"max_steps": 10, "precision": precision})()
+    assert module.configure_optimizers()["optimizer"].defaults["fused"] is fused
+
+
+class GradientProbe(L.Callback):
+    """Gradient norms and largest elements before clipping (on_before_optimizer_step) and
+    after it (on_before_zero_grad, which runs at the start of the next step's closure, so
+    the previous step's clipped gradients are still there)."""
+
+    def __init__(self) -> None:
+        self.before, self.after = [], []
+
+    @staticmethod
+    def _norms(module):
+        grads = [p.grad.double() for p in module.parameters() if p.grad is not None]
+        return math.sqrt(sum(float(g.square().sum()) for g in grads)), max(float(g.abs().max()) for g in grads)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.before.append(self._norms(module))
+
+    def on_before_zero_grad(self, trainer, module, optimizer):
+        if any(p.grad is not None for p in module.parameters()):  # not before the first step
+            self.after.append(self._norms(module))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_with_the_fused_adamw(precision, algorithm):
+    """trainer.gradient_clip_val clips with the fused AdamW, where Lightning's own
+    mixed-precision clipping refuses fused optimizers. Limits far below the raw gradients,
+    so clipping always acts."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (4, 33))
+    loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["rope"]}, optim={"warmup_steps": 0})
+    probe, limit = GradientProbe(), 1e-3 if algorithm == "norm" else 1e-5
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", precision=precision, logger=False, callbacks=[probe],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=limit, gradient_clip_algorithm=algorithm)
+    trainer.fit(module, loader)
+    assert trainer.optimizers[0].defaults["fused"] is True
+    assert len(probe.after) == 3  # steps 1-3, seen at the start of steps 2-4
+    for (norm_before, max_before), (norm_after, max_after) in zip(probe.before, probe.after):
+        if algorithm == "norm":
+            assert norm_before > 10 * limit and norm_after == pytest.approx(limit, rel=1e-3)
+        else:
+            assert max_before > 10 * limit and max_after == pytest.approx(limit, rel=1e-6)
+
+
+def test_gradient_clipping_under_the_grad_scaler_is_lightnings(monkeypatch):
+    """16-mixed (CUDA; Lightning turns it into bf16 on CPU): GradScaler, an AdamW that is not
+    fused, and Lightning's clipping, which unscales first."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["learned"]})
+    plugin = MixedPrecision("16-mixed", "cpu")
+    assert plugin.scaler is not None
+    module.trainer = SimpleNamespace(precision_plugin=plugin, precision="16-mixed", max_steps=10)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["fused"] is False
+    calls = []
+    monkeypatch.setattr(module, "clip_gradients", lambda *args: calls.append(args))
+    module.configure_gradient_clipping(optimizer, 0.5, "norm")
+    assert calls == [(optimizer, 0.5, "norm")]
+
+
+def test_gradient_clipping_under_fsdp_uses_the_sharded_norm():
+    """Under FSDP the norm must span every shard: the root module's own clip_grad_norm_ (a
+    stand-in here: Lightning refuses FSDP without a GPU)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    calls = []
+    strategy = FSDPStrategy()
+    strategy._lightning_module = None
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["learned"]})
+    root = SimpleNamespace(clip_grad_norm_=lambda value: calls.append(value))
+    module.trainer = SimpleNamespace(precision_plugin=FSDPPrecision("bf16-mixed"), strategy=strategy)
+    strategy.model = root
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(module.parameters())
+    module.configure_gradient_clipping(optimizer, 0.5, "norm")
+    assert calls == [0.5]
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in module.parameters())  # nothing else clipped
+
+
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_loss_decreases_on_a_repeated_batch(scheme):
     torch.manual_seed(0)
