@@ -40,8 +40,8 @@ from model.pe.rope_scaling import RopeFrequencies, RopeScaling, scaled_frequenci
 def swap_halves(x: Tensor, half: int) -> Tensor:
     """x with dims [0, half) and [half, 2*half) exchanged, later dims kept: a symmetric
     permutation, so it is its own transpose."""
-    if 2 * half == x.shape[-1]:
-        return x.roll(half, -1)
+    # a cat, not a roll: inductor turns a roll's backward into a scatter-add (CPU, tiny: the
+    # compiled rope step took 1.07x the eager one with a roll, 0.95x with this cat)
     return torch.cat((x[..., half : 2 * half], x[..., :half], x[..., 2 * half :]), dim=-1)
 
 
