@@ -20,6 +20,9 @@ What is timed, on the same random token batches:
   position_functions, end_of_training). No validation loader, ``limit_val_batches=0``,
   ``enable_checkpointing=False``, ``max_steps=10**9`` (the bench stops the fit itself): no
   validation or checkpointing ever runs inside the timed region, whatever ``steps`` is.
+- ``pelab-loop`` (``loop=true``, the default): pelab's GPT with learned positions, as built by
+  ``LitGPT``, trained by the reference's loop above: against ``reference`` it measures pelab's
+  model, against ``pelab`` ``learned`` the Lightning loop and callbacks.
 
 Every path runs in its own process, forked from a server that has imported torch and lightning
 but computed nothing, so it trains in its process's main thread with its own allocator and OpenMP
@@ -42,10 +45,10 @@ printed on stdout as ``BENCH_JSON {...}`` lines and, with ``out=FILE``, written 
 object per line). Fields:
 
 - ``config`` (``byte-tiny``, ``gpt2-small``, ...: vocabulary and conf/model size), ``scheme``,
-  ``path`` (``pelab`` or ``reference``), ``precision``, ``compile``, ``device``, ``batch_size``,
+  ``path`` (``pelab``, ``reference`` or ``pelab-loop``), ``precision``, ``compile``, ``device``, ``batch_size``,
   ``block_size``, ``step_ms`` (median), ``tokens_per_s``;
 - ``ratio_vs_reference``: pelab tokens/s / reference tokens/s, on the ``learned`` rows (the
-  reference's scheme); null on other schemes; 1.0 on the reference row;
+  reference's scheme) and the ``pelab-loop`` row; null on other schemes; 1.0 on the reference row;
 - ``ratio_vs_learned``: this scheme's tokens/s / pelab ``learned``'s, same config;
 - ``ratio_vs_eager``: with ``compile=false,true``, a compiled path's tokens/s / the same path's
   eager tokens/s (eager and compiled paths of a config run interleaved in the same rounds);
@@ -104,6 +107,8 @@ OPTIONS = {
     "eval_factor": "comma-separated multiples of the training length (default 16); with several, every "
                    "evaluation runs one sequence and each row gets eval_curve and eval_mem_exponent",
     "memory": "peak training memory in a child process (default true)",
+    "loop": "also time pelab's GPT (learned) in the reference's plain loop, path pelab-loop: splits "
+            "pelab vs the reference into the model and the Lightning loop (default true)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "also write the JSON lines to this file",
     "smoke": "true: byte-tiny, learned+alibi, 2 steps, 1 round, eager, batch 4, eval at 2x (the test suite's run)",
@@ -114,6 +119,7 @@ VOCABS = {"byte": (256, 1), "gpt2": (50257, 64)}  # vocabulary, pad_vocab_multip
 # model only at validation or at the end of training, none of which happens in the timed steps
 NOT_TIMED_CALLBACKS = ("model_checkpoint", "attention_maps", "position_functions", "end_of_training")
 EVAL_Q_CHUNK = 1024
+PELAB_LOOP = "pelab-loop"  # path name: pelab's GPT in the reference's loop
 EVAL_TOKENS_PER_BATCH = 4096
 
 
@@ -426,13 +432,20 @@ class Path_:
         self.conn.close()
 
 
-def reference_body(model: dict, precision: str, compile_: bool, device: str, B: int, nthreads: int):
+def reference_body(model: dict, precision: str, compile_: bool, device: str, B: int, nthreads: int,
+                   pelab_model: bool = False):
+    """The reference loop, with the reference model or (``pelab_model``) pelab's GPT with
+    learned positions, the LightningModule's model without the Lightning loop."""
     import torch
 
     torch.manual_seed(0)
-    net = reference_model(model).to(device)
+    if pelab_model:
+        lit = lit_module(model, "learned", False)
+        net, fpt = PelabLoss(lit.model).to(device), lit.flops_per_token
+    else:
+        net = reference_model(model).to(device)
+        fpt = flops_per_token(net, model)
     optim = optim_config()
-    fpt = flops_per_token(net, model)
 
     def body(path: StepClock) -> None:
         torch.set_num_threads(nthreads)
@@ -454,6 +467,21 @@ def reference_body(model: dict, precision: str, compile_: bool, device: str, B: 
                 return
 
     return body, fpt
+
+
+def PelabLoss(gpt):
+    """pelab's GPT as the reference loop calls its model: net(x, y) -> loss."""
+    from torch import nn
+
+    class Loss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx, targets):
+            return self.gpt(idx, targets)[1]
+
+    return Loss()
 
 
 def lit_module(model: dict, scheme: str, compile_: bool, **pe_overrides):
@@ -502,10 +530,11 @@ def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device:
 
 
 def path_body(scheme: str | None, job: dict):
-    """(body, flops per token) of the reference loop (``scheme`` None) or of pelab with ``scheme``."""
-    if scheme is None:
+    """(body, flops per token) of the reference loop (``scheme`` None), of pelab's model in it
+    (``scheme`` PELAB_LOOP) or of pelab with ``scheme``."""
+    if scheme is None or scheme == PELAB_LOOP:
         return reference_body(job["model"], job["precision"], job["compile"], job["device"], job["B"],
-                              job["nthreads"])
+                              job["nthreads"], pelab_model=scheme == PELAB_LOOP)
     return pelab_body(job["model"], scheme, job["precision"], job["compile"], job["device"], job["B"],
                       job["nthreads"])
 
@@ -677,7 +706,7 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[boo
         for compile_ in compiles:
             job = {"model": model, "precision": precision, "compile": compile_, "device": device, "B": B,
                    "nthreads": nthreads}
-            for name in ["reference", *schemes]:
+            for name in ["reference", *([PELAB_LOOP] if opts["loop"] else []), *schemes]:
                 paths[name, compile_] = Path_(f"{name}{'+compile' if compile_ else ''}", name, job, children)
         load_start = load1()
         order = list(paths)
@@ -716,28 +745,28 @@ def group_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: dic
     for name, p in paths.items():
         step = statistics.median(min(r) for r in p.rounds)  # see the module docstring
         all_steps = statistics.median(t for r in p.rounds for t in r)
-        row = {"config": cfg, "scheme": "learned" if name == "reference" else name,
-               "path": "reference" if name == "reference" else "pelab", "precision": precision,
+        row = {"config": cfg, "scheme": "learned" if name in ("reference", PELAB_LOOP) else name,
+               "path": name if name in ("reference", PELAB_LOOP) else "pelab", "precision": precision,
                "compile": compile_, "device": device, "batch_size": B, "block_size": T,
                "step_ms": round(step * 1000, 2), "step_ms_all_median": round(all_steps * 1000, 2), "tokens_per_s": round(B * T / step, 1)}
         # step-time ratio other/this = tokens/s ratio this/other
         if name == "reference":
             row["ratio_vs_reference"] = 1.0
-        elif name == "learned":
+        elif name in ("learned", PELAB_LOOP):
             row["ratio_vs_reference"] = round(median_of_ratios(ref.rounds, p.rounds), 4)
         else:
             row["ratio_vs_reference"] = None
         row["ratio_vs_learned"] = (round(median_of_ratios(learned.rounds, p.rounds), 4)
-                                   if learned is not None and name != "reference" else None)
+                                   if learned is not None and name not in ("reference", PELAB_LOOP) else None)
         # compiled tokens/s / eager tokens/s of the same path, paired by round
         row["ratio_vs_eager"] = round(median_of_ratios(eager[name].rounds, p.rounds), 4) if name in eager else None
         # the same from the process's CPU time per step (less sensitive to other processes)
         row["cpu_ms"] = round(statistics.median(min(r) for r in p.cpu_rounds) * 1000, 2)
         row["ratio_vs_reference_cpu"] = (1.0 if name == "reference" else
                                          round(median_of_ratios(ref.cpu_rounds, p.cpu_rounds), 4)
-                                         if name == "learned" else None)
+                                         if name in ("learned", PELAB_LOOP) else None)
         row["ratio_vs_learned_cpu"] = (round(median_of_ratios(learned.cpu_rounds, p.cpu_rounds), 4)
-                                       if learned is not None and name != "reference" else None)
+                                       if learned is not None and name not in ("reference", PELAB_LOOP) else None)
         warm = p.times[: opts["warmup"]]
         row["compile_s"] = round(sum(warm) - len(warm) * step, 2) if compile_ else None
         row["flops_per_token"] = p.flops_per_token
@@ -751,11 +780,12 @@ def group_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: dic
         scheme = None if row["path"] == "reference" else row["scheme"]
         job = {"model": model, "scheme": scheme, "precision": precision, "compile": compile_, "device": device,
                "B": B, "nthreads": nthreads}
-        row["peak_mem_mb"] = round(children.run("memory", job)["peak_mem_mb"], 1) if opts["memory"] else None
+        measured = opts["memory"] and row["path"] != PELAB_LOOP  # the pelab row has the model's memory
+        row["peak_mem_mb"] = round(children.run("memory", job)["peak_mem_mb"], 1) if measured else None
         row["peak_mem_method"] = ("cuda max_memory_allocated" if device == "cuda" else
-                                  "cpu peak RSS rise (getrusage ru_maxrss) in a forked child") if opts["memory"] else None
+                                  "cpu peak RSS rise (getrusage ru_maxrss) in a forked child") if measured else None
         row["eval_s_16x"] = row["eval_peak_mem_mb_16x"] = row["eval_length"] = None
-        if opts["eval"] and scheme is not None:
+        if opts["eval"] and row["path"] == "pelab":
             factors = opts["eval_factors"]
             curve = []
             batch = 1 if len(factors) > 1 else None  # a memory curve compares lengths alone
@@ -845,6 +875,7 @@ def main(argv: list[str]) -> int:
             "eval": truthy(args.get("eval", "true")),
             "eval_factors": [int(f) for f in split_list(str(args.get("eval_factor", 16)))],
             "memory": truthy(args.get("memory", "true")),
+            "loop": truthy(args.get("loop", "true")),
             "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
     if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:
         raise SystemExit("rounds, steps and warmup must be >= 1")

@@ -28,16 +28,19 @@ def test_bench_smoke(tmp_path: Path) -> None:
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert printed == written
     paths = {(r["path"], r["scheme"]) for r in written}
-    assert paths == {("reference", "learned"), ("pelab", "learned"), ("pelab", "alibi")}
+    assert paths == {("reference", "learned"), ("pelab-loop", "learned"), ("pelab", "learned"), ("pelab", "alibi")}
     for row in written:
         assert FIELDS <= row.keys(), FIELDS - row.keys()
         assert "byte" in row["config"] and "tiny" in row["config"]
         assert row["precision"] == "bf16-mixed" and row["compile"] is False
-        for key in ("tokens_per_s", "mfu", "peak_mem_mb", "step_ms"):
+        loop = row["path"] == "pelab-loop"  # pelab's model in the reference loop: no memory or eval of its own
+        for key in ("tokens_per_s", "mfu", "step_ms") + (() if loop else ("peak_mem_mb",)):
             assert isinstance(row[key], float), (key, row[key])
+        assert isinstance(row["ratio_vs_reference"], float) or not loop
         pelab = row["path"] == "pelab"
         assert (row["ratio_vs_learned"] is not None) == pelab
         assert (row["ratio_vs_reference"] is None) == (pelab and row["scheme"] != "learned")
+        assert (row["peak_mem_mb"] is None) == loop
         assert (row["eval_s_16x"] is not None) == pelab
         assert row["ratio_vs_eager"] is None  # eager only
         if pelab:  # two evaluation lengths: a memory curve, one sequence each
