@@ -209,6 +209,21 @@ def _sdpa_key(q: Tensor, k: Tensor, v: Tensor, features: Tensor, dropout: float)
 AUTO_CPU_KEY_ONLY = False
 
 _flex_compiled = None
+# Compiled flex specialises on every (batch, Tq, Tk): an evaluation sweep (lengths x query
+# chunks x batch sizes) passes dynamo's default limit of 8 per function, past which flex runs
+# unfused and materialises the scores.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def flex_compiled(q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask) -> Tensor:
+    """``flex_attention`` compiled once per process, one kernel per shape (the CUDA path)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _flex_compiled
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+        return _flex_compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, score, q_positions: Tensor, k_positions: Tensor, block_mask) -> Tensor:
@@ -217,7 +232,6 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, score, q_positions: Tensor, k_positio
     forward only in torch 2.13)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    global _flex_compiled
     B = q.shape[0]
     score_mod = None
     if score is not None:
@@ -230,9 +244,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, score, q_positions: Tensor, k_positio
     dtype = v.dtype
     with torch.autocast(v.device.type, enabled=False):
         if v.device.type == "cuda" and not torch.compiler.is_compiling():
-            if _flex_compiled is None:
-                _flex_compiled = torch.compile(flex_attention, dynamic=False)
-            return _flex_compiled(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)
+            return flex_compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask)
         with warnings.catch_warnings():  # eager flex warns that it is not the fused kernel
             warnings.simplefilter("ignore")
             return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)

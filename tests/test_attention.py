@@ -580,6 +580,37 @@ def test_backend_chunked_evaluation_and_cache_decoding_match_naive(backend, name
         torch.testing.assert_close(model.logits(h).double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_flex_keeps_its_kernel_past_dynamos_recompile_limit():
+    """The CUDA flex path (compiled here on CPU, forward): every (batch, Tq, Tk) of an
+    evaluation sweep gets its own kernel; past dynamo's recompile limit flex would run
+    unfused, materialising the scores. Dynamo's limit is lowered to 2 so that 3 shapes
+    cross it; each output against a float64 causal softmax with an ALiBi-like score_mod."""
+    import warnings
+
+    from model.gpt import causal_block_mask, flex_compiled
+
+    torch.manual_seed(0)
+    slopes = torch.tensor([0.5, 0.25])
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for B, Tq, Tk in [(2, 128, 128), (1, 128, 256), (1, 256, 256)]:
+            q, k, v = torch.randn(B, 2, Tq, 16), torch.randn(B, 2, Tk, 16), torch.randn(B, 2, Tk, 16)
+            offset = Tk - Tq
+
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s - slopes[h] * (q_idx + offset - kv_idx)
+
+            with torch.no_grad():
+                out = flex_compiled(q, k, v, score_mod, causal_block_mask({}, Tq, Tk, q.device))
+            i = torch.arange(Tq, dtype=torch.float64)[:, None] + offset
+            j = torch.arange(Tk, dtype=torch.float64)[None]
+            logits = q.double() @ k.double().transpose(-2, -1) / 4.0 - slopes.double()[:, None, None] * (i - j)
+            ref = logits.masked_fill(j > i, float("-inf")).softmax(-1) @ v.double()
+            torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    unfused = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+    assert not unfused, unfused
+
+
 def test_flex_backend_refuses_a_bias_without_an_elementwise_form():
     cfg, model, _ = backend_model("alibi", {}, "flex")
     model.pe.bias_score = lambda: None
