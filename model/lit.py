@@ -122,6 +122,10 @@ class LitGPT(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss))
 
+    def _grad_scaler(self):
+        """The trainer's GradScaler (16-mixed), or None (bf16-mixed, 32-true, no trainer)."""
+        return getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip as ``trainer.gradient_clip_val``/``_algorithm`` say, where Lightning's own clipping
         would refuse pelab's setups: its mixed-precision plugin refuses every fused optimizer
@@ -131,7 +135,7 @@ class LitGPT(L.LightningModule):
         if not gradient_clip_val:
             return
         trainer = self.trainer
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        if self._grad_scaler() is not None:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -156,10 +160,9 @@ class LitGPT(L.LightningModule):
                   {"params": no_decay, "weight_decay": 0.0}]
         # torch's fused AdamW kernel (CUDA, and CPU since torch 2.4): on CPU about 3x faster than
         # the per-parameter loop that nanoGPT (fused on CUDA only) and the bench reference use.
-        # Not under 16-mixed: its GradScaler unscales inside a fused step, and Lightning then
-        # refuses gradient clipping.
-        precision = str(getattr(self._trainer, "precision", ""))
-        fused = self.device.type in ("cuda", "cpu") and precision != "16-mixed"
+        # Not with a GradScaler (16-mixed): it unscales inside a fused step, so the gradients
+        # could not be unscaled before clipping (configure_gradient_clipping).
+        fused = self.device.type in ("cuda", "cpu") and self._grad_scaler() is None
         optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas,
                                       eps=self.optim.eps, fused=fused)
         decay_steps = self.optim.decay_steps or self.trainer.max_steps

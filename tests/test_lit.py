@@ -66,8 +66,13 @@ def test_weight_decay_groups():
 def test_adamw_is_fused_except_under_the_grad_scaler(precision, fused):
     """The fused AdamW kernel on CPU too, except under 16-mixed, whose GradScaler makes
     Lightning refuse gradient clipping with a fused step."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
     module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["learned"]})
-    module.trainer = type("T", (), {"max_steps": 10, "precision": precision})()
+    plugin = Precision() if precision == "32-true" else MixedPrecision(precision, "cpu")  # 16-mixed: a GradScaler
+    module.trainer = SimpleNamespace(max_steps=10, precision=precision, precision_plugin=plugin)
     assert module.configure_optimizers()["optimizer"].defaults["fused"] is fused
 
 
