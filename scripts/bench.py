@@ -441,7 +441,7 @@ def reference_body(model: dict, precision: str, compile_: bool, device: str, B: 
     torch.manual_seed(0)
     if pelab_model:
         lit = lit_module(model, "learned", False)
-        net, fpt = PelabLoss(lit.model).to(device), lit.flops_per_token
+        net, fpt = pelab_loss_module(lit.model).to(device), lit.flops_per_token
     else:
         net = reference_model(model).to(device)
         fpt = flops_per_token(net, model)
@@ -469,7 +469,7 @@ def reference_body(model: dict, precision: str, compile_: bool, device: str, B: 
     return body, fpt
 
 
-def PelabLoss(gpt):
+def pelab_loss_module(gpt):
     """pelab's GPT as the reference loop calls its model: net(x, y) -> loss."""
     from torch import nn
 
@@ -743,30 +743,32 @@ def group_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: dic
     ref = paths["reference"]
     learned = paths.get("learned")
     for name, p in paths.items():
+        plain_loop = name in ("reference", PELAB_LOOP)  # the reference's loop, learned positions
+        vs_reference = name in ("learned", PELAB_LOOP)  # the rows compared with the reference
         step = statistics.median(min(r) for r in p.rounds)  # see the module docstring
         all_steps = statistics.median(t for r in p.rounds for t in r)
-        row = {"config": cfg, "scheme": "learned" if name in ("reference", PELAB_LOOP) else name,
-               "path": name if name in ("reference", PELAB_LOOP) else "pelab", "precision": precision,
+        row = {"config": cfg, "scheme": "learned" if plain_loop else name,
+               "path": name if plain_loop else "pelab", "precision": precision,
                "compile": compile_, "device": device, "batch_size": B, "block_size": T,
                "step_ms": round(step * 1000, 2), "step_ms_all_median": round(all_steps * 1000, 2), "tokens_per_s": round(B * T / step, 1)}
         # step-time ratio other/this = tokens/s ratio this/other
         if name == "reference":
             row["ratio_vs_reference"] = 1.0
-        elif name in ("learned", PELAB_LOOP):
+        elif vs_reference:
             row["ratio_vs_reference"] = round(median_of_ratios(ref.rounds, p.rounds), 4)
         else:
             row["ratio_vs_reference"] = None
         row["ratio_vs_learned"] = (round(median_of_ratios(learned.rounds, p.rounds), 4)
-                                   if learned is not None and name not in ("reference", PELAB_LOOP) else None)
+                                   if learned is not None and not plain_loop else None)
         # compiled tokens/s / eager tokens/s of the same path, paired by round
         row["ratio_vs_eager"] = round(median_of_ratios(eager[name].rounds, p.rounds), 4) if name in eager else None
         # the same from the process's CPU time per step (less sensitive to other processes)
         row["cpu_ms"] = round(statistics.median(min(r) for r in p.cpu_rounds) * 1000, 2)
         row["ratio_vs_reference_cpu"] = (1.0 if name == "reference" else
                                          round(median_of_ratios(ref.cpu_rounds, p.cpu_rounds), 4)
-                                         if name in ("learned", PELAB_LOOP) else None)
+                                         if vs_reference else None)
         row["ratio_vs_learned_cpu"] = (round(median_of_ratios(learned.cpu_rounds, p.cpu_rounds), 4)
-                                       if learned is not None and name not in ("reference", PELAB_LOOP) else None)
+                                       if learned is not None and not plain_loop else None)
         warm = p.times[: opts["warmup"]]
         row["compile_s"] = round(sum(warm) - len(warm) * step, 2) if compile_ else None
         row["flops_per_token"] = p.flops_per_token
