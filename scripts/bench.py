@@ -432,12 +432,26 @@ class Path_:
         self.conn.close()
 
 
+def host_memory_setting() -> None:
+    """conf/callbacks/default.yaml's ``host_memory_reuse`` (if there) applied to this process, as
+    the Trainer applies it to pelab's paths: the plain loops then do not re-fault freed memory
+    either, so the ratios compare code, not glibc's trimming (which made the reference's steps
+    up to 1.4x slower at random)."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(ROOT / "conf" / "callbacks" / "default.yaml")
+    if "host_memory_reuse" in cfg:
+        hydra.utils.instantiate(cfg["host_memory_reuse"]).setup(None, None, "fit")
+
+
 def reference_body(model: dict, precision: str, compile_: bool, device: str, B: int, nthreads: int,
                    pelab_model: bool = False):
     """The reference loop, with the reference model or (``pelab_model``) pelab's GPT with
     learned positions, the LightningModule's model without the Lightning loop."""
     import torch
 
+    host_memory_setting()
     torch.manual_seed(0)
     if pelab_model:
         lit = lit_module(model, "learned", False)
