@@ -53,6 +53,11 @@ object per line). Fields:
 - ``ratio_vs_eager``: with ``compile=false,true``, a compiled path's tokens/s / the same path's
   eager tokens/s (eager and compiled paths of a config run interleaved in the same rounds);
   null otherwise;
+- ``ratio_vs_reference_ci95``, ``ratio_vs_learned_ci95``, ``ratio_vs_eager_ci95``: [low, high],
+  a distribution-free confidence interval (at least 95%) of that median from the per-round
+  ratios (order statistics; with 10 rounds the 2nd and 9th smallest); null with fewer than 6
+  rounds and where the ratio is null or trivially 1. Two runs whose intervals overlap do not
+  disagree; an interval wider than a target's margin says: more ``rounds`` or ``steps``;
 - ``cpu_ms``, ``ratio_vs_reference_cpu``, ``ratio_vs_learned_cpu``: the same statistics from
   the process's CPU time per step (``time.process_time``), a cross-check that depends less on
   what other processes do (it undercounts single-threaded parts relative to wall time);
@@ -99,7 +104,7 @@ OPTIONS = {
     "precision": "comma-separated bf16-mixed and/or 32 (default bf16-mixed)",
     "compile": "comma-separated false and/or true (default false)",
     "rounds": "timed rounds (default 10)",
-    "steps": "timed consecutive steps per path per round, after one untimed (default 2)",
+    "steps": "timed consecutive steps per path per round, after one untimed (default 4)",
     "warmup": "untimed steps per path first (default 2)",
     "batch_size": "sequences per step (default 16)",
     "block_size": "training length (default: the conf/model file's, 256)",
@@ -696,10 +701,29 @@ def peak_flops(device: str, precision: str) -> tuple[float, str]:
     return 2 * n**3 / best, f"measured: best of 8 {n}^3 {str(dtype).removeprefix('torch.')} matmuls on {device}"
 
 
+def round_ratios(num: list[list[float]], den: list[list[float]]) -> list[float]:
+    """min(num's round) / min(den's round) per round. With step times, called as (other, this):
+    this path's tokens/s / the other's, paired round by round."""
+    return [min(a) / min(b) for a, b in zip(num, den)]
+
+
 def median_of_ratios(num: list[list[float]], den: list[list[float]]) -> float:
-    """Median over rounds of min(num's round) / min(den's round). With step times, called as
-    (other, this) it is this path's tokens/s / the other's, paired round by round."""
-    return statistics.median(min(a) / min(b) for a, b in zip(num, den))
+    return statistics.median(round_ratios(num, den))
+
+
+def median_ci95(values: list[float]) -> list[float] | None:
+    """Distribution-free confidence interval (>= 95%) of the median: the order statistics
+    x_(k), x_(n+1-k) with k the largest such that P(Binomial(n, 1/2) < k) <= 2.5%. None below 6
+    values (no such k exists)."""
+    n = len(values)
+    tail, k = 0.0, 0  # tail = P(Binomial(n, 1/2) <= k - 1)
+    while tail + math.comb(n, k) / 2**n <= 0.025:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return None
+    xs = sorted(values)
+    return [round(xs[k - 1], 4), round(xs[n - k], 4)]
 
 
 def load1() -> float:
@@ -766,16 +790,15 @@ def group_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: dic
                "compile": compile_, "device": device, "batch_size": B, "block_size": T,
                "step_ms": round(step * 1000, 2), "step_ms_all_median": round(all_steps * 1000, 2), "tokens_per_s": round(B * T / step, 1)}
         # step-time ratio other/this = tokens/s ratio this/other
+        against = {"reference": ref if vs_reference else None,
+                   "learned": learned if not plain_loop else None,
+                   "eager": eager.get(name)}  # compiled tokens/s / eager tokens/s of the same path
+        for what, other in against.items():
+            ratios = round_ratios(other.rounds, p.rounds) if other is not None else None
+            row[f"ratio_vs_{what}"] = round(statistics.median(ratios), 4) if ratios else None
+            row[f"ratio_vs_{what}_ci95"] = median_ci95(ratios) if ratios and other is not p else None
         if name == "reference":
             row["ratio_vs_reference"] = 1.0
-        elif vs_reference:
-            row["ratio_vs_reference"] = round(median_of_ratios(ref.rounds, p.rounds), 4)
-        else:
-            row["ratio_vs_reference"] = None
-        row["ratio_vs_learned"] = (round(median_of_ratios(learned.rounds, p.rounds), 4)
-                                   if learned is not None and not plain_loop else None)
-        # compiled tokens/s / eager tokens/s of the same path, paired by round
-        row["ratio_vs_eager"] = round(median_of_ratios(eager[name].rounds, p.rounds), 4) if name in eager else None
         # the same from the process's CPU time per step (less sensitive to other processes)
         row["cpu_ms"] = round(statistics.median(min(r) for r in p.cpu_rounds) * 1000, 2)
         row["ratio_vs_reference_cpu"] = (1.0 if name == "reference" else
@@ -835,14 +858,21 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def fmt_ratio(row: dict, what: str) -> str:
+    """The ratio with its 95% interval, e.g. ``0.983 (0.951-1.004)``."""
+    ci = row.get(f"ratio_vs_{what}_ci95")
+    return fmt(row[f"ratio_vs_{what}"], ".3f") + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+
+
 def print_table(rows: list[dict]) -> None:
     print("| config | precision | compile | scheme | path | ms/step | tokens/s | vs reference | vs learned "
           "| vs eager | MFU | peak MB | compile s | eval 16x s | eval 16x MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['precision']} | {str(r['compile']).lower()} | {r['scheme']} | {r['path']} "
-              f"| {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {fmt(r['ratio_vs_reference'], '.3f')} "
-              f"| {fmt(r['ratio_vs_learned'], '.3f')} | {fmt(r['ratio_vs_eager'], '.3f')} | {fmt(r['mfu'], '.3f')} | {fmt(r['peak_mem_mb'], '.0f')} "
+              f"| {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {fmt_ratio(r, 'reference')} "
+              f"| {fmt_ratio(r, 'learned')} | {fmt_ratio(r, 'eager')} | {fmt(r['mfu'], '.3f')} "
+              f"| {fmt(r['peak_mem_mb'], '.0f')} "
               f"| {fmt(r['compile_s'], '.1f')} | {fmt(r['eval_s_16x'], '.2f')} "
               f"| {fmt(r['eval_peak_mem_mb_16x'], '.0f')} |", flush=True)
 
@@ -885,7 +915,7 @@ def main(argv: list[str]) -> int:
         if p not in ("bf16-mixed", "32"):
             raise SystemExit(f"precision {p!r}: expected bf16-mixed or 32")
     compiles = sorted({truthy(c) for c in split_list(args.get("compile", "false"))})  # eager first
-    opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 2)),
+    opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 4)),
             "warmup": int(args.get("warmup", 2)), "batch_size": int(args.get("batch_size", 16)),
             "block_size": int(args["block_size"]) if "block_size" in args else None,
             "eval": truthy(args.get("eval", "true")),

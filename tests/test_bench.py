@@ -13,7 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 FIELDS = {"config", "scheme", "path", "precision", "compile", "tokens_per_s", "ratio_vs_reference",
-          "ratio_vs_learned", "peak_mem_mb", "mfu", "eval_s_16x", "eval_peak_mem_mb_16x", "compile_s", "step_ms"}
+          "ratio_vs_learned", "peak_mem_mb", "mfu", "eval_s_16x", "eval_peak_mem_mb_16x", "compile_s", "step_ms",
+          "ratio_vs_reference_ci95", "ratio_vs_learned_ci95", "ratio_vs_eager_ci95"}
 
 
 def test_bench_smoke(tmp_path: Path) -> None:
@@ -62,3 +63,16 @@ def test_growth_exponent_reads_linear_and_quadratic_growth() -> None:
     assert abs(growth_exponent([1024, 2048, 4096], [30.0, 60.0, 120.0]) - 1.0) < 1e-12
     assert abs(growth_exponent([1024, 2048, 4096], [10.0, 40.0, 160.0]) - 2.0) < 1e-12
     assert abs(growth_exponent([2, 8], [3.0, 6.0]) - 0.5) < 1e-12  # log 2 / log 4
+
+
+def test_median_interval_is_the_textbook_order_statistics() -> None:
+    """Distribution-free 95% interval of a median (e.g. Conover, Practical Nonparametric
+    Statistics, table A3): n = 10 -> (x_(2), x_(9)); n = 20 -> (x_(6), x_(15)); n = 6 -> (x_(1), x_(6))."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import median_ci95
+
+    values = [float(v) for v in range(100, 0, -1)]  # unsorted input: descending
+    assert median_ci95(values[-10:]) == [2.0, 9.0]
+    assert median_ci95(values[-20:]) == [6.0, 15.0]
+    assert median_ci95(values[-6:]) == [1.0, 6.0]
+    assert median_ci95(values[-5:]) is None
