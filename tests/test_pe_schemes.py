@@ -276,13 +276,17 @@ def test_attention_output_matches_naive(name, pos):
     torch.testing.assert_close(y.double(), naive_attention(attn, x, bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", LEARNED)
-def test_gradients_reach_parameters_and_match_naive(name):
+# FIRE "window": every query below the threshold L = 32 (a training window), where the bias
+# is computed per distance; the default positions cross L (per (i, j) pair)
+@pytest.mark.parametrize("name, window", [(n, False) for n in LEARNED] + [("fire", True)])
+def test_gradients_reach_parameters_and_match_naive(name, window):
     """d loss / d param through the model's attention (SDPA, float32) equals autograd on the
     naive float64 formula, for a loss that weights every output differently."""
     cfg, model, attn = build(name, seed=2)
     if name == "t5":  # distances 0..290 hit exact, log-spaced and clipped buckets
         positions = [0, 1, 2, 5, 17, 20, 40, 90, 290]
+    elif window:
+        positions = [0, 1, 2, 5, 9, 14, 20, 27, 31]
     else:
         positions = POSITIONS["far"][:7] + [41, 42]
     p = torch.tensor(positions)
@@ -300,7 +304,10 @@ def test_gradients_reach_parameters_and_match_naive(name):
             assert param.grad.abs().max() < 1e-5 and ref.abs().max() < 1e-12  # float32 rounding only
             continue
         assert ref.abs().max() > 1e-6, f"{n}: the check needs a non-zero gradient"
-        torch.testing.assert_close(param.grad.double(), ref, atol=1e-6 * ref.abs().max().item(), rtol=1e-3,
+        # in the window every hidden unit sees all of a row's distances and its bias gradient
+        # nearly cancels (dS rows sum to zero), leaving float32 rounding of ~1e-6 of the largest
+        scale = (1e-5 if window else 1e-6) * ref.abs().max().item()
+        torch.testing.assert_close(param.grad.double(), ref, atol=scale, rtol=1e-3,
                                    msg=lambda m: f"{name}.{n}: {m}")
 
 
