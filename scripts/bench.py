@@ -1,6 +1,6 @@
 """Training-speed benchmark: pelab's real training path against an independent plain-PyTorch loop.
 
-    python scripts/bench.py                                    # CPU default, 8-15 min on 2 cores
+    python scripts/bench.py                                    # CPU default, 8-17 min on 2 cores
     python scripts/bench.py configs=byte-tiny,gpt2-tiny precision=bf16-mixed,32 compile=false,true \\
         schemes=learned,rope,alibi rounds=12 out=bench.jsonl
     python scripts/bench.py smoke=true                         # seconds: what tests/test_bench.py runs
