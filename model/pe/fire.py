@@ -56,21 +56,25 @@ class FIRE(PositionEncoding, name="fire"):
     def threshold(self) -> Tensor:
         return (self.threshold_multiplier * self.init_threshold).abs()
 
+    def psi(self, x: Tensor) -> Tensor:
+        """log(|c x| + 1) of a float32 tensor."""
+        return torch.log(torch.abs(self.c * x) + 1)
+
     def normalized_distance(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """(..., Tq, Tk) float32 psi(i - j) / psi(max(i, L))."""
-        c = self.c
-        distance = torch.log(torch.abs(c * relative_distance(q_positions, k_positions)) + 1)
-        normalizer = torch.maximum(q_positions.float(), self.threshold)
-        normalizer = torch.log(torch.abs(c * normalizer) + 1) + self.eps
-        return distance / normalizer[..., :, None]
+        normalizer = self.psi(torch.maximum(q_positions.float(), self.threshold)) + self.eps
+        return self.psi(relative_distance(q_positions, k_positions)) / normalizer[..., :, None]
+
+    def head_values(self, x: Tensor) -> Tensor:
+        """f(x): (...) normalised distances -> (..., H)."""
+        return self.mlp(x[..., None].to(self.mlp[0].weight.dtype))
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         with torch.autocast(q_positions.device.type, enabled=False):
             if not torch.compiler.is_compiling() and bool((q_positions.float() < self.threshold).all()):
                 out = self._bias_by_distance(q_positions, k_positions)
             else:
-                x = self.normalized_distance(q_positions, k_positions)[..., None]
-                out = self.mlp(x.to(self.mlp[0].weight.dtype))  # (..., Tq, Tk, H)
+                out = self.head_values(self.normalized_distance(q_positions, k_positions))  # (..., Tq, Tk, H)
         return out.movedim(-1, -3)
 
     def _bias_by_distance(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
@@ -81,24 +85,19 @@ class FIRE(PositionEncoding, name="fire"):
         same values as the general form; eager only (the distance range is read on the host)."""
         distance = q_positions[..., :, None] - k_positions[..., None, :]  # exact integers
         lo, hi = int(distance.min()), int(distance.max())
-        d = torch.arange(lo, hi + 1, device=distance.device)
-        c = self.c
-        normalizer = torch.log(torch.abs(c * self.threshold) + 1) + self.eps  # psi(max(i, L)) with i < L
-        x = torch.log(torch.abs(c * d.float()) + 1) / normalizer
-        per_distance = self.mlp(x[:, None].to(self.mlp[0].weight.dtype))  # (distances, H)
+        d = torch.arange(lo, hi + 1, device=distance.device).float()
+        per_distance = self.head_values(self.psi(d) / (self.psi(self.threshold) + self.eps))  # (distances, H)
         return per_distance[distance - lo]  # (..., Tq, Tk, H)
 
     def bias_score(self):
         """Elementwise form: the MLP unrolled over its hidden units (pointwise ops only, so
         a compiled FlexAttention kernel can inline it), in float32."""
-        c, threshold, eps = self.c, self.threshold, self.eps
+        psi, threshold, eps = self.psi, self.threshold, self.eps
         w1, b1 = self.mlp[0].weight[:, 0].float(), self.mlp[0].bias.float()
         w2, b2 = self.mlp[2].weight.float(), self.mlp[2].bias.float()
 
         def score(q: Tensor, k: Tensor, head: Tensor) -> Tensor:
-            distance = torch.log(torch.abs(c * (q - k).float()) + 1)
-            normalizer = torch.log(torch.abs(c * torch.maximum(q.float(), threshold)) + 1) + eps
-            x = distance / normalizer
+            x = psi((q - k).float()) / (psi(torch.maximum(q.float(), threshold)) + eps)
             out = b2[head]
             for u in range(w1.shape[0]):
                 out = out + torch.relu(x * w1[u] + b1[u]) * w2[head, u]
