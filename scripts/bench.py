@@ -70,7 +70,8 @@ object per line). Fields:
 - ``mfu``: ``flops_per_token`` (``LitGPT.flops_per_token``: 6N + 12·L·d·T; the same formula for
   the reference) x tokens/s / device peak; ``peak_tflops`` and ``peak_source``: on CUDA
   lightning's table of the device's peak; on CPU a peak *measured here*, once at the start, as
-  the best of repeated 2048^3 matmuls in the compute dtype (so CPU MFU is relative to the achievable matmul rate);
+  the best of repeated 2048^3 matmuls in the compute dtype (so CPU MFU is relative to the
+  achievable matmul rate);
 - ``eval_s_16x``, ``eval_peak_mem_mb_16x``, ``eval_length``: ``GPT.token_nll`` with
   ``q_chunk=1024`` (as evaluation/extrapolation.py) at 16x the training length, batch
   max(1, 4096 // length) (one sequence at 16x 256), eval mode, under the row's precision, median of 2 after one warm-up, peak
