@@ -46,11 +46,15 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.parametrize("tile", [None, 5])  # None: the default tile (one tile here); 5: 24 = 4 * 5 + 4, 7 = 5 + 2
 @pytest.mark.parametrize("mask_batch", [1, 5])
 @pytest.mark.parametrize("Tq, Tk", [(24, 24), (7, 24)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_forward_and_gradients_match_naive_float64(monkeypatch, dtype, Tq, Tk, mask_batch):
-    monkeypatch.setattr(bias_grad, "BLOCK_ELEMENTS", 2 * 3 * Tq * Tk)  # 2 rows per block: 5 = 2 + 2 + 1
+def test_forward_and_gradients_match_naive_float64(monkeypatch, dtype, Tq, Tk, mask_batch, tile):
+    if tile is not None:
+        monkeypatch.setattr(bias_grad, "QUERY_TILE", tile)
+    rows = min(bias_grad.QUERY_TILE, Tq)
+    monkeypatch.setattr(bias_grad, "BLOCK_ELEMENTS", 2 * 3 * rows * Tk)  # 2 sequences per block: 5 = 2 + 2 + 1
     q, k, v, mask, d_out = inputs(dtype, 5, 3, Tq, Tk, 16, mask_batch)
     ref_out, ref_grads = grads(naive, (q, k, v, mask), d_out)
     out, got = grads(lambda q, k, v, m: bias_grad.attention_with_bias_grad(q, k, v, m, 1 / math.sqrt(16)),
@@ -67,9 +71,10 @@ def test_forward_and_gradients_match_naive_float64(monkeypatch, dtype, Tq, Tk, m
         assert rel_err(a, b) < limit, (name, rel_err(a, b))
 
 
-def test_bias_gradient_rows_sum_to_zero():
+def test_bias_gradient_rows_sum_to_zero(monkeypatch):
     """Adding a constant to a query's row of logits changes nothing, so each row of the mask
     gradient sums to zero: in bf16 too, where an unnormalised P would leave rounding there."""
+    monkeypatch.setattr(bias_grad, "QUERY_TILE", 12)  # 32 = 12 + 12 + 8
     q, k, v, mask, d_out = inputs(torch.bfloat16, 4, 2, 32, 32, 16, 1)
     _, got = grads(lambda q, k, v, m: bias_grad.attention_with_bias_grad(q, k, v, m, 0.25),
                    (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.float()), d_out)
