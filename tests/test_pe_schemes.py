@@ -21,6 +21,7 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from model.lit import LitGPT
 from model.pe import SCHEMES
+from model.pe.base import distance_bias
 
 torch.set_num_threads(2)
 
@@ -309,6 +310,69 @@ def test_gradients_reach_parameters_and_match_naive(name, window):
         scale = (1e-5 if window else 1e-6) * ref.abs().max().item()
         torch.testing.assert_close(param.grad.double(), ref, atol=scale, rtol=1e-3,
                                    msg=lambda m: f"{name}.{n}: {m}")
+
+
+# the bias's own gradient for query/key positions the model passes: a training window and
+# a query chunk of it (distance_bias's Toeplitz layout; FIRE's window needs positions < 32),
+# reset positions (its gather) and far ones (per pair)
+BIAS_GRAD_POSITIONS = {
+    "window": (list(range(30)), list(range(30))),
+    "chunk": (list(range(21, 30)), list(range(30))),
+    "reset": (POSITIONS["reset"], POSITIONS["reset"]),
+    "far": (POSITIONS["far"], POSITIONS["far"]),
+}
+
+
+@pytest.mark.parametrize("pos", list(BIAS_GRAD_POSITIONS))
+@pytest.mark.parametrize("name", LEARNED)
+def test_bias_and_its_gradients_match_naive(name, pos):
+    qpos, kpos = BIAS_GRAD_POSITIONS[pos]
+    _, model, _ = build(name, seed=3)
+    pe = model.pe
+    bias = pe.bias(torch.tensor(qpos), torch.tensor(kpos))
+    weights = torch.randn(bias.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    (bias.double() * weights).sum().backward()
+    leaves = leaf_params(pe)
+    ref_bias = naive_scheme_bias(name, pe, leaves, qpos, kpos)
+    torch.testing.assert_close(bias.detach().double(), ref_bias.detach(), atol=1e-5, rtol=1e-5)
+    (ref_bias * weights).sum().backward()
+    for n, param in pe.named_parameters():
+        ref = leaves[n].grad
+        assert ref.abs().max() > 1e-6, f"{n}: the check needs a non-zero gradient"
+        torch.testing.assert_close(param.grad.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4,
+                                   msg=lambda m: f"{name}.{n}: {m}")
+
+
+@pytest.mark.parametrize("qpos, kpos, evaluated", [
+    (list(range(8)), list(range(8)), 15),  # a window: Tq + Tk - 1 distances
+    (list(range(5, 8)), list(range(8)), 10),  # its last 3 queries
+    (list(range(40, 44)), list(range(3, 10)), 10),  # queries far after the keys
+    ([0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2], 5),  # reset positions: the range -2..2, gathered
+    ([[0, 1, 2, 3], [2, 3, 4, 5]], [[0, 1, 2, 3], [4, 5, 6, 7]], 9),  # per-sequence positions: -3..3 and -5..1
+    ([0, 9, 40], [0, 9, 40], 9),  # sparse: fewer pairs (9) than distances (81), per pair
+])
+def test_distance_bias_equals_its_definition(qpos, kpos, evaluated):
+    """bias[..., h, i, j] = values[p_i - p_j, h] by loops, value and gradient, from a table
+    indexed by distance; and the values are evaluated once per distance (or per pair)."""
+    table = torch.randn(101, 3, dtype=torch.float64, requires_grad=True)  # distances -50..50
+    seen = []
+
+    def values_of(d):
+        seen.append(d.numel())
+        return table[d + 50]
+
+    qp, kp = torch.tensor(qpos), torch.tensor(kpos)
+    got = distance_bias(values_of, qp, kp)
+    qb, kb = (qp, kp) if qp.dim() == 2 else (qp[None], kp[None])
+    ref = torch.stack([torch.stack([torch.stack([torch.stack([table[int(i - j) + 50, h] for j in kb[b]])
+                                                 for i in qb[b]]) for h in range(3)]) for b in range(len(qb))])
+    ref = ref if qp.dim() == 2 else ref[0]
+    assert got.shape == ref.shape and seen == [evaluated]
+    assert torch.equal(got, ref)
+    weights = torch.randn(ref.shape, dtype=torch.float64)
+    grad, = torch.autograd.grad((got * weights).sum(), table)
+    ref_grad, = torch.autograd.grad((ref * weights).sum(), table)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("name", LEARNED)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import GPTConfig
-from model.pe.base import PositionEncoding, per_head, relative_distance
+from model.pe.base import PositionEncoding, distance_bias
 
 EPS = 1e-2  # the reference's lower bound for every KERPLE parameter
 
@@ -53,9 +53,8 @@ class _Kerple(PositionEncoding):
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         self.project()
-        distance = relative_distance(q_positions, k_positions).abs()  # float32, exact integers
-        r1, distance = per_head(self.r1, distance)
-        return self.kernel(r1, self.r2[:, None, None], distance)
+        r1, r2, kernel = self.r1, self.r2, self.kernel
+        return distance_bias(lambda d: kernel(r1, r2, d.float().abs()[..., None]), q_positions, k_positions)
 
     def bias_score(self):
         self.project()

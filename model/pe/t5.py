@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import GPTConfig
-from model.pe.base import PositionEncoding
+from model.pe.base import PositionEncoding, distance_bias
 
 
 def t5_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -56,9 +56,9 @@ class T5RelativeBias(PositionEncoding, name="t5"):
         nn.init.xavier_uniform_(self.relative_attention_bias.weight)  # = t5x's fan_avg uniform
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        distance = q_positions[..., :, None] - k_positions[..., None, :]
-        buckets = t5_bucket(distance, self.num_buckets, self.max_distance)
-        return self.relative_attention_bias(buckets).movedim(-1, -3).float()  # (..., H, Tq, Tk)
+        table, num_buckets, max_distance = self.relative_attention_bias, self.num_buckets, self.max_distance
+        return distance_bias(lambda d: table(t5_bucket(d, num_buckets, max_distance)).float(),
+                             q_positions, k_positions)  # (..., H, Tq, Tk)
 
     def bias_score(self):
         table, num_buckets, max_distance = self.relative_attention_bias.weight, self.num_buckets, self.max_distance
