@@ -155,20 +155,19 @@ def distance_bias(values_of: Callable[[Tensor], Tensor], q_positions: Tensor, k_
     CPU: 5.5 -> 1.4 ms forward and backward); other positions gather their distance range,
     unless it is larger than the pairs. Compiled graphs evaluate every pair (no host reads).
     """
-    if torch.compiler.is_compiling():
-        return values_of(q_positions[..., :, None] - k_positions[..., None, :]).movedim(-1, -3)
-    device = q_positions.device
-    if is_window(q_positions) and is_window(k_positions):
+    eager, device = not torch.compiler.is_compiling(), q_positions.device
+    if eager and is_window(q_positions) and is_window(k_positions):
         Tq, Tk = q_positions.shape[-1], k_positions.shape[-1]
         nearest = int(q_positions[0]) - int(k_positions[-1])  # first query to last key
         values = values_of(torch.arange(nearest, nearest + Tq + Tk - 1, device=device))  # d = nearest + i - j + Tk - 1
         # row i holds values[i - j + Tk - 1] over j: windows of the reversed values, last window first
         return values.t().flip(-1).unfold(-1, Tk, 1).flip(-2)
     distance = q_positions[..., :, None] - k_positions[..., None, :]
-    lo, hi = int(distance.min()), int(distance.max())
-    if hi - lo + 1 >= distance.numel():  # sparse far positions: fewer pairs than distances
-        return values_of(distance).movedim(-1, -3)
-    return values_of(torch.arange(lo, hi + 1, device=device))[distance - lo].movedim(-1, -3)
+    if eager:
+        lo, hi = int(distance.min()), int(distance.max())
+        if hi - lo + 1 < distance.numel():  # else sparse far positions: fewer pairs than distances
+            return values_of(torch.arange(lo, hi + 1, device=device))[distance - lo].movedim(-1, -3)
+    return values_of(distance).movedim(-1, -3)
 
 
 def per_head(values: Tensor, distance: Tensor) -> tuple[Tensor, Tensor]:
