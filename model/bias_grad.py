@@ -27,6 +27,12 @@ FIRE's threshold, sums dS along rows and is otherwise swamped by rounding). The 
 matmuls that produce dQ, dK, dV run in the compute dtype, as in the flash kernel's backward.
 Used by ``model.gpt._sdpa`` on CPU when the mask requires grad and attention dropout is
 off; CUDA's SDPA kernels take the bias gradient themselves.
+
+Forward and backward are custom ops (``torch.library``), opaque to ``torch.compile``: a
+compiled graph calls these same eager kernels, tiles included. Traced, the tiles unrolled
+into every layer's backward (inductor's cold compile of a tiny t5 step: 320 s instead of
+55 s), and the single-tile fallback that avoided it left compiled kerple_log at 0.93x its
+eager step; as ops, compiled / eager is 1.00 (kerple_log) and 1.03 (t5), 20 rounds.
 """
 
 from __future__ import annotations
@@ -40,67 +46,91 @@ BLOCK_ELEMENTS = 1 << 19
 QUERY_TILE = 64
 
 
-class _BiasGradAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-        ctx.save_for_backward(q, k, v, mask)
-        ctx.scale = scale
-        # compiled graphs take one tile: unrolled tiles of every block made inductor's compile
-        # of a tiny t5 step 6x longer (320 vs 55 s cold) for no measured gain there
-        ctx.tile = q.shape[2] if torch.compiler.is_compiling() else QUERY_TILE
-        return out
+@torch.library.custom_op("pelab::attention_with_bias_grad", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    # an opaque op, forward and backward: a compiled graph calls these same kernels (inductor
+    # would trace the tiles into every layer's backward, 6x its cold compile of a tiny t5 step)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    return out
 
-    @staticmethod
-    def backward(ctx, d_out: Tensor):
-        # autocast off: a compiled graph traces the backward under the forward's autocast,
-        # which would turn the float32 matmuls below into bf16 ones
-        with torch.autocast(d_out.device.type, enabled=False):
-            return _BiasGradAttention._backward(ctx, d_out)
 
-    @staticmethod
-    def _backward(ctx, d_out: Tensor):
-        q, k, v, mask = ctx.saved_tensors
-        scale, dtype, tile = ctx.scale, q.dtype, ctx.tile
-        acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 for float64 inputs
-        d_out = d_out.to(dtype)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        d_mask = torch.zeros(mask.shape, dtype=acc, device=mask.device)
-        B, H, Tq, Tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        step = max(1, BLOCK_ELEMENTS // (H * min(tile, Tq) * Tk))
-        shared = mask.shape[0] == 1
-        tiled = tile < Tq
-        p_c = ds_c = None  # compute-dtype P and dS of a block; keys after each tile stay zero
-        for b in range(0, B, step):
-            rows = slice(b, b + step)
-            qb, kb, vb, gb = q[rows], k[rows], v[rows], d_out[rows]
-            if tiled and (p_c is None or p_c.shape[0] != qb.shape[0]):
-                p_c = q.new_zeros(qb.shape[0], H, Tq, Tk)
-                ds_c = torch.zeros_like(p_c)
-            # contiguous: q, k, v arrive as (B, T, H, hd) views, whose per-tile slices matmul would copy
-            qf, kf, vf, gf = (t.to(acc, memory_format=torch.contiguous_format) for t in (qb, kb, vb, gb))
-            for s in range(0, Tq, tile):
-                e = min(s + tile, Tq)
-                seen = e + Tk - Tq  # the queries are the last Tq keys: row e - 1 sees keys [0, seen)
-                tile_mask = mask[..., s:e, :seen] if shared else mask[rows, :, s:e, :seen]
-                scores = torch.matmul(qf[:, :, s:e], kf[:, :, :seen].transpose(-2, -1))
-                p = torch.softmax(torch.add(tile_mask, scores, alpha=scale), dim=-1)
-                dp = torch.matmul(gf[:, :, s:e], vf[:, :, :seen].transpose(-2, -1))
-                ds = torch._softmax_backward_data(dp, p, -1, acc)
-                if shared:
-                    d_mask[..., s:e, :seen] += ds.sum(0, keepdim=True)
-                else:
-                    d_mask[rows, :, s:e, :seen] = ds
-                if tiled:
-                    p_c[:, :, s:e, :seen] = p
-                    ds_c[:, :, s:e, :seen] = ds
-                else:
-                    p_c, ds_c = p.to(dtype), ds.to(dtype)
-            dv[rows] = torch.matmul(p_c.transpose(-2, -1), gb)
-            dq[rows] = torch.matmul(ds_c, kb).mul_(scale)
-            dk[rows] = torch.matmul(ds_c.transpose(-2, -1), qb).mul_(scale)
-        return dq, dk, dv, d_mask.to(mask.dtype), None
+@_attention.register_fake
+def _(q, k, v, mask, scale):
+    # the flash kernel's own meta function, so that the strides a compiled graph assumes are its
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)[0]
+
+
+@torch.library.custom_op("pelab::attention_with_bias_grad_backward", mutates_args=())
+def _attention_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # autocast off: a compiled graph may run the backward under the forward's autocast, which
+    # would turn the float32 matmuls below into bf16 ones
+    with torch.autocast(d_out.device.type, enabled=False):
+        return _backward(d_out, q, k, v, mask, scale)
+
+
+@_attention_backward.register_fake
+def _(d_out, q, k, v, mask, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mask.new_empty(mask.shape)
+
+
+def _backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+              scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dtype, tile = q.dtype, QUERY_TILE
+    acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 for float64 inputs
+    d_out = d_out.to(dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d_mask = torch.zeros(mask.shape, dtype=acc, device=mask.device)
+    B, H, Tq, Tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    step = max(1, BLOCK_ELEMENTS // (H * min(tile, Tq) * Tk))
+    shared = mask.shape[0] == 1
+    tiled = tile < Tq
+    p_c = ds_c = None  # compute-dtype P and dS of a block; keys after each tile stay zero
+    for b in range(0, B, step):
+        rows = slice(b, b + step)
+        qb, kb, vb, gb = q[rows], k[rows], v[rows], d_out[rows]
+        if tiled and (p_c is None or p_c.shape[0] != qb.shape[0]):
+            p_c = q.new_zeros(qb.shape[0], H, Tq, Tk)
+            ds_c = torch.zeros_like(p_c)
+        # contiguous: q, k, v arrive as (B, T, H, hd) views, whose per-tile slices matmul would copy
+        qf, kf, vf, gf = (t.to(acc, memory_format=torch.contiguous_format) for t in (qb, kb, vb, gb))
+        for s in range(0, Tq, tile):
+            e = min(s + tile, Tq)
+            seen = e + Tk - Tq  # the queries are the last Tq keys: row e - 1 sees keys [0, seen)
+            tile_mask = mask[..., s:e, :seen] if shared else mask[rows, :, s:e, :seen]
+            scores = torch.matmul(qf[:, :, s:e], kf[:, :, :seen].transpose(-2, -1))
+            p = torch.softmax(torch.add(tile_mask, scores, alpha=scale), dim=-1)
+            dp = torch.matmul(gf[:, :, s:e], vf[:, :, :seen].transpose(-2, -1))
+            ds = torch._softmax_backward_data(dp, p, -1, acc)
+            if shared:
+                d_mask[..., s:e, :seen] += ds.sum(0, keepdim=True)
+            else:
+                d_mask[rows, :, s:e, :seen] = ds
+            if tiled:
+                p_c[:, :, s:e, :seen] = p
+                ds_c[:, :, s:e, :seen] = ds
+            else:
+                p_c, ds_c = p.to(dtype), ds.to(dtype)
+        dv[rows] = torch.matmul(p_c.transpose(-2, -1), gb)
+        dq[rows] = torch.matmul(ds_c, kb).mul_(scale)
+        dk[rows] = torch.matmul(ds_c.transpose(-2, -1), qb).mul_(scale)
+    return dq, dk, dv, d_mask.to(mask.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale = inputs
+    ctx.save_for_backward(q, k, v, mask)
+    ctx.scale = scale
+
+
+def _grad(ctx, d_out):
+    q, k, v, mask = ctx.saved_tensors
+    return *_attention_backward(d_out, q, k, v, mask, ctx.scale), None
+
+
+_attention.register_autograd(_grad, setup_context=_setup_context)
 
 
 def attention_with_bias_grad(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -108,4 +138,4 @@ def attention_with_bias_grad(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scal
     float mask (bias plus -inf on hidden keys; every query sees at least one key), with
     gradients for q, k, v and the mask. Causal: the queries are the last Tq of the Tk keys
     and the mask hides every key after its query (the backward never looks at those)."""
-    return _BiasGradAttention.apply(q, k, v, mask, scale)
+    return _attention(q, k, v, mask, scale)

@@ -113,3 +113,42 @@ def test_attention_dropout_keeps_torch_sdpa(monkeypatch):
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
     model(idx, idx)[1].backward()
     assert not calls and model.pe.relative_attention_bias.weight.grad is not None
+
+
+@pytest.mark.parametrize("mask_batch", [1, 3])
+def test_custom_ops_pass_opcheck(mask_batch):
+    """Both ops are opaque to torch.compile, which plans memory from their fake (meta) outputs:
+    opcheck runs the real and fake kernels side by side (shapes, strides, schema, autograd)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D = 3, 12, 2, 8
+    qkv = torch.randn(B, T, 3, H, D, generator=g).bfloat16()  # q, k, v as the model's (B, T, H, hd) views
+    q, k, v = (qkv[:, :, i].transpose(1, 2).requires_grad_() for i in range(3))
+    hidden = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.randn(mask_batch, H, T, T, generator=g).masked_fill(hidden, float("-inf")).requires_grad_()
+    torch.library.opcheck(torch.ops.pelab.attention_with_bias_grad, (q, k, v, mask, 0.35))
+    d_out = torch.randn(B, H, T, D, generator=g).bfloat16()
+    torch.library.opcheck(torch.ops.pelab.attention_with_bias_grad_backward,
+                          (d_out, q.detach(), k.detach(), v.detach(), mask.detach(), 0.35))
+
+
+def test_compiled_graph_runs_the_tiled_backward(monkeypatch):
+    """Under torch.compile the backward is the same eager kernel, tiles included, not a traced copy."""
+    monkeypatch.setattr(bias_grad, "QUERY_TILE", 5)  # 16 = 5 + 5 + 5 + 1
+    tiles = []
+    original = bias_grad._backward
+    monkeypatch.setattr(bias_grad, "_backward", lambda *a: tiles.append(bias_grad.QUERY_TILE) or original(*a))
+    model = _model("kerple_log")
+    idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(module):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            module(idx, idx)[1].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager = step(model)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert tiles == [5] * 4  # two layers, eager then compiled
+    for n, grad in compiled.items():
+        torch.testing.assert_close(grad, eager[n], atol=1e-6 * eager[n].abs().max().item() + 1e-12, rtol=0)
