@@ -184,48 +184,77 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
                 _add_converted_(grad_w, torch.mm(g.t(), h_c, out=gw_buf), add_buf)
 
 
+@torch.library.custom_op("pelab::chunked_linear_cross_entropy", mutates_args=())
+def _loss_and_grads(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
+                    chunk_size: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, d loss / d hidden, d loss / d weight); a gradient not asked for is an empty tensor.
+    An opaque op: torch.compile calls it as it is (its chunk loop reads sizes and flags on the
+    host, which a traced graph cannot), so a compiled model keeps one graph."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight[:vocab_size].to(compute_dtype)  # (V, C): padded rows never enter
+        valid = targets != ignore_index
+        n_valid = int(valid.sum())
+        safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+        if n_valid and bool(((safe_targets < 0) | (safe_targets >= vocab_size)).any()):
+            raise IndexError(f"target out of range [0, {vocab_size}) (ignore_index {ignore_index})")
+        # per-row gradient scale: 1/n_valid for scored rows, 0 for ignored ones
+        row_scale = valid.to(torch.float32) / max(n_valid, 1)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = (torch.empty if n_valid else torch.zeros)(hidden.shape if need_h else (0,), dtype=hidden.dtype,
+                                                           device=hidden.device)
+        # float32 accumulator of the weight's full (padded) shape, so that autograd can hand it
+        # to the Parameter without a copy; padded rows stay zero
+        grad_w = torch.zeros(weight.shape if need_w else (0,), dtype=_grad_w_dtype(weight), device=weight.device)
+        if n_valid:
+            _accumulate_chunks(hidden, w, safe_targets, row_scale, chunk_size, compute_dtype,
+                               loss, grad_h if need_h else None, grad_w[:vocab_size] if need_w else None)
+    return loss, grad_h, grad_w
+
+
+@_loss_and_grads.register_fake
+def _(hidden, weight, targets, vocab_size, ignore_index, chunk_size, compute_dtype, need_h, need_w):
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape if need_h else (0,)),
+            weight.new_empty(weight.shape if need_w else (0,), dtype=_grad_w_dtype(weight)))
+
+
+def _grad_w_dtype(weight: Tensor) -> torch.dtype:
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
                 chunk_size: int, compute_dtype: torch.dtype, grad_enabled: bool) -> Tensor:
-        N, C = hidden.shape
         ctx.weight_dtype = weight.dtype
-        device_type = hidden.device.type
         # forward runs under no_grad; the caller's grad mode decides whether gradients are made
         need_h = ctx.needs_input_grad[0] and grad_enabled
         need_w = ctx.needs_input_grad[1] and grad_enabled
-        with torch.autocast(device_type, enabled=False):
-            w = weight[:vocab_size].to(compute_dtype)  # (V, C): padded rows never enter
-            valid = targets != ignore_index
-            n_valid = int(valid.sum())
-            safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-            if n_valid and bool(((safe_targets < 0) | (safe_targets >= vocab_size)).any()):
-                raise IndexError(f"target out of range [0, {vocab_size}) (ignore_index {ignore_index})")
-            # per-row gradient scale: 1/n_valid for scored rows, 0 for ignored ones
-            row_scale = valid.to(torch.float32) / max(n_valid, 1)
-            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_h = (torch.empty if n_valid else torch.zeros)(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-            # float32 accumulator of the weight's full (padded) shape, so that autograd can hand
-            # it to the Parameter without a copy; padded rows stay zero
-            grad_w = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                                 device=weight.device) if need_w else None
-            if n_valid:
-                _accumulate_chunks(hidden, w, safe_targets, row_scale, chunk_size, compute_dtype,
-                                   loss, grad_h, grad_w[:vocab_size] if need_w else None)
-        # kept as attributes (not save_for_backward) so that backward can drop the last
-        # reference and autograd can steal the tensors instead of copying them
-        ctx.grads = (grad_h, grad_w)
+        loss, grad_h, grad_w = _loss_and_grads(hidden, weight, targets, vocab_size, ignore_index, chunk_size,
+                                               compute_dtype, need_h, need_w)
+        ctx.needs = (need_h, need_w)
+        if torch.compiler.is_compiling():  # a traced graph keeps tensors for backward only this way
+            ctx.save_for_backward(grad_h, grad_w)
+        else:
+            # kept as attributes (not save_for_backward) so that backward can drop the last
+            # reference and autograd can steal the tensors instead of copying them
+            ctx.grads = (grad_h, grad_w)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: Tensor):
-        if not hasattr(ctx, "grads"):
-            raise RuntimeError("chunked_cross_entropy: backward through the same loss twice is not supported "
-                               "(its gradients are computed in forward and handed over once)")
-        grad_h, grad_w = ctx.grads
-        del ctx.grads
-        one = grad_output.device.type == "cpu" and bool(grad_output == 1)
+        if torch.compiler.is_compiling():
+            grad_h, grad_w = ctx.saved_tensors
+            one = False
+        else:
+            if not hasattr(ctx, "grads"):
+                raise RuntimeError("chunked_cross_entropy: backward through the same loss twice is not supported "
+                                   "(its gradients are computed in forward and handed over once)")
+            grad_h, grad_w = ctx.grads
+            del ctx.grads
+            one = grad_output.device.type == "cpu" and bool(grad_output == 1)
+        grad_h, grad_w = (g if need else None for g, need in zip((grad_h, grad_w), ctx.needs))
         if grad_h is not None and not one:
             grad_h = grad_h * grad_output.to(grad_h.dtype)
         if grad_w is not None and not one:

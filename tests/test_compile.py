@@ -14,6 +14,7 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
+from model.loss import CHUNKED_LOSS_MIN_VOCAB, use_chunked_loss
 from model.pe import SCHEMES
 
 torch.set_num_threads(2)
@@ -21,19 +22,34 @@ torch.set_num_threads(2)
 CASES = [(name, "auto") for name in sorted(SCHEMES)] + [("alibi", "sdpa_key"), ("rope_alibi", "math")]
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])  # fp32: RoPE's q and k share one table
 @pytest.mark.parametrize("name, attention", CASES, ids=[f"{n}-{a}" for n, a in CASES])
-def test_compiles_fullgraph_without_recompiling(name, attention):
+def test_compiles_fullgraph_without_recompiling(name, attention, bf16):
+    check_compiled_step(name, attention, bf16, vocab_size=32)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", ["learned", "rope"])
+def test_compiles_the_chunked_loss_fullgraph(name, bf16):
+    """A large vocabulary takes the chunked LM-head loss (model/loss.py), whose chunk loop
+    reads sizes and flags on the host: it must stay inside the one graph, not break it."""
+    assert use_chunked_loss(CHUNKED_LOSS_MIN_VOCAB)
+    check_compiled_step(name, "auto", bf16, vocab_size=CHUNKED_LOSS_MIN_VOCAB)
+
+
+def check_compiled_step(name: str, attention: str, bf16: bool, vocab_size: int) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, attention=attention)
+    config = GPTConfig(vocab_size=vocab_size, block_size=8, n_layer=2, n_head=2, n_embd=16, attention=attention)
     model = GPT(config, SCHEMES[name](config))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    targets = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
+    idx = torch.randint(0, vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
+    targets[0, 3] = -1  # an ignored position
 
     def step(module):
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             _, loss = module(idx, targets)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

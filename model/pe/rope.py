@@ -60,8 +60,12 @@ class _Rotation(torch.autograd.Function):
     carries one (learned frequencies)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos: Tensor, k_sin: Tensor,
-                half: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos: Tensor | None,
+                k_sin: Tensor | None, half: int) -> tuple[Tensor, Tensor]:
+        # k's tables None: the same as q's. Dynamo cannot trace an apply that gets one tensor
+        # twice (RoPE's shared tables in float32), and would break the graph in every layer.
+        if k_cos is None:
+            k_cos, k_sin = q_cos, q_sin
         ctx.save_for_backward(q_cos, q_sin, k_cos, k_sin)
         ctx.half = half
         return rotate_half(q.contiguous(), q_cos, q_sin, half), rotate_half(k.contiguous(), k_cos, k_sin, half)
@@ -87,7 +91,15 @@ class RotaryTables(NamedTuple):
     k_sin: Tensor
 
     def cast(self, dtype: torch.dtype) -> "RotaryTables":
-        return RotaryTables(*(_heads(table, dtype) for table in self))
+        q_cos, q_sin = _heads(self.q_cos, dtype), _heads(self.q_sin, dtype)
+        if self.shared:  # cast once, and keep them one tensor for ``_Rotation``
+            return RotaryTables(q_cos, q_sin, q_cos, q_sin)
+        return RotaryTables(q_cos, q_sin, _heads(self.k_cos, dtype), _heads(self.k_sin, dtype))
+
+    @property
+    def shared(self) -> bool:
+        """Queries and keys use the very same tables (RoPE; not xPos's two decays)."""
+        return self.k_cos is self.q_cos and self.k_sin is self.q_sin
 
 
 def _heads(table: Tensor, dtype: torch.dtype) -> Tensor:
@@ -178,6 +190,8 @@ class RoPE(PositionEncoding, name="rope"):
         if torch.is_grad_enabled() and any(t.requires_grad for t in tables):  # learned frequencies
             return (rotate_half(q, tables.q_cos, tables.q_sin, half),
                     rotate_half(k, tables.k_cos, tables.k_sin, half))
+        if tables.shared:
+            return _Rotation.apply(q, k, tables.q_cos, tables.q_sin, None, None, half)
         return _Rotation.apply(q, k, *tables, half)
 
     def _cos_sin(self, positions: Tensor, freqs: RopeFrequencies, scale: Tensor | None = None
