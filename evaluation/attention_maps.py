@@ -27,7 +27,9 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from model.gpt import AttentionRecorder, uncompiled
+from model.attention import AttentionRecorder
+from model.gpt import uncompiled
+from model.positions import resolve_positions
 
 __all__ = [
     "AttentionPass",
@@ -92,7 +94,7 @@ def eager_attention_pass(
     """
     gpt = uncompiled(gpt)
     wanted = _layer_set(layers, len(gpt.blocks))
-    positions = gpt.positions_for(idx.shape[1], positions, idx.device)
+    positions = resolve_positions(gpt.pe, idx.shape[1], positions, idx.device)
     recorder = AttentionRecorder(wanted)
     with torch.no_grad():
         hidden = gpt.hidden(idx, positions, attention="math", record=recorder)

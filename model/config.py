@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any
 
-from pelab.config import check_options, require
+from model.attention import CHOICES
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_key", "flex", "math")
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """A bad option fails early, naming its key, the value and what is allowed (the harness
+    shows this ValueError as a one-line config error)."""
+    if not ok:
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
 
 
 @dataclass
@@ -21,11 +26,10 @@ class GPTConfig:
     bias: bool = False  # biases in Linear and LayerNorm (GPT-2 had them)
     # Round the embedding table up to a multiple of this: 50257 -> 50304 makes matmuls faster.
     pad_vocab_multiple: int = 1
-    # Attention backend (model/gpt.py; docs/design.md, section 5): auto | sdpa | sdpa_key | flex | math.
-    attention: Literal["auto", "sdpa", "sdpa_key", "flex", "math"] = "auto"
+    # Attention backend (model/attention/): auto or a name of model.attention.BACKENDS.
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
-        check_options("model", {f.name: getattr(self, f.name) for f in fields(self)}, GPTConfig)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
             require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "a positive integer")
         require(self.n_embd % self.n_head == 0, "model.n_embd", self.n_embd,
@@ -33,8 +37,8 @@ class GPTConfig:
         # rotary schemes rotate pairs of head dims
         require(self.head_dim % 2 == 0, "model.n_embd / model.n_head", self.head_dim, "even")
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "in [0, 1)")
-        require(self.attention in ATTENTION_BACKENDS, "model.attention", self.attention,
-                "one of " + ", ".join(ATTENTION_BACKENDS))
+        require(self.attention in CHOICES, "model.attention", self.attention,
+                "one of " + ", ".join(map(repr, CHOICES)))
         require(not (self.attention == "flex" and self.dropout > 0), "model.attention", self.attention,
                 "not flex when model.dropout > 0 (FlexAttention has no attention dropout)")
 

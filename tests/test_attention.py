@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from model.config import GPTConfig
-from model.gpt import GPT, KVCache, attend, key_features
+from model.attention import BACKENDS as BACKEND_REGISTRY
+from model.attention import attend
+from model.attention.masks import attention_mask
+from model.attention.sdpa_key import key_features
+from model.generate import KVCache
+from model.gpt import GPT
+from model.positions import layer_contexts, position_context
 from model.pe import SCHEMES, PositionEncoding
 
 torch.set_num_threads(2)
@@ -200,13 +206,13 @@ def test_attention_fp32_matches_naive(name, opts, pos):
     T = 9
     x = torch.randn(2, T, cfg.n_embd)
     positions = torch.tensor(POSITIONS[pos])
-    mask = model.attention_mask(positions, positions, torch.float32)
+    mask = attention_mask(model.pe, positions, positions, torch.float32)
     if model.pe.uses_bias:
         assert mask.shape == (1, cfg.n_head, T, T) and mask.dtype == torch.float32
     else:
         assert mask is None
     with torch.no_grad():
-        y = attn(x, model.position_context(positions, mask))
+        y = attn(x, position_context(model.pe, positions, mask))
     ref = naive_attention(attn, x, positions.tolist(), naive_spec(name, opts, cfg.n_head, cfg.head_dim))
     assert y.shape == x.shape and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
@@ -221,10 +227,10 @@ def test_attention_bf16_autocast_matches_naive(name, opts):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         dtype = model._compute_dtype(x.device)
         assert dtype == torch.bfloat16
-        mask = model.attention_mask(positions, positions, dtype)
+        mask = attention_mask(model.pe, positions, positions, dtype)
         if mask is not None:
             assert mask.dtype == torch.bfloat16
-        y = attn(x, model.position_context(positions, mask))
+        y = attn(x, position_context(model.pe, positions, mask))
     ref = naive_attention(attn, x, positions.tolist(), naive_spec(name, opts, cfg.n_head, cfg.head_dim))
     scale = ref.abs().max().item()
     err = (y.double() - ref).abs().max().item()
@@ -239,7 +245,7 @@ def test_attention_with_linear_biases_matches_naive():
     x = torch.randn(3, T, cfg.n_embd)
     positions = torch.arange(T) + 5
     with torch.no_grad():
-        y = attn(x, model.position_context(positions, model.attention_mask(positions, positions, torch.float32)))
+        y = attn(x, position_context(model.pe, positions, attention_mask(model.pe, positions, positions, torch.float32)))
     ref = naive_attention(attn, x, positions.tolist(), naive_spec(name, opts, cfg.n_head, cfg.head_dim))
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -248,7 +254,7 @@ def test_attention_with_linear_biases_matches_naive():
 def test_attention_mask_matches_naive(name):
     cfg, model, _ = build(name, {})
     positions = torch.arange(6) + 11
-    mask = model.attention_mask(positions, positions, torch.float32)
+    mask = attention_mask(model.pe, positions, positions, torch.float32)
     ref = naive_bias(SLOPES_4, positions.tolist())
     assert mask.shape == (1, 4, 6, 6)
     for i in range(6):
@@ -266,10 +272,10 @@ def test_causality_future_tokens_do_not_leak():
         x = torch.randn(1, 8, cfg.n_embd)
         x2 = x.clone()
         x2[:, 5:] = torch.randn(1, 3, cfg.n_embd)
-        mask = model.attention_mask(positions, positions, torch.float32)
+        mask = attention_mask(model.pe, positions, positions, torch.float32)
         with torch.no_grad():
-            a = attn(x, model.position_context(positions, mask))
-            b = attn(x2, model.position_context(positions, mask))
+            a = attn(x, position_context(model.pe, positions, mask))
+            b = attn(x2, position_context(model.pe, positions, mask))
         torch.testing.assert_close(a[:, :5], b[:, :5], atol=1e-6, rtol=0)
         assert (a[:, 5:] - b[:, 5:]).abs().max() > 1e-3
 
@@ -405,9 +411,19 @@ def test_gpt_loss_matches_naive_forward(name, opts):
 # every attention backend == the naive float64 reference, for every registered scheme
 # --------------------------------------------------------------------------------------
 
-BACKENDS = ["sdpa", "sdpa_key", "flex", "math"]
+BACKENDS = sorted(BACKEND_REGISTRY)
 BACKEND_SCHEMES = [(n, {}) for n in sorted(SCHEMES)] + [("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5})]
 BACKEND_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in BACKEND_SCHEMES]
+# schemes whose bias has parameters: CPU training runs them on the bias_grad backend
+LEARNED_BIAS = {n for n, cls in SCHEMES.items()
+                if (pe := cls(tiny_config())).uses_bias and any(True for _ in pe.parameters())}
+
+
+def contexts(model, positions, k_positions=None, dtype=torch.float32, always_mask=False):
+    """The per-layer position contexts of one forward, as ``GPT.hidden`` builds them."""
+    backend = model.attention(positions.device, dtype=dtype)
+    return layer_contexts(model.pe, len(model.blocks), positions, backend, k_positions, dtype=dtype,
+                          always_mask=always_mask, nope_layers=model.nope_layers)
 # per-sequence positions: packed documents (reset) and repeats
 ROWS = [[0, 1, 2, 3, 4, 0, 1, 2, 3], [5, 5, 5, 2, 2, 7, 0, 0, 9]]
 
@@ -494,7 +510,7 @@ def float64_leaves(module):
 @pytest.mark.parametrize("name, opts", BACKEND_SCHEMES, ids=BACKEND_IDS)
 @pytest.mark.parametrize("pos", ["offset", "rows"])
 def test_backend_layer_matches_naive_forward_and_gradients(backend, name, opts, pos):
-    """One layer through ``model.layer_contexts`` (the model's per-forward position terms)
+    """One layer through ``layer_contexts`` (the model's per-forward position terms)
     with each backend, against float64 autograd on the formulas: output, and gradients of
     the input, the attention weights and the scheme's own parameters (flex: forward only,
     FlexAttention has no CPU backward)."""
@@ -503,8 +519,13 @@ def test_backend_layer_matches_naive_forward_and_gradients(backend, name, opts, 
     positions = torch.tensor(rows[0]) if pos == "offset" else torch.tensor(rows)
     x = torch.randn(2, 9, cfg.n_embd, requires_grad=True)
     weights = torch.randn(2, 9, cfg.n_embd, dtype=torch.float64)
-    ctx = model.layer_contexts(positions)[0]
-    assert ctx.backend == (backend if backend != "sdpa_key" or model.pe.key_only_slopes() is not None else "sdpa")
+    ctx = contexts(model, positions)[0]
+    expected = backend if backend != "sdpa_key" or model.pe.key_only_slopes() is not None else "sdpa"
+    if expected in ("sdpa", "bias_grad") and name in LEARNED_BIAS:  # CPU training: the learned-bias kernel
+        expected = "bias_grad"
+    elif expected == "bias_grad":  # no learned bias: plain SDPA
+        expected = "sdpa"
+    assert ctx.backend.name == expected
     grad = backend != "flex"
     with torch.set_grad_enabled(grad):
         y = attn(x, ctx)
@@ -587,7 +608,7 @@ def test_compiled_flex_keeps_its_kernel_past_dynamos_recompile_limit():
     cross it; each output against a float64 causal softmax with an ALiBi-like score_mod."""
     import warnings
 
-    from model.gpt import causal_block_mask, flex_compiled
+    flex = BACKEND_REGISTRY["flex"]
 
     torch.manual_seed(0)
     slopes = torch.tensor([0.5, 0.25])
@@ -601,7 +622,7 @@ def test_compiled_flex_keeps_its_kernel_past_dynamos_recompile_limit():
                 return s - slopes[h] * (q_idx + offset - kv_idx)
 
             with torch.no_grad():
-                out = flex_compiled(q, k, v, score_mod, causal_block_mask({}, Tq, Tk, q.device))
+                out = flex.compiled(q, k, v, score_mod, flex.block_mask(Tq, Tk, q.device))
             i = torch.arange(Tq, dtype=torch.float64)[:, None] + offset
             j = torch.arange(Tk, dtype=torch.float64)[None]
             logits = q.double() @ k.double().transpose(-2, -1) / 4.0 - slopes.double()[:, None, None] * (i - j)
@@ -615,7 +636,7 @@ def test_flex_backend_refuses_a_bias_without_an_elementwise_form():
     cfg, model, _ = backend_model("alibi", {}, "flex")
     model.pe.bias_score = lambda: None
     with pytest.raises(ValueError, match="model.attention=flex: pe=alibi gives no elementwise bias"):
-        model.layer_contexts(torch.arange(4))
+        contexts(model, torch.arange(4))
 
 
 # --------------------------------------------------------------------------------------
@@ -648,8 +669,8 @@ def test_position_terms_keep_float32_accuracy_at_long_distance(backend, dtype):
     v[..., 0] = torch.sign(bias.bfloat16().double() - bias)[:, :, -1].float() + 0.5
     v = v.to(dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        ctx = model.layer_contexts(positions[-Tq:], positions, dtype=dtype, always_mask=True)[0]
-        assert ctx.backend == backend
+        ctx = contexts(model, positions[-Tq:], positions, dtype=dtype, always_mask=True)[0]
+        assert ctx.backend.name == ("sdpa" if backend == "bias_grad" else backend)  # alibi: no learned bias
         y = attend(q, k, v, ctx)
     scores = q.double() @ k.double().transpose(-2, -1) / math.sqrt(hd) + bias
     probs = torch.softmax(scores.masked_fill(j > i, -math.inf), -1)
@@ -658,8 +679,8 @@ def test_position_terms_keep_float32_accuracy_at_long_distance(backend, dtype):
     err = (y.double() - ref).abs()
     assert y.dtype == dtype and (err <= tol).all(), f"max error {err.max():.3g}, {(err / tol).max():.3g}x the tolerance"
     if backend == "sdpa":  # the old behaviour: the same mask cast to bf16 fails this test
-        assert ctx.mask.dtype == torch.float32
-        old = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask.bfloat16().to(dtype))
+        assert ctx.state.dtype == torch.float32
+        old = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.state.bfloat16().to(dtype))
         old_err = (old.double() - ref).abs()
         assert (old_err > tol).any(), f"bf16 mask: max error {old_err.max():.3g}, within tolerance"
         assert (old_err / tol).max() > 3 * (err / tol).max(), "not a clear margin"
@@ -679,11 +700,13 @@ def test_attention_config_is_checked():
 
 @pytest.mark.parametrize("name, cpu, cuda", [
     ("rope", "sdpa", "sdpa"), ("nope", "sdpa", "sdpa"), ("alibi", "sdpa", "sdpa_key"),
-    ("rope_alibi", "sdpa", "sdpa_key"), ("t5", "sdpa", "flex"), ("fire", "sdpa", "flex"),
+    ("rope_alibi", "sdpa", "sdpa_key"), ("t5", "bias_grad", "flex"), ("fire", "bias_grad", "flex"),
 ])
 def test_auto_backend(name, cpu, cuda):
     _, model, _ = build(name, {})
     assert model.attention_backend(torch.device("cpu")) == cpu  # the measured choice (docs/design.md)
+    with torch.no_grad():  # no bias gradient wanted: SDPA's fused kernel with the float32 mask
+        assert model.attention_backend(torch.device("cpu")) == "sdpa"
     assert model.attention_backend(torch.device("cuda")) == cuda
     assert model.attention_backend(torch.device("cpu"), "math") == "math"
     if cuda == "flex":  # training with dropout stays on SDPA (flex has no attention dropout)

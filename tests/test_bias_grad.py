@@ -1,4 +1,4 @@
-"""The CPU attention path for learned biases (model/bias_grad.py) against a naive float64
+"""The CPU attention path for learned biases (model/attention/bias_grad.py) against a naive float64
 softmax(q k^T / sqrt(d) + mask) v, forward and every gradient, and its use by the model."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-import model.bias_grad as bias_grad
-import model.gpt as gpt
+import model.attention.bias_grad as bias_grad
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
@@ -92,7 +91,7 @@ def _model(name: str, dropout: float = 0.0) -> GPT:
                                         ("rope", False)])
 def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name, used):
     calls = []
-    monkeypatch.setattr(gpt, "attention_with_bias_grad",
+    monkeypatch.setattr(bias_grad, "attention_with_bias_grad",
                         lambda *a: calls.append(1) or bias_grad.attention_with_bias_grad(*a))
     model = _model(name)
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -108,7 +107,7 @@ def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name,
 
 def test_attention_dropout_keeps_torch_sdpa(monkeypatch):
     calls = []
-    monkeypatch.setattr(gpt, "attention_with_bias_grad", lambda *a: calls.append(1))
+    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a: calls.append(1))
     model = _model("t5", dropout=0.1)
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
     model(idx, idx)[1].backward()

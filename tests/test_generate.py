@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from model.config import GPTConfig
-from model.gpt import GPT, KVCache, sample_next
+from model.generate import KVCache, sample_next
+from model.gpt import GPT
+from model.positions import layer_contexts
 from model.pe import SCHEMES
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
 
@@ -154,7 +156,7 @@ def test_nope_every_layer_drops_the_scheme_on_those_layers_only():
         x = scheduled.embed(idx, positions)
         for i, block in enumerate(reference.blocks):
             model = plain if i in (1, 3) else reference
-            x = block(x, model.layer_contexts(positions)[i])
+            x = block(x, layer_contexts(model.pe, len(model.blocks), positions, model.attention(positions.device))[i])
         expected = scheduled.logits(scheduled.ln_f(x))
         got = scheduled(idx)[0]
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)

@@ -18,7 +18,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from model.config import GPTConfig
+from model.attention.masks import attention_mask
 from model.gpt import GPT
+from model.positions import position_context
 from model.lit import LitGPT
 from model.pe import SCHEMES
 from model.pe.base import distance_bias
@@ -214,12 +216,12 @@ def test_nope_is_the_causal_mask_only():
     cfg, model, attn = build("nope")
     assert sum(p.numel() for p in model.pe.parameters()) == 0
     positions = torch.arange(9)
-    assert model.attention_mask(positions, positions, torch.float32) is None  # SDPA is_causal
+    assert attention_mask(model.pe, positions, positions, torch.float32) is None  # SDPA is_causal
     x = torch.randn(2, 9, cfg.n_embd)
     with torch.no_grad():
-        y = attn(x, model.position_context(positions, None))
+        y = attn(x, position_context(model.pe, positions, None))
         # positions carry nothing: any position values give the same output
-        y_far = attn(x, model.position_context(torch.tensor(POSITIONS["far"]), None))
+        y_far = attn(x, position_context(model.pe, torch.tensor(POSITIONS["far"]), None))
     torch.testing.assert_close(y.double(), naive_attention(attn, x), atol=1e-5, rtol=1e-5)
     assert torch.equal(y, y_far)
 
@@ -269,10 +271,10 @@ def test_attention_output_matches_naive(name, pos):
     positions = POSITIONS[pos]
     p = torch.tensor(positions)
     x = torch.randn(2, len(positions), cfg.n_embd)
-    mask = model.attention_mask(p, p, torch.float32)
+    mask = attention_mask(model.pe, p, p, torch.float32)
     assert mask.shape == (1, cfg.n_head, 9, 9)
     with torch.no_grad():
-        y = attn(x, model.position_context(p, mask))
+        y = attn(x, position_context(model.pe, p, mask))
     bias = naive_scheme_bias(name, model.pe, leaf_params(model.pe), positions, positions).detach()
     torch.testing.assert_close(y.double(), naive_attention(attn, x, bias), atol=1e-5, rtol=1e-5)
 
@@ -293,7 +295,7 @@ def test_gradients_reach_parameters_and_match_naive(name, window):
     p = torch.tensor(positions)
     x = torch.randn(2, len(positions), cfg.n_embd)
     weights = torch.randn(2, len(positions), cfg.n_embd, dtype=torch.float64)
-    y = attn(x, model.position_context(p, model.attention_mask(p, p, torch.float32)))
+    y = attn(x, position_context(model.pe, p, attention_mask(model.pe, p, p, torch.float32)))
     (y.double() * weights).sum().backward()
     leaves = leaf_params(model.pe)
     bias = naive_scheme_bias(name, model.pe, leaves, positions, positions)
@@ -382,7 +384,7 @@ def test_bias_is_float32_under_bf16_autocast(name):
     ref = model.pe.bias(p, p)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = model.pe.bias(p, p)
-        mask = model.attention_mask(p, p, torch.bfloat16)
+        mask = attention_mask(model.pe, p, p, torch.bfloat16)
     assert got.dtype == torch.float32 and mask.dtype == torch.bfloat16
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
@@ -711,9 +713,9 @@ def test_rope_options_attention_matches_naive(pos):
     positions = POSITIONS[pos]
     p = torch.tensor(positions)
     x = torch.randn(2, 9, cfg.n_embd)
-    assert model.attention_mask(p, p, torch.float32) is None
+    assert attention_mask(model.pe, p, p, torch.float32) is None
     with torch.no_grad():
-        y = attn(x, model.position_context(p, None))
+        y = attn(x, position_context(model.pe, p, None))
     thetas = prope_thetas(8, 2, alpha=alpha.double())
     ref = naive_attention(attn, x, rotate=lambda t, v: naive_rope_pair(
         v, torch.tensor(float(positions[t]), dtype=torch.float64), thetas))
@@ -729,7 +731,7 @@ def test_learnable_freq_gradient_matches_naive():
     p = torch.tensor(positions)
     x = torch.randn(2, 8, cfg.n_embd)
     weights = torch.randn(2, 8, cfg.n_embd, dtype=torch.float64)
-    (attn(x, model.position_context(p, None)).double() * weights).sum().backward()
+    (attn(x, position_context(model.pe, p, None)).double() * weights).sum().backward()
     alpha = model.pe.log_freq_scale.detach().double().requires_grad_(True)
     thetas = prope_thetas(8, 3, alpha=alpha)
     ref = naive_attention(attn, x, rotate=lambda t, v: naive_rope_pair(

@@ -9,7 +9,7 @@ Position information enters attention at exactly three places, one hook each:
 A bias scheme may also give its bias in the forms the fused attention backends need (both
 optional, both must equal ``bias``): ``bias_score()``, an elementwise function for
 FlexAttention's ``score_mod``, and ``key_only_slopes()``, per-head slopes m when the bias is
-exactly -m_h (i - j) (ALiBi-type), which SDPA then carries inside q.k (model/gpt.py).
+exactly -m_h (i - j) (ALiBi-type), which SDPA then carries inside q.k (model/attention/sdpa_key.py).
 
 Positions are (T,), or (B, T) when every sequence has its own (packed documents,
 randomized positions); hooks keep any leading batch dims.

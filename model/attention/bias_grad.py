@@ -1,18 +1,11 @@
-"""Attention with a learned bias on CPU: the fused kernel forward, a cache-sized backward.
+"""``bias_grad``: attention with a learned bias on CPU, with the bias gradient SDPA lacks.
 
-A scheme whose bias has parameters (T5 buckets, KERPLE, FIRE) needs the gradient of the
-loss with respect to every (head, i, j) logit. SDPA's CPU flash kernel does not give one, so
-a mask that requires grad sends SDPA to its math path, which upcasts bf16 q, k, v to float32
-matmuls and materialises (B, H, T, T) float32 tensors in both directions: 1.3x the step of
-the learned scheme at the tiny size (issue 10).
-
-Here the forward is the flash kernel with the float32 mask, and the backward is the
-softmax-attention gradient written out in tiles of query rows, a few sequences per tile so
-that its float32 tensors stay in cache. A tile sees only the keys up to its last row: the
-mask hides every later key, so their probabilities and gradients are exactly zero, and the
-flash kernel skips them too. At T = 256 with 64-row tiles the float32 work covers 5/8 of
-the (Tq, Tk) square; a tiny CPU step (16x256, bf16) went from 1.05/1.05/1.08x the learned
-scheme's to 0.98/0.93/1.01x for t5/kerple_log/fire (interleaved, 14 rounds, medians):
+A scheme whose bias has parameters (T5 buckets, KERPLE, FIRE) needs the gradient of the loss
+with respect to every (head, i, j) logit. SDPA's CPU flash kernel gives none, so a mask that
+requires grad sends SDPA to its float32 math path, which materialises (B, H, T, T) float32
+tensors both ways. Here the forward is the flash kernel with the float32 mask, and the
+backward is the softmax-attention gradient in tiles of query rows, small enough to stay in
+cache; a tile stops at its last row's last visible key (later keys are exactly zero):
 
     P  = softmax(scale q k^T + mask)           (recomputed in float32, not stored)
     dP = dO V^T                                (float32)
@@ -20,25 +13,20 @@ scheme's to 0.98/0.93/1.01x for t5/kerple_log/fire (interleaved, 14 rounds, medi
     dV = P^T dO,   dQ = scale dS K,   dK = scale dS^T Q
     dmask = dS, summed over the batch rows the mask was broadcast over
 
-The bias gradient is as exact as SDPA's float32 math path: q k^T and dO V^T are float32
-matmuls of the (exact) compute-dtype values, and P is normalised by its own row sums, so
-every row of dS sums to zero to float32 rounding (a parameter that shifts a whole row, like
-FIRE's threshold, sums dS along rows and is otherwise swamped by rounding). The three
-matmuls that produce dQ, dK, dV run in the compute dtype, as in the flash kernel's backward.
-Used by ``model.gpt._sdpa`` on CPU when the mask requires grad and attention dropout is
-off; CUDA's SDPA kernels take the bias gradient themselves.
-
-Forward and backward are custom ops (``torch.library``), opaque to ``torch.compile``: a
-compiled graph calls these same eager kernels, tiles included. Traced, the tiles unrolled
-into every layer's backward (inductor's cold compile of a tiny t5 step: 320 s instead of
-55 s), and the single-tile fallback that avoided it left compiled kerple_log at 0.93x its
-eager step; as ops, compiled / eager is 1.00 (kerple_log) and 1.03 (t5), 20 rounds.
+The bias gradient is as exact as SDPA's float32 math path: P is normalised by its own row
+sums, so every row of dS sums to zero to float32 rounding (FIRE's threshold shifts whole rows
+and needs that). dQ, dK, dV run in the compute dtype, as in the flash kernel's backward.
+Forward and backward are ``torch.library`` custom ops, opaque to ``torch.compile``: a compiled
+graph calls these same eager kernels (traced, the tiles would unroll into every layer).
+Measurements: docs/benchmark.md.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from model.attention.sdpa import SDPA, default_scale
 
 # float32 elements of one tile's (b, H, QUERY_TILE, Tk) tensors: 2 MiB, about one core's L2.
 BLOCK_ELEMENTS = 1 << 19
@@ -48,8 +36,6 @@ QUERY_TILE = 64
 
 @torch.library.custom_op("pelab::attention_with_bias_grad", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    # an opaque op, forward and backward: a compiled graph calls these same kernels (inductor
-    # would trace the tiles into every layer's backward, 6x its cold compile of a tiny t5 step)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     return out
@@ -139,3 +125,21 @@ def attention_with_bias_grad(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scal
     gradients for q, k, v and the mask. Causal: the queries are the last Tq of the Tk keys
     and the mask hides every key after its query (the backward never looks at those)."""
     return _attention(q, k, v, mask, scale)
+
+
+class BiasGrad(SDPA):
+    """The state is SDPA's float32 mask; layers whose mask needs no gradient run SDPA."""
+
+    name = "bias_grad"
+    devices = ("cpu",)  # CUDA's SDPA kernels take the bias gradient themselves
+    dropout = False
+
+    def fits(self, pe, grad: bool) -> bool:
+        return grad and pe.uses_bias and any(p.requires_grad for p in pe.parameters())
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float) -> Tensor:
+        if mask is None or not mask.requires_grad or dropout or not torch.is_grad_enabled():
+            return super().__call__(q, k, v, mask, dropout)
+        with torch.autocast(v.device.type, enabled=False):
+            q, k = q.to(v.dtype), k.to(v.dtype)
+            return attention_with_bias_grad(q, k, v, mask, default_scale(q))

@@ -1,0 +1,75 @@
+"""The attention-backend interface and the position inputs every backend prepares from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from model.attention.masks import attention_mask
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The position inputs of one forward. The Tq queries are the last Tq of the Tk keys (a
+    query chunk, or new tokens after a KV cache); causality follows token order."""
+
+    pe: Any  # the scheme (model/pe/); only its hooks are called
+    q_positions: Tensor  # (Tq,) or (B, Tq)
+    k_positions: Tensor  # (Tk,) or (B, Tk)
+    bias: bool = True  # add the scheme's bias (False: a NoPE layer of a schedule, causal only)
+    dtype: torch.dtype = torch.float32  # the compute dtype of q, k, v
+    explicit_mask: bool = False  # an explicit causal mask even without a bias
+
+    @property
+    def with_bias(self) -> bool:
+        return self.bias and self.pe.uses_bias
+
+    def rows(self, s: int, e: int) -> Terms:
+        """Query rows [s, e) against the keys they see (a query chunk)."""
+        ke = self.k_positions.shape[-1] - self.q_positions.shape[-1] + e
+        return replace(self, q_positions=self.q_positions[..., s:e], k_positions=self.k_positions[..., :ke],
+                       explicit_mask=True)
+
+    def mask(self, always: bool = False) -> Tensor | None:
+        """The float32 mask (bias + causal -inf), or None for a plain causal layer."""
+        return attention_mask(self.pe, self.q_positions, self.k_positions, torch.float32,
+                              always=always or self.explicit_mask, with_bias=self.bias)
+
+
+class AttentionBackend:
+    """softmax(q k^T / sqrt(d) + position terms + causal mask) v, one way.
+
+    Per forward, ``prepare`` turns the position inputs into what this backend adds (its
+    state, shared by every layer); per layer, ``__call__`` attends. A backend declares what
+    it accepts; ``model.attention.resolve`` falls back to ``fallback`` where it does not."""
+
+    name: ClassVar[str]
+    devices: ClassVar[tuple[str, ...] | None] = None  # device types it runs on (None: any)
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it is exact in (None: any)
+    dropout: ClassVar[bool] = True  # whether it applies attention dropout
+    records: ClassVar[bool] = False  # returns (output, probabilities)
+    fallback: ClassVar[str] = "sdpa"  # where it does not apply
+    plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
+
+    def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool) -> bool:
+        return ((self.devices is None or device.type in self.devices)
+                and (self.dtypes is None or dtype in self.dtypes)
+                and (self.dropout or not dropout) and self.fits(pe, grad))
+
+    def fits(self, pe: Any, grad: bool) -> bool:
+        """Whether the scheme gives this backend what it needs."""
+        return True
+
+    def prepare(self, terms: Terms, chunked: bool = False) -> Any:
+        """The per-forward state; ``chunked``: the layers attend in query chunks (see ``chunk``)."""
+        return None
+
+    def chunk(self, state: Any, terms: Terms, s: int, e: int) -> Any:
+        """The state of query rows [s, e); by default prepared anew for those rows."""
+        return self.prepare(terms.rows(s, e))
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
+        raise NotImplementedError

@@ -1,0 +1,93 @@
+"""``flex``: FlexAttention with the scheme's elementwise bias as ``score_mod`` and a causal BlockMask.
+
+Compiled on CUDA (one kernel per shape); eager elsewhere (on CPU, forward only). Float32
+throughout the scores, so position terms keep float32 accuracy. No attention dropout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from model.attention.base import AttentionBackend, Terms
+
+# Compiled flex specialises on every (batch, Tq, Tk): an evaluation sweep (lengths x query
+# chunks x batch sizes) passes dynamo's default limit of 8, past which flex runs unfused and
+# materialises the scores.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+@dataclass
+class FlexState:
+    score: Callable | None  # the scheme's f(q_pos, k_pos, head) -> float32 bias, None: causal only
+    q_positions: Tensor
+    k_positions: Tensor
+
+
+class Flex(AttentionBackend):
+    name = "flex"
+    dropout = False
+    fallback = plain = "flex"
+
+    def __init__(self) -> None:
+        self._compiled = None
+        self._block_masks: dict = {}  # causal BlockMasks per (Tq, Tk, device)
+
+    def fits(self, pe, grad: bool) -> bool:
+        return not pe.uses_bias or pe.bias_score() is not None
+
+    def prepare(self, terms: Terms, chunked: bool = False) -> FlexState:
+        score = terms.pe.bias_score() if terms.with_bias else None
+        if terms.with_bias and score is None:
+            raise ValueError(f"model.attention=flex: pe={terms.pe.name} gives no elementwise bias (bias_score)")
+        return FlexState(score, terms.q_positions, terms.k_positions)
+
+    def chunk(self, state: FlexState, terms: Terms, s: int, e: int) -> FlexState:
+        rows = terms.rows(s, e)
+        return FlexState(state.score, rows.q_positions, rows.k_positions)
+
+    def block_mask(self, Tq: int, Tk: int, device: torch.device):
+        """The causal BlockMask of Tq queries (the last of Tk tokens) against Tk keys, built once."""
+        key = (Tq, Tk, str(device))
+        if key not in self._block_masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            offset = Tk - Tq
+            self._block_masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset,
+                                                       None, None, Tq, Tk, device=device)
+        return self._block_masks[key]
+
+    def compiled(self, q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask) -> Tensor:
+        """``flex_attention`` compiled once per process, one kernel per shape (the CUDA path)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if self._compiled is None:
+            self._compiled = torch.compile(flex_attention, dynamic=False)
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+            return self._compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        B, Tq, Tk = q.shape[0], q.shape[2], k.shape[2]
+        score_mod = None
+        if state.score is not None:
+            score = state.score
+            qp = (state.q_positions if state.q_positions.dim() == 2 else state.q_positions[None]).expand(B, -1)
+            kp = (state.k_positions if state.k_positions.dim() == 2 else state.k_positions[None]).expand(B, -1)
+
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s + score(qp[b, q_idx], kp[b, kv_idx], h)
+
+        block_mask = self.block_mask(Tq, Tk, q.device)
+        dtype = v.dtype
+        with torch.autocast(v.device.type, enabled=False):
+            if v.device.type == "cuda" and not torch.compiler.is_compiling():
+                return self.compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask)
+            with warnings.catch_warnings():  # eager flex warns that it is not the fused kernel
+                warnings.simplefilter("ignore")
+                return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)

@@ -1,0 +1,44 @@
+"""Causal and float attention masks, decided by token order, never by position values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def causal_future(Tq: int, Tk: int, device: torch.device | None = None) -> Tensor:
+    """(Tq, Tk) bool, True where key j comes after query i in token order, the queries being
+    the last Tq of the Tk tokens. Packed documents, randomized positions and cache offsets
+    repeat or reset position values, so order decides."""
+    q_index = torch.arange(Tk - Tq, Tk, device=device)
+    return torch.arange(Tk, device=device)[None, :] > q_index[:, None]
+
+
+def causal_pair(Tq: int, Tk: int, device: torch.device) -> tuple[Tensor | None, bool]:
+    """(attn_mask, is_causal) for SDPA without position terms."""
+    if Tq == Tk:
+        return None, True
+    if Tq == 1:  # one new token after a cache: every key is visible
+        return None, False
+    return ~causal_future(Tq, Tk, device), False
+
+
+def attention_mask(pe: Any, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype, always: bool = False,
+                   with_bias: bool = True) -> Tensor | None:
+    """Float mask (1 or B, H, Tq, Tk): the scheme's bias plus -inf on keys after the query.
+
+    None when the scheme has no bias (SDPA's is_causal is faster), unless ``always``.
+    ``with_bias=False``: the causal part only (NoPE layers). The model asks float32, so the
+    position terms keep float32 accuracy whatever the compute dtype (a bf16 mask would round a
+    bias of -16 to steps of 0.125)."""
+    future = causal_future(q_positions.shape[-1], k_positions.shape[-1], q_positions.device)
+    if pe.uses_bias and with_bias:
+        bias = pe.bias(q_positions, k_positions)
+    elif always:
+        bias = torch.zeros(future.shape, device=future.device).expand(pe.n_head, -1, -1)
+    else:
+        return None
+    mask = bias.masked_fill(future, float("-inf")).to(dtype)
+    return mask if mask.dim() == 4 else mask.unsqueeze(0)  # (B or 1, H, Tq, Tk)

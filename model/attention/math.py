@@ -1,0 +1,43 @@
+"""``math``: the attention formula written out in float32, probabilities materialised (probes)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.attention.base import AttentionBackend, Terms
+
+
+class AttentionRecorder:
+    """Collects the attention probabilities of the ``math`` backend, layer by layer in
+    forward order: {layer: (B, H, Tq, Tk) float32} for the layers in ``layers`` (None: all)."""
+
+    def __init__(self, layers: set[int] | None = None) -> None:
+        self.layers, self.probs, self.calls = layers, {}, 0
+
+    def add(self, probs: Tensor) -> None:
+        if self.layers is None or self.calls in self.layers:
+            self.probs[self.calls] = probs.detach()
+        self.calls += 1
+
+
+class Math(AttentionBackend):
+    """The state is the float32 mask, always explicit (causal part included)."""
+
+    name = "math"
+    records = True
+    fallback = plain = "math"
+
+    def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
+        return None if chunked else terms.mask(always=True)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float) -> tuple[Tensor, Tensor]:
+        """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32."""
+        with torch.autocast(v.device.type, enabled=False):
+            scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            probs = torch.softmax(scores + mask, dim=-1)
+            dropped = F.dropout(probs, dropout) if dropout else probs
+            return torch.matmul(dropped, v.float()).to(v.dtype), probs

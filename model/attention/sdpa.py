@@ -1,0 +1,37 @@
+"""``sdpa``: PyTorch's fused attention with the position terms as a float32 mask."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.attention.base import AttentionBackend, Terms
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool,
+         scale: float | None = None) -> Tensor:
+    """SDPA in the compute dtype of v with a float32 mask added in float32: autocast is off
+    here because it would cast the mask to bf16 (q, k, v already are)."""
+    with torch.autocast(v.device.type, enabled=False):
+        return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask, dropout_p=dropout,
+                                              is_causal=causal, scale=scale)
+
+
+def default_scale(q: Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
+class SDPA(AttentionBackend):
+    """The state is the float32 mask, or None: a scheme without a bias gets SDPA's causal kernel."""
+
+    name = "sdpa"
+
+    def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
+        return None if chunked else terms.mask()
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, dropout: float) -> Tensor:
+        return sdpa(q, k, v, mask, dropout, causal=mask is None and q.shape[2] == k.shape[2])

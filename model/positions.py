@@ -1,0 +1,83 @@
+"""The per-forward position context: computed once in ``GPT.hidden`` and handed to every block.
+
+It holds the scheme's rotation tables and, for the attention backend that will run, the
+position terms that backend prepared (a float32 mask, key features, a score function).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model.attention import AttentionBackend, AttentionRecorder, Terms, resolve
+from model.attention import BACKENDS
+
+
+@dataclass
+class PositionContext:
+    """What every layer of one forward shares."""
+
+    pe: Any  # the scheme
+    terms: Terms  # query and key positions, compute dtype
+    backend: AttentionBackend
+    state: Any = None  # backend.prepare(terms); per chunk when ``chunk`` is set
+    tables: Any = None  # the scheme's rotation tables; None: no rotation in this layer
+    chunk: int | None = None  # attend in query chunks of this size (long evaluations)
+    record: AttentionRecorder | None = None  # collects the probabilities (math backend)
+
+    @property
+    def positions(self) -> Tensor:
+        return self.terms.q_positions
+
+
+def position_context(pe: Any, positions: Tensor, mask: Tensor | None = None, span: Tensor | None = None
+                     ) -> PositionContext:
+    """An SDPA context of tokens at ``positions`` with a given ``mask`` (None: causal), the
+    scheme's rotation tables over ``span`` (default: the positions themselves)."""
+    tables = pe.rotation_tables(positions, positions if span is None else span) if pe.uses_rotate else None
+    return PositionContext(pe, Terms(pe, positions, positions), BACKENDS["sdpa"], mask, tables)
+
+
+def layer_contexts(pe: Any, n_layer: int, positions: Tensor, backend: AttentionBackend,
+                   k_positions: Tensor | None = None, span: Tensor | None = None, dtype: torch.dtype = torch.float32,
+                   q_chunk: int | None = None, always_mask: bool = False, nope_layers: frozenset[int] = frozenset(),
+                   record: AttentionRecorder | None = None) -> list[PositionContext]:
+    """One forward's per-layer contexts, built once: the scheme's (rotation tables and the
+    backend's position terms) and, for the NoPE layers of a schedule, a causal-only one.
+    ``dtype``: the compute dtype; masks are float32 whatever it is."""
+    k_positions = positions if k_positions is None else k_positions
+    chunk = q_chunk if q_chunk is not None and positions.shape[-1] > q_chunk else None
+
+    def build(with_pe: bool) -> PositionContext:
+        kind = backend if with_pe else BACKENDS[backend.plain]
+        terms = Terms(pe, positions, k_positions, bias=with_pe, dtype=dtype, explicit_mask=always_mask)
+        tables = None
+        if with_pe and pe.uses_rotate:
+            tables = pe.rotation_tables(positions, k_positions if span is None else span)
+        return PositionContext(pe, terms, kind, kind.prepare(terms, chunked=chunk is not None), tables, chunk,
+                               record)
+
+    scheme = build(True)
+    plain = build(False) if nope_layers else scheme
+    return [plain if i in nope_layers else scheme for i in range(n_layer)]
+
+
+def resolve_positions(pe: Any, T: int, positions: Tensor | None, device: torch.device, start: int = 0) -> Tensor:
+    """The default start..start+T-1, checked against the scheme's table; or validated explicit ones."""
+    if positions is None:
+        limit = pe.max_positions
+        if limit is not None and start + T > limit:
+            raise ValueError(
+                f"sequence length {start + T} exceeds the {limit} positions of pe={pe.name}; "
+                f"this scheme cannot run past its table"
+            )
+        return torch.arange(start, start + T, device=device)
+    if positions.shape[-1:] != (T,) or positions.dim() > 2:
+        raise ValueError(f"positions must have shape ({T},) or (batch, {T}), got {tuple(positions.shape)}")
+    return positions
+
+
+__all__ = ["PositionContext", "layer_contexts", "position_context", "resolve", "resolve_positions"]
