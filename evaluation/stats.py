@@ -1,4 +1,5 @@
-"""Statistics across seeds: mean with a Student-t confidence interval, Welch's t-test.
+"""Statistics across seeds (mean with a Student-t confidence interval, Welch's t-test) and of
+repeated timings (paired ratios, a distribution-free interval of the median).
 
 - ``mean_ci(values)``: mean, sample standard deviation s (n - 1 in the denominator) and the
   95% interval mean ± t_{0.975, n-1}·s/√n. With one value there is no interval (half-width NaN).
@@ -7,6 +8,11 @@
   (p < α). With fewer than two values on either side there is nothing to test: p is NaN and
   ``significant`` False. When both samples have zero variance the statistic is infinite
   (different means: p = 0) or undefined (equal means: p = 1).
+- ``median_ci(values)``: the distribution-free interval (coverage at least 95%) of the median,
+  two order statistics chosen from the Binomial(n, 1/2) distribution of how many values lie
+  below the true median; None below 6 values.
+- ``paired_ratios(num, den)``: min(num[i]) / min(den[i]) per block i, for timings paired by
+  block (e.g. the bench's rounds), so that slow drifts of a machine's speed cancel.
 
 The t-distribution is computed here (no scipy dependency): the two-sided tail is
 P(|T| ≥ t) = I_{ν/(ν+t²)}(ν/2, 1/2), the regularised incomplete beta function, evaluated by
@@ -144,3 +150,24 @@ def welch_test(a: Sequence[float], b: Sequence[float], alpha: float = ALPHA) -> 
     df = (va + vb) ** 2 / (va ** 2 / (sa.n - 1) + vb ** 2 / (sb.n - 1))
     p = t_two_sided_p(t, df)
     return WelchResult(t, df, p, p < alpha)
+
+
+def median_ci(values: Sequence[float], alpha: float = ALPHA) -> tuple[float, float] | None:
+    """Distribution-free interval of the median with coverage >= 1 - alpha: the order statistics
+    x_(k), x_(n+1-k) with k the largest such that P(Binomial(n, 1/2) < k) <= alpha/2 (e.g.
+    Conover, Practical Nonparametric Statistics, table A3). None when no k exists (n < 6 at 95%)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    xs = sorted(_values(values, "median_ci"))
+    n = len(xs)
+    tail, k = 0.0, 0  # tail = P(Binomial(n, 1/2) <= k - 1)
+    while tail + math.comb(n, k) / 2**n <= alpha / 2:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
+def paired_ratios(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> list[float]:
+    """min(num[i]) / min(den[i]) for each block i. Each block's minimum drops what other load on
+    a machine adds to a timing; pairing by block cancels drifts slower than a block."""
+    return [min(a) / min(b) for a, b in zip(num, den, strict=True)]

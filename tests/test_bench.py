@@ -1,6 +1,7 @@
 """scripts/bench.py smoke run: the benchmark runs end to end and its JSON lines carry every field.
 
-Numbers are never asserted (speed targets live in the README and issue 10)."""
+Numbers are never asserted (speed targets live in docs/benchmark.md and issue 10). The median
+interval and paired ratios it reports are tested in tests/test_stats.py."""
 
 from __future__ import annotations
 
@@ -56,23 +57,40 @@ def test_bench_rejects_unknown_options() -> None:
     assert proc.returncode != 0 and "valid options" in proc.stderr
 
 
+def _import_like_the_script() -> None:
+    """scripts/ on sys.path, as `python scripts/bench.py` has it: bench.py, benchkit/."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+
+
 def test_growth_exponent_reads_linear_and_quadratic_growth() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench import growth_exponent
+    _import_like_the_script()
+    from benchkit.report import growth_exponent
 
     assert abs(growth_exponent([1024, 2048, 4096], [30.0, 60.0, 120.0]) - 1.0) < 1e-12
     assert abs(growth_exponent([1024, 2048, 4096], [10.0, 40.0, 160.0]) - 2.0) < 1e-12
     assert abs(growth_exponent([2, 8], [3.0, 6.0]) - 0.5) < 1e-12  # log 2 / log 4
 
 
-def test_median_interval_is_the_textbook_order_statistics() -> None:
-    """Distribution-free 95% interval of a median (e.g. Conover, Practical Nonparametric
-    Statistics, table A3): n = 10 -> (x_(2), x_(9)); n = 20 -> (x_(6), x_(15)); n = 6 -> (x_(1), x_(6))."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench import median_ci95
+def test_ratio_interval_is_the_median_interval_rounded() -> None:
+    """The JSON's ``*_ci95``: evaluation.stats.median_ci's order statistics, rounded to 4 places."""
+    _import_like_the_script()
+    from benchkit.report import ratio_ci95
 
-    values = [float(v) for v in range(100, 0, -1)]  # unsorted input: descending
-    assert median_ci95(values[-10:]) == [2.0, 9.0]
-    assert median_ci95(values[-20:]) == [6.0, 15.0]
-    assert median_ci95(values[-6:]) == [1.0, 6.0]
-    assert median_ci95(values[-5:]) is None
+    values = [1 + v / 3 for v in range(10, 0, -1)]  # x_(2) = 1.66666..., x_(9) = 4
+    assert ratio_ci95(values) == [1.6667, 4.0]
+    assert ratio_ci95(values[:5]) is None
+
+
+def test_scheme_lists_come_from_the_registry() -> None:
+    _import_like_the_script()
+    from bench import configs_of, schemes_of
+
+    from model.pe import SCHEMES
+
+    every = schemes_of("all")
+    assert sorted(every) == sorted(SCHEMES) and every[0] == "learned"
+    assert schemes_of("rope+learned") == schemes_of("learned,rope") == ["learned", "rope"]
+    assert configs_of({"configs": "byte-tiny:alibi+nope,gpt2-tiny"}) == [("byte-tiny", ["alibi", "nope"]),
+                                                                        ("gpt2-tiny", every)]
+    assert configs_of({"configs": "byte-tiny:alibi", "schemes": "rope"}) == [("byte-tiny", ["rope"])]

@@ -1,10 +1,11 @@
-"""evaluation/stats.py against textbook t-table values, closed forms and hand-computed cases."""
+"""evaluation/stats.py against textbook t-table and order-statistic values, closed forms and
+hand-computed cases."""
 
 import math
 
 import pytest
 
-from evaluation.stats import betainc, mean_ci, t_quantile, t_two_sided_p, welch_test
+from evaluation.stats import betainc, mean_ci, median_ci, paired_ratios, t_quantile, t_two_sided_p, welch_test
 
 # Two-sided 95% critical values t_{0.975, df}, typed from a printed Student-t table.
 T_TABLE_975 = {1: 12.706205, 2: 4.302653, 3: 3.182446, 4: 2.776445, 5: 2.570582, 9: 2.262157, 10: 2.228139,
@@ -108,3 +109,44 @@ def test_against_scipy_when_installed():
     ref = stats.ttest_ind(a, b, equal_var=False)
     r = welch_test(a, b)
     assert (r.t, r.p) == pytest.approx((ref.statistic, ref.pvalue), rel=1e-9)
+
+
+def test_median_interval_is_the_textbook_order_statistics():
+    """Distribution-free 95% interval of a median (e.g. Conover, Practical Nonparametric
+    Statistics, table A3): n = 10 -> (x_(2), x_(9)); n = 20 -> (x_(6), x_(15)); n = 6 -> (x_(1), x_(6))."""
+    values = [float(v) for v in range(100, 0, -1)]  # unsorted input: descending
+    assert median_ci(values[-10:]) == (2.0, 9.0)
+    assert median_ci(values[-20:]) == (6.0, 15.0)
+    assert median_ci(values[-6:]) == (1.0, 6.0)
+    assert median_ci(values[-5:]) is None
+    # 80%: P(Binomial(10, 1/2) <= 2) = 56/1024 = 0.0547 <= 0.1 < P(<= 3) = 176/1024 -> (x_(3), x_(8))
+    assert median_ci(values[-10:], alpha=0.2) == (3.0, 8.0)
+
+
+def _coverage(n: int, lo: int, hi: int) -> float:
+    """P(x_(lo) <= median < x_(hi)) = P(lo <= Binomial(n, 1/2) <= hi - 1), summed in float64."""
+    return sum(math.comb(n, j) * 0.5**n for j in range(lo, hi))
+
+
+def test_median_interval_coverage():
+    # n = 10: 1 - 2 (1 + 10) / 1024 = 0.978515625; n = 20: 1 - 2 * 21700 / 2^20 = 0.958611
+    assert _coverage(10, 2, 9) == pytest.approx(0.978515625, abs=1e-15)
+    assert _coverage(20, 6, 15) == pytest.approx(0.958611, abs=1e-6)
+    for n in range(6, 61):
+        lo, hi = median_ci([float(v) for v in range(1, n + 1)])
+        assert hi == n + 1 - lo  # symmetric ranks
+        assert _coverage(n, int(lo), int(hi)) >= 0.95, n
+        assert _coverage(n, int(lo) + 1, int(hi) - 1) < 0.95, n  # the next narrower one falls short
+
+
+def test_median_interval_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"at least one value and no NaN, got \[\]"):
+        median_ci([])
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\), got 5"):
+        median_ci([1, 2, 3, 4, 5, 6], alpha=5)
+
+
+def test_paired_ratios_divide_each_blocks_minima():
+    assert paired_ratios([[2.0, 3.0], [4.0, 1.0]], [[1.0, 5.0], [2.0, 2.0]]) == [2.0, 0.5]
+    with pytest.raises(ValueError):  # unpaired blocks
+        paired_ratios([[1.0], [2.0]], [[1.0]])

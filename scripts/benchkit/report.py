@@ -1,0 +1,112 @@
+"""The bench's rows: step times, paired ratios with their intervals, MFU, and the table.
+
+The fields are documented in docs/benchmark.md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from benchkit.paths import PELAB_LOOP
+from evaluation.stats import median_ci, paired_ratios
+
+
+def ratio_ci95(ratios: list[float]) -> list[float] | None:
+    ci = median_ci(ratios)
+    return [round(ci[0], 4), round(ci[1], 4)] if ci else None
+
+
+def timing_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: dict, eager: dict, opts: dict,
+                load_avg: list[float], peak: float, peak_source: str) -> list[dict]:
+    """One row per path of one compile setting (``eager``: the same paths uncompiled, or {}).
+
+    A path's step is the median over rounds of the round's fastest step: other processes only
+    ever add time to a step. Ratios are the median over rounds of paired per-round ratios
+    (step-time ratio other/this = tokens/s ratio this/other)."""
+    B, T = opts["batch_size"], model["block_size"]
+    rows = []
+    ref = paths["reference"]
+    learned = paths.get("learned")
+    for name, p in paths.items():
+        plain_loop = name in ("reference", PELAB_LOOP)  # the reference's loop, learned positions
+        vs_reference = name in ("learned", PELAB_LOOP)  # the rows compared with the reference
+        step = statistics.median(min(r) for r in p.rounds)
+        all_steps = statistics.median(t for r in p.rounds for t in r)
+        row = {"config": cfg, "scheme": "learned" if plain_loop else name,
+               "path": name if plain_loop else "pelab", "precision": precision,
+               "compile": compile_, "device": opts["device"], "batch_size": B, "block_size": T,
+               "step_ms": round(step * 1000, 2), "step_ms_all_median": round(all_steps * 1000, 2),
+               "tokens_per_s": round(B * T / step, 1)}
+        against = {"reference": ref if vs_reference else None,
+                   "learned": learned if not plain_loop else None,
+                   "eager": eager.get(name)}
+        for what, other in against.items():
+            ratios = paired_ratios(other.rounds, p.rounds) if other is not None else None
+            row[f"ratio_vs_{what}"] = round(statistics.median(ratios), 4) if ratios else None
+            row[f"ratio_vs_{what}_ci95"] = ratio_ci95(ratios) if ratios and other is not p else None
+        if name == "reference":
+            row["ratio_vs_reference"] = 1.0
+        # the same from the process's CPU time per step: less sensitive to other processes
+        row["cpu_ms"] = round(statistics.median(min(r) for r in p.cpu_rounds) * 1000, 2)
+        row["ratio_vs_reference_cpu"] = (1.0 if name == "reference" else
+                                         round(statistics.median(paired_ratios(ref.cpu_rounds, p.cpu_rounds)), 4)
+                                         if vs_reference else None)
+        row["ratio_vs_learned_cpu"] = (round(statistics.median(paired_ratios(learned.cpu_rounds, p.cpu_rounds)), 4)
+                                       if learned is not None and not plain_loop else None)
+        warm = p.times[: opts["warmup"]]
+        row["compile_s"] = round(sum(warm) - len(warm) * step, 2) if compile_ else None
+        row["flops_per_token"] = p.flops_per_token
+        row["mfu"] = round(p.flops_per_token * B * T / step / peak, 4)
+        row["peak_tflops"], row["peak_source"] = round(peak / 1e12, 3), peak_source
+        row["load_avg"] = list(load_avg)
+        row["rounds_ms"] = [[round(t * 1000, 1) for t in r] for r in p.rounds]  # every timed step, by round
+        rows.append(row)
+    return rows
+
+
+def growth_exponent(lengths: list[int], values: list[float]) -> float:
+    """Least-squares slope of log(value) against log(length): 1 for memory linear in the
+    length, 2 for quadratic."""
+    xs, ys = [math.log(x) for x in lengths], [math.log(max(y, 1e-9)) for y in values]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def eval_fields(factors: list[int], curve: list[dict]) -> dict:
+    """A pelab row's evaluation fields from one measurement per factor: the ``_16x`` fields
+    from factor 16 (else the largest), and with several factors the curve and its exponent."""
+    main = next((ev for f, ev in zip(factors, curve) if f == 16), curve[-1])
+    fields = {"eval_s_16x": round(main["eval_s_16x"], 3),
+              "eval_peak_mem_mb_16x": round(main["eval_peak_mem_mb_16x"], 1),
+              "eval_length": main["eval_length"]}
+    if len(curve) > 1:
+        fields["eval_curve"] = [{"length": ev["eval_length"], "batch": ev["eval_batch"],
+                                 "s": round(ev["eval_s_16x"], 3), "peak_mb": round(ev["eval_peak_mem_mb_16x"], 1)}
+                                for ev in curve]
+        fields["eval_mem_exponent"] = round(growth_exponent(
+            [ev["eval_length"] for ev in curve], [ev["eval_peak_mem_mb_16x"] for ev in curve]), 3)
+    return fields
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def fmt_ratio(row: dict, what: str) -> str:
+    """The ratio with its 95% interval, e.g. ``0.983 (0.951-1.004)``."""
+    ci = row.get(f"ratio_vs_{what}_ci95")
+    return fmt(row[f"ratio_vs_{what}"], ".3f") + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| config | precision | compile | scheme | path | ms/step | tokens/s | vs reference | vs learned "
+          "| vs eager | MFU | peak MB | compile s | eval 16x s | eval 16x MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['precision']} | {str(r['compile']).lower()} | {r['scheme']} | {r['path']} "
+              f"| {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {fmt_ratio(r, 'reference')} "
+              f"| {fmt_ratio(r, 'learned')} | {fmt_ratio(r, 'eager')} | {fmt(r['mfu'], '.3f')} "
+              f"| {fmt(r['peak_mem_mb'], '.0f')} "
+              f"| {fmt(r['compile_s'], '.1f')} | {fmt(r['eval_s_16x'], '.2f')} "
+              f"| {fmt(r['eval_peak_mem_mb_16x'], '.0f')} |", flush=True)
