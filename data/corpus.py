@@ -94,7 +94,7 @@ class GutenbergCorpus:
         return f"gutenberg-val{self.val_fraction:g}"
 
     def fingerprint(self) -> str:
-        """sha256 of every document's split, title and text (~0.1 s for the 6 MB corpus)."""
+        """sha256 of every document's split, title and text (cheap for the 6 MB corpus)."""
         digest = hashlib.sha256()
         for split, docs in self.documents().items():
             for title, body in docs:
@@ -376,7 +376,7 @@ class TextFilesCorpus:
 
     def fingerprint(self) -> str:
         """sha256 over the options and every file's path, size and sha256 (reads every byte
-        once: ~1 s per GB)."""
+        once)."""
         digest = hashlib.sha256(json.dumps(self._options()).encode())
         for path in self.files:
             with open(path, "rb") as f:

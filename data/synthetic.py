@@ -192,13 +192,13 @@ class SyntheticDataModule(StreamDataModule):
     There is no held-out text: ``held_out_text`` is False and ``split_path`` refuses with a
     message, so perplexity extrapolation must be off (``eval.extrapolation.enabled=false``);
     ``evaluation/tasks.py`` measures accuracy against length instead. ``unigram_loss`` is the
-    answer-token baseline (see there), so train.py's end-of-run report works unchanged."""
+    answer-token baseline (see there), so the end-of-run report needs no special case."""
 
     held_out_text = False
 
     def __init__(
         self,
-        task: TaskName = "passkey",  # a Literal: train.py's config check names the choices before any work
+        task: TaskName = "passkey",  # a Literal: the config check names the choices before any work
         block_size: int = 128,
         batch_size: int = 32,
         val_batch_size: int | None = None,

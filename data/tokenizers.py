@@ -72,7 +72,7 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """sha256 of everything that decides the token ids: a tokenizer switched under the same
-        name gets a different fingerprint. Cheap (~0.1 s for gpt2's 50k ranks)."""
+        name gets a different fingerprint. Cheap enough to check on every load."""
         enc = self.encoding
         ranks = getattr(enc, "_mergeable_ranks", {})  # tiktoken keeps the ranks here
         ranks_digest = hashlib.sha256(b"".join(

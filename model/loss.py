@@ -45,24 +45,7 @@ a slice, so the gradient lands on the tied weight directly. Works with and witho
 ``torch.autocast`` (bf16 matmuls, float32 softmax statistics). Double backward is not
 supported (the gradients are computed in forward).
 
-Measured on this 2-core CPU (AMD EPYC, AVX512-BF16/AMX; shared, load average 6-8 during the
-runs, so times are noisy), N = 16*256 tokens, V = 50304 padded / 50257 real, bf16 autocast,
-forward + backward of the LM head + loss, fp32 hidden and weight; peak = rise of the process's
-peak RSS over the call (fresh process each, .grad tensors allocated beforehand), time = median of 5 interleaved runs:
-
-    C    path                          peak RSS    time
-    128  full logits + F.cross_entropy  2378 MB    6.2 s   (3.7-5.3 s in quieter runs)
-    128  chunked, chunk_size 512         228 MB    1.5 s
-    128  chunked, chunk_size 1024        376 MB    1.6 s
-    128  chunked, chunk_size 2048        671 MB    2.2 s
-    768  full logits + F.cross_entropy  2445 MB   12.5 s
-    768  chunked, chunk_size 512         487 MB   10.3 s
-    768  chunked, chunk_size 1024        634 MB    9.0 s
-    768  chunked, chunk_size 2048        931 MB    9.5 s
-
-At C=768 the three matmuls (~950 GFLOP) dominate both paths; the chunked path saves the
-elementwise passes and page faults over the (N, V) fp32 tensors (log_softmax, its backward,
-the zero-filled slice/nll gradients, the dtype copies).
+Peak memory and time against full logits, per chunk size: docs/performance.md, section 1.
 """
 
 from __future__ import annotations
@@ -76,9 +59,8 @@ from torch import Tensor
 #: 128 MB and grow to 824 MB at the gpt2 vocabulary.
 CHUNKED_LOSS_MIN_VOCAB = 8192
 
-#: Rows per chunk. From the measurement above: 1024 is fastest or within noise of it at both
-#: widths and keeps the chunk buffers (rows * V * 6 bytes: bf16 logits + fp32 softmax, 309 MB
-#: at V=50257) far below the full path's ~2.4 GB; 512 halves them for ~10% more time at C=768.
+#: Rows per chunk: the fastest measured size, or within noise of it (docs/performance.md), with
+#: chunk buffers of rows * V * 6 bytes (bf16 logits + fp32 softmax: 309 MB at V=50257).
 DEFAULT_CHUNK_SIZE = 1024
 
 
@@ -102,8 +84,8 @@ _TINY = 2.0 ** -100
 
 def _softmax_(x: Tensor) -> Tensor:
     """Row softmax of a 2-D float32 tensor in place: the fused kernel writes each element
-    after reading it, so input and output may alias (2x faster on CPU than max, sub, exp,
-    sum as separate passes, and no second (rows, V) buffer)."""
+    after reading it, so input and output may alias (faster on CPU than max, sub, exp, sum
+    as separate passes, and no second (rows, V) buffer)."""
     return torch.ops.aten._softmax.out(x, 1, False, out=x)
 
 
@@ -114,7 +96,7 @@ _ADD_BLOCK = 1 << 22
 def _add_converted_(acc: Tensor, part: Tensor, buf: Tensor) -> None:
     """acc += part for a float32 ``acc`` and a lower-precision ``part`` of the same 2-D shape,
     through a small float32 ``buf`` of whole rows: a mixed-dtype ``add_`` takes a slow
-    per-element path on CPU (4-5x slower than converting with ``copy_`` and adding in fp32),
+    slow per-element path on CPU (converting with ``copy_`` and adding in fp32 is faster),
     and a cache-sized buffer avoids a second (V, C) float32 tensor."""
     rows = buf.shape[0]
     for s in range(0, acc.shape[0], rows):

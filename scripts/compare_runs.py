@@ -12,7 +12,7 @@ at a time. Lines are named by scheme (+ RoPE scaling).
 
 **Seeds.** Runs whose resolved configs (``checkpoints/config.yaml``) differ only in ``seed``
 and in settings that do not change what is trained (paths, loggers, callbacks, evaluation
-options; the list of train.py's run names) are one group: its lines show the mean over the
+options: what run names leave out) are one group: its lines show the mean over the
 seeds ± the 95% Student-t interval (n − 1 degrees of freedom), the best mean at each length
 is bold, and ``*`` marks a group whose values differ from the best group's at that length by
 Welch's two-sided t-test at α = 0.05 (p-values in the CSV); the plot draws the intervals as
@@ -53,7 +53,7 @@ def find_result_files(patterns: list[str], name: str = "extrapolation.csv") -> l
             if path.is_file() and path.name == name:
                 files.add(path.resolve())
             elif path.is_file() and path.suffix == ".csv" and name == "extrapolation.csv" and path.name != "tasks.csv":
-                files.add(path.resolve())  # any other CSV given by name: an extrapolation table, as before
+                files.add(path.resolve())  # any other CSV given by name is read as an extrapolation table
             elif path.is_dir():
                 files.update(p.resolve() for p in path.rglob(name))
     return sorted(files)
@@ -117,7 +117,7 @@ def label_rows(pairs: list[tuple[str, ExtrapolationRow]]) -> list[ExtrapolationR
 # --- seeds ----------------------------------------------------------------------------------
 
 def _not_trained(key: str) -> bool:
-    """Config keys that do not change what is trained: train.py's list for run names, plus the
+    """Config keys that do not change what is trained: the run names' list (pelab/run.py), plus the
     seed (what a group varies) and the resolved output dir."""
     from pelab.run import NOT_IN_NAME
 

@@ -9,7 +9,7 @@ Position information enters attention at exactly three places, one hook each:
 A bias scheme may also give its bias in the forms the fused attention backends need (both
 optional, both must equal ``bias``): ``bias_score()``, an elementwise function for
 FlexAttention's ``score_mod``, and ``key_only_slopes()``, per-head slopes m when the bias is
-exactly -m_h (i - j) (ALiBi-type), which SDPA then carries inside q.k (model/attention/sdpa_key.py).
+exactly -m_h (i - j) (ALiBi-type), which the ``sdpa_key`` backend carries inside q.k.
 
 Positions are (T,), or (B, T) when every sequence has its own (packed documents,
 randomized positions); hooks keep any leading batch dims.
@@ -151,9 +151,9 @@ def distance_bias(values_of: Callable[[Tensor], Tensor], q_positions: Tensor, k_
 
     Eager, it runs once per distinct distance, not once per (i, j) pair. Consecutive 1-D
     positions (Tq + Tk - 1 distances) are laid out as a Toeplitz matrix by strides, so the
-    backward sums diagonals instead of scattering Tq * Tk indices (T5's table at 16x256 on
-    CPU: 5.5 -> 1.4 ms forward and backward); other positions gather their distance range,
-    unless it is larger than the pairs. Compiled graphs evaluate every pair (no host reads).
+    backward sums diagonals instead of scattering Tq * Tk indices (several times faster on
+    CPU); other positions gather their distance range, unless it is larger than the pairs.
+    Compiled graphs evaluate every pair (no host reads).
     """
     eager, device = not torch.compiler.is_compiling(), q_positions.device
     if eager and is_window(q_positions) and is_window(k_positions):

@@ -40,8 +40,7 @@ from model.pe.rope_scaling import RopeFrequencies, RopeScaling, scaled_frequenci
 def swap_halves(x: Tensor, half: int) -> Tensor:
     """x with dims [0, half) and [half, 2*half) exchanged, later dims kept: a symmetric
     permutation, so it is its own transpose."""
-    # a cat, not a roll: inductor turns a roll's backward into a scatter-add (CPU, tiny: the
-    # compiled rope step took 1.07x the eager one with a roll, 0.95x with this cat)
+    # a cat, not a roll: inductor turns a roll's backward into a scatter-add
     return torch.cat((x[..., half : 2 * half], x[..., :half], x[..., 2 * half :]), dim=-1)
 
 
@@ -54,10 +53,9 @@ def rotate_half(x: Tensor, cos: Tensor, sin: Tensor, half: int) -> Tensor:
 class _Rotation(torch.autograd.Function):
     """q and k rotated in one autograd node whose backward is the transposed rotation,
     g * cos + swap(g * sin). Composed of elementwise ops, the rotation costs about a dozen
-    autograd nodes per layer and full-size zero-filled slice gradients (7-10% of a tiny
-    CPU step, issue 10). Contiguous inputs: bf16 elementwise ops on the strided q, k views
-    run at half speed on CPU. The tables get no gradient: only ``rotate_half`` under autograd
-    carries one (learned frequencies)."""
+    autograd nodes per layer and full-size zero-filled slice gradients. Contiguous inputs:
+    bf16 elementwise ops on the strided q, k views are slow on CPU. The tables get no
+    gradient: only ``rotate_half`` under autograd carries one (learned frequencies)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos: Tensor | None,
