@@ -9,7 +9,7 @@ import pytest
 
 from evaluation.extrapolation import ExtrapolationRow, write_csv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_run(sweep: Path, name: str, scheme: str, ppls: dict[int, float | None], sub: str = "") -> Path:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FIELDS = {"config", "scheme", "path", "precision", "compile", "tokens_per_s", "ratio_vs_reference",
           "ratio_vs_learned", "peak_mem_mb", "mfu", "eval_s_16x", "eval_peak_mem_mb_16x", "compile_s", "step_ms",

@@ -18,7 +18,7 @@ from data.corpus import HubCorpus, TextFilesCorpus, document_key, find_corpus_fi
 from data.datamodule import TextDataModule, prepare_token_files
 from data.tokenizers import get_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEP = 0x1E  # the bytes tokenizer's document separator
 
 
