@@ -18,16 +18,13 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
-
-torch.set_num_threads(2)
+from tests import tiny
 
 ROPE_FAMILY = ["rope", "xpos", "rope_alibi"]
 
 
 def tiny_config(**overrides) -> GPTConfig:
-    kwargs = dict(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_embd=64)  # head dim 16
-    kwargs.update(overrides)
-    return GPTConfig(**kwargs)
+    return tiny.tiny_config(**{"n_embd": 64, **overrides})  # head dim 16
 
 
 # --------------------------------------------------------------------------------------
