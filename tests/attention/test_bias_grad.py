@@ -91,8 +91,8 @@ def _model(name: str, dropout: float = 0.0) -> GPT:
                                         ("rope", False)])
 def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name, used):
     calls = []
-    monkeypatch.setattr(bias_grad, "attention_with_bias_grad",
-                        lambda *a: calls.append(1) or bias_grad.attention_with_bias_grad(*a))
+    original = bias_grad.attention_with_bias_grad
+    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a: calls.append(1) or original(*a))
     model = _model(name)
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
