@@ -1,7 +1,11 @@
-"""Small models shared by the tests: configurations, a GPT with sharpened attention weights,
-positions as the model sees them, and per-layer contexts as one forward builds them."""
+"""Small models shared by the tests: configurations, scheme lists taken from the registry by
+property, a GPT with sharpened attention weights, positions as the model sees them, and
+per-layer contexts as one forward builds them."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +25,25 @@ def attention_config(**overrides) -> GPTConfig:
     kwargs = dict(vocab_size=31, block_size=32, n_layer=2, n_head=4, n_embd=32)  # head dim 8
     kwargs.update(overrides)
     return GPTConfig(**kwargs)
+
+
+@functools.cache
+def _default_schemes() -> dict:
+    with torch.random.fork_rng(devices=[]):  # building at collection leaves the tests' random state alone
+        return {name: SCHEMES[name](attention_config()) for name in sorted(SCHEMES)}
+
+
+def schemes_where(test: Callable) -> list[str]:
+    """The registered schemes (sorted by name) whose default instance passes ``test``."""
+    return [name for name, pe in _default_schemes().items() if test(pe)]
+
+
+def has_parameters(pe) -> bool:
+    return any(True for _ in pe.parameters())
+
+
+# schemes whose bias has parameters (T5, KERPLE, FIRE): CPU training runs them on the bias_grad backend
+LEARNED_BIAS = schemes_where(lambda pe: pe.uses_bias and has_parameters(pe))
 
 
 def build(name, opts=None, seed=0, **cfg_overrides):

@@ -16,7 +16,7 @@ from model.pe import SCHEMES
 from tests.naive import (
     naive_gelu, naive_layer_norm, naive_linear, naive_rotate, naive_softmax_attention, naive_spec, naive_t5_bucket,
 )
-from tests.tiny import attention_config, build, contexts
+from tests.tiny import LEARNED_BIAS, attention_config, build, contexts
 
 
 BACKENDS = sorted(BACKEND_REGISTRY)
@@ -28,9 +28,6 @@ BACKEND_SCHEMES = [(n, {}) for n in sorted(SCHEMES)] + [("rope_alibi", {"bias_he
 BACKEND_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in BACKEND_SCHEMES]
 
 
-# schemes whose bias has parameters: CPU training runs them on the bias_grad backend
-LEARNED_BIAS = {n for n, cls in SCHEMES.items()
-                if (pe := cls(attention_config())).uses_bias and any(True for _ in pe.parameters())}
 
 
 # per-sequence positions: packed documents (reset) and repeats

@@ -12,6 +12,7 @@ import model.attention.bias_grad as bias_grad
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
+from tests.tiny import LEARNED_BIAS
 
 torch.set_num_threads(2)
 
@@ -87,8 +88,7 @@ def _model(name: str, dropout: float = 0.0) -> GPT:
     return GPT(config, SCHEMES[name](config))
 
 
-@pytest.mark.parametrize("name, used", [("t5", True), ("fire", True), ("kerple_log", True), ("alibi", False),
-                                        ("rope", False)])
+@pytest.mark.parametrize("name, used", [(name, name in LEARNED_BIAS) for name in sorted(SCHEMES)])
 def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name, used):
     calls = []
     original = bias_grad.attention_with_bias_grad

@@ -21,7 +21,6 @@ from model.positions import position_context
 from tests.tiny import build as build_layer
 
 ALL_SCHEMES = sorted(SCHEMES)
-ATTENTION_SCHEMES = ["learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"]
 T = 16
 # Two packed documents (positions reset) and a run of repeats: later tokens carry position
 # values smaller than, or equal to, earlier ones.
@@ -119,7 +118,7 @@ def test_positions_of_the_wrong_shape_are_refused():
 
 
 def test_causality_future_tokens_do_not_leak():
-    for name in ATTENTION_SCHEMES:
+    for name in ALL_SCHEMES:
         cfg, model, attn = build_layer(name, {}, seed=3)
         positions = torch.arange(8)
         x = torch.randn(1, 8, cfg.n_embd)

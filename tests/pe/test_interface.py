@@ -11,13 +11,29 @@ from model.gpt import GPT
 from model.lit import LitGPT
 from model.pe import SCHEMES, PositionEncoding
 from tests.naive import naive_softmax_attention
-from tests.tiny import attention_config, build, tiny_config
+from tests.tiny import attention_config, build, schemes_where, tiny_config
 
-ALL_SCHEMES = ["learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"]
+# The hooks (embed, rotate, bias) each scheme implements: the table of docs/design.md, section 2.
+HOOKS = {
+    "learned": (True, False, False),
+    "sinusoidal": (True, False, False),
+    "rope": (False, True, False),
+    "xpos": (False, True, False),
+    "alibi": (False, False, True),
+    "rope_alibi": (False, True, True),
+    "nope": (False, False, False),
+    "t5": (False, False, True),
+    "kerple_log": (False, False, True),
+    "kerple_power": (False, False, True),
+    "fire": (False, False, True),
+}
+# FIRE divides the distance by a function of the query's own position, max(i, L): not relative-only.
+READS_QUERY_POSITION = {"fire"}
 
 
 def test_registry_has_all_schemes():
-    for name in ALL_SCHEMES:
+    assert sorted(SCHEMES) == sorted(HOOKS)  # every registered scheme has its row in the design table
+    for name in HOOKS:
         assert name in SCHEMES
         assert SCHEMES[name].name == name
 
@@ -32,17 +48,7 @@ def test_registering_a_taken_scheme_name_is_an_error():
     assert SCHEMES == before
 
 
-@pytest.mark.parametrize(
-    "name, flags",
-    [
-        ("learned", (True, False, False)),
-        ("sinusoidal", (True, False, False)),
-        ("rope", (False, True, False)),
-        ("xpos", (False, True, False)),
-        ("alibi", (False, False, True)),
-        ("rope_alibi", (False, True, True)),
-    ],
-)
+@pytest.mark.parametrize("name, flags", list(HOOKS.items()))
 def test_hook_flags_match_design(name, flags):
     pe = SCHEMES[name](tiny_config())
     assert (pe.uses_embed, pe.uses_rotate, pe.uses_bias) == flags
@@ -50,18 +56,12 @@ def test_hook_flags_match_design(name, flags):
     assert (base.uses_embed, base.uses_rotate, base.uses_bias) == (False, False, False)
 
 
-@pytest.mark.parametrize("name, flags", [  # every new scheme
-    ("nope", (False, False, False)),
-    ("t5", (False, False, True)),
-    ("kerple_log", (False, False, True)),
-    ("kerple_power", (False, False, True)),
-    ("fire", (False, False, True)),
-])
-def test_registered_with_hooks_and_bench_style_construction(name, flags, project_root):
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_registered_with_hooks_and_bench_style_construction(name, project_root):
     cfg = attention_config()
     pe = SCHEMES[name](cfg)  # scripts/bench.py: defaults only
-    assert pe.name == name and (pe.uses_embed, pe.uses_rotate, pe.uses_bias) == flags
-    assert pe.max_positions is None
+    assert pe.name == name and (pe.uses_embed, pe.uses_rotate, pe.uses_bias) == HOOKS[name]
+    assert pe.max_positions == (cfg.block_size if name == "learned" else None)  # only the table is bounded
     assert (project_root / "conf" / "pe" / f"{name}.yaml").exists()
     cls = SCHEMES[name]
     lit = LitGPT(model=dict(vocab_size=31, block_size=32, n_layer=2, n_head=4, n_embd=32),
@@ -74,7 +74,7 @@ def test_max_positions():
     cfg = tiny_config(block_size=16)
     assert SCHEMES["learned"](cfg).max_positions == 16
     assert SCHEMES["learned"](cfg, max_positions=40).max_positions == 40
-    for name in ["sinusoidal", "rope", "alibi", "xpos", "rope_alibi"]:
+    for name in sorted(set(SCHEMES) - {"learned"}):
         assert SCHEMES[name](cfg).max_positions is None
 
 
@@ -87,7 +87,7 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
     from omegaconf import OmegaConf
 
     yamls = sorted((project_root / "conf" / "pe").glob("*.yaml"))
-    assert {p.stem for p in yamls} >= {"learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"}
+    assert {p.stem for p in yamls} >= set(SCHEMES)
     for path in yamls:
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         for key in ("nope_every", "randomize_to"):  # model-level options (model/pe/schedule.py), off by default
@@ -101,7 +101,7 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
                 f"{path.name}: {key}: {value!r} differs from the constructor default {params[key].default!r}")
 
 
-@pytest.mark.parametrize("name", ["rope", "alibi", "xpos", "rope_alibi"])
+@pytest.mark.parametrize("name", schemes_where(lambda pe: not pe.uses_embed and pe.name not in READS_QUERY_POSITION))
 def test_relative_schemes_are_translation_invariant_in_gpt(name):
     """Relative-only schemes: shifting all positions by a constant leaves the logits unchanged."""
     torch.manual_seed(2)
@@ -114,7 +114,7 @@ def test_relative_schemes_are_translation_invariant_in_gpt(name):
     torch.testing.assert_close(shifted, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("name", schemes_where(lambda pe: pe.uses_embed))
 def test_absolute_schemes_depend_on_absolute_position(name):
     torch.manual_seed(3)
     cfg = tiny_config(block_size=64)
@@ -171,7 +171,7 @@ def test_no_position_information_is_permutation_equivariant():
     assert pe.max_positions is None
 
 
-@pytest.mark.parametrize("name", ALL_SCHEMES)
+@pytest.mark.parametrize("name", schemes_where(lambda pe: pe.uses_embed or pe.uses_rotate or pe.uses_bias))
 def test_each_scheme_breaks_permutation_equivariance(name):
     cfg, T, x, perm = _perm_setup()
     pe = SCHEMES[name](cfg).double()

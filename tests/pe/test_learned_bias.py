@@ -17,13 +17,11 @@ from model.pe import SCHEMES
 from model.pe.base import distance_bias
 from model.positions import position_context
 from tests.naive import leaf_params, naive_attention_loops, naive_scheme_bias
-from tests.tiny import POSITIONS, build
-
-LEARNED = ["t5", "kerple_log", "kerple_power", "fire"]
+from tests.tiny import LEARNED_BIAS, POSITIONS, build
 
 
 @pytest.mark.parametrize("pos", list(POSITIONS))
-@pytest.mark.parametrize("name", LEARNED)
+@pytest.mark.parametrize("name", LEARNED_BIAS)
 def test_bias_matches_naive(name, pos):
     cfg, model, _ = build(name)
     pe = model.pe
@@ -38,7 +36,7 @@ def test_bias_matches_naive(name, pos):
 
 
 @pytest.mark.parametrize("pos", ["from0", "reset", "far"])
-@pytest.mark.parametrize("name", LEARNED)
+@pytest.mark.parametrize("name", LEARNED_BIAS)
 def test_attention_output_matches_naive(name, pos):
     cfg, model, attn = build(name, seed=1)
     positions = POSITIONS[pos]
@@ -54,7 +52,7 @@ def test_attention_output_matches_naive(name, pos):
 
 # FIRE "window": every query below the threshold L = 32 (a training window), where the bias
 # is computed per distance; the default positions cross L (per (i, j) pair)
-@pytest.mark.parametrize("name, window", [(n, False) for n in LEARNED] + [("fire", True)])
+@pytest.mark.parametrize("name, window", [(n, False) for n in LEARNED_BIAS] + [("fire", True)])
 def test_gradients_reach_parameters_and_match_naive(name, window):
     """d loss / d param through the model's attention (SDPA, float32) equals autograd on the
     naive float64 formula, for a loss that weights every output differently."""
@@ -99,7 +97,7 @@ BIAS_GRAD_POSITIONS = {
 
 
 @pytest.mark.parametrize("pos", list(BIAS_GRAD_POSITIONS))
-@pytest.mark.parametrize("name", LEARNED)
+@pytest.mark.parametrize("name", LEARNED_BIAS)
 def test_bias_and_its_gradients_match_naive(name, pos):
     qpos, kpos = BIAS_GRAD_POSITIONS[pos]
     _, model, _ = build(name, seed=3)
@@ -150,7 +148,7 @@ def test_distance_bias_equals_its_definition(qpos, kpos, evaluated):
     torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", LEARNED)
+@pytest.mark.parametrize("name", LEARNED_BIAS)
 def test_bias_is_float32_under_bf16_autocast(name):
     _, model, _ = build(name)
     p = torch.tensor(POSITIONS["far"])
@@ -162,7 +160,7 @@ def test_bias_is_float32_under_bf16_autocast(name):
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", LEARNED)
+@pytest.mark.parametrize("name", LEARNED_BIAS)
 def test_trains_in_a_lightning_fit(name):
     """A few bf16-mixed steps of the real LitGPT fit: finite loss, every scheme parameter in
     the no-decay group and moved by the optimizer."""

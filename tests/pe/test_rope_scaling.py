@@ -20,7 +20,7 @@ from model.pe import SCHEMES
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
 from tests import tiny
 
-ROPE_FAMILY = ["rope", "xpos", "rope_alibi"]
+ROPE_FAMILY = tiny.schemes_where(lambda pe: pe.uses_rotate)
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -377,7 +377,7 @@ def test_supports_rope_scaling_flag():
     cfg = tiny_config()
     for name in ROPE_FAMILY:
         assert getattr(SCHEMES[name](cfg), "supports_rope_scaling", False) is True
-    for name in ["learned", "sinusoidal", "alibi"]:
+    for name in tiny.schemes_where(lambda pe: not pe.uses_rotate):
         assert getattr(SCHEMES[name](cfg), "supports_rope_scaling", False) is False
 
 
