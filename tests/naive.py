@@ -1,6 +1,5 @@
-"""Float64 references written from the definitions in docs/design.md ("Schemes, exactly"):
-explicit loops over ``math.cos``/``math.sin``, slopes typed in by hand, explicit masks and
-softmax. None of them calls the scheme or attention code it checks."""
+"""Float64 references written from the definitions in docs/design.md, section 3 (loops over
+``math.cos``/``math.sin``, slopes typed in, explicit masks and softmax); none calls the code it checks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Small models shared by the tests: configurations, scheme lists taken from the registry by
-property, a GPT with sharpened attention weights, positions as the model sees them, and
-per-layer contexts as one forward builds them."""
+property, a GPT with sharpened attention, positions as the model sees them, per-layer contexts."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Every attention backend with every registered scheme against float64 autograd on the formulas
-(one layer: output and gradients; the whole model: query-chunked evaluation and cache decoding),
-the flex kernel's edge cases, the ``auto`` policy and the scheme hooks the fused backends use."""
+"""Every attention backend × every registered scheme against float64 autograd on the formulas (a
+layer's output and gradients, chunked evaluation, cache decoding); flex, ``auto`` and the fused hooks."""
 
 from __future__ import annotations
 

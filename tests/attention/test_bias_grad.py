@@ -14,8 +14,6 @@ from model.gpt import GPT
 from model.pe import SCHEMES
 from tests.tiny import LEARNED_BIAS
 
-torch.set_num_threads(2)
-
 
 def naive(q, k, v, mask):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask

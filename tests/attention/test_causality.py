@@ -1,11 +1,5 @@
-"""Causality is token order, on every attention path, whatever the positions say.
-
-Positions only carry what a scheme encodes; packed documents, randomized positions and
-cache offsets reset or repeat them. For every scheme and every path (the training forward,
-query-chunked evaluation, the attention-map probe), changing token t must leave every
-output before t bit-for-bit unchanged, and must change the output at t (so the check can
-fail).
-"""
+"""Causality is token order on every attention path, whatever the positions say (reset, repeated):
+changing token t leaves every earlier output unchanged and changes the output at t."""
 
 from __future__ import annotations
 

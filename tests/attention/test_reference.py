@@ -1,6 +1,5 @@
-"""The attention layer with each scheme variant (SDPA with the float32 mask) against the naive
-float64 reference of tests/naive.py, which recomputes q, k, v from the raw ``c_attn`` weights and
-applies each scheme's definition without calling ``pe.rotate``/``pe.bias``."""
+"""The attention layer with each scheme variant (SDPA, float32 mask) against the float64 reference
+of tests/naive.py: q, k, v from the raw weights, each scheme's definition, never ``pe.rotate``/``pe.bias``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""scripts/bench.py smoke run: the benchmark runs end to end and its JSON lines carry every field.
-
-Numbers are never asserted (speed targets live in docs/benchmark.md and issue 10). The median
-interval and paired ratios it reports are tested in tests/test_stats.py."""
+"""scripts/bench.py's smoke run end to end and the fields of its JSON lines; numbers are never
+asserted (docs/benchmark.md), its intervals are tested in tests/evaluation/test_stats.py."""
 
 from __future__ import annotations
 

@@ -1,3 +1,6 @@
+"""scripts/compare_runs.py on fake sweep folders: perplexity per scheme and length by hand, seeds
+grouped with intervals and Welch marks, and a clear failure without results."""
+
 import math
 import os
 import subprocess

@@ -1,3 +1,6 @@
+"""evaluation/extrapolation.py: perplexity per length against a naive window-by-window loop
+(non-overlapping, sliding, capped windows), "not applicable" past a learned table, result files."""
+
 import math
 
 import numpy as np

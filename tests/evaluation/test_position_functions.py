@@ -1,5 +1,5 @@
-"""The learned position functions plotted at the end of training, checked against the
-parameters by hand: T5's table rows, KERPLE's kernel, RoPE's learned frequency factors."""
+"""The learned position functions plotted at the end of training (evaluation/position_functions.py)
+against the parameters by hand: T5's table rows, KERPLE's kernel, RoPE's frequency factors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from model.lit import LitGPT
 from model.pe import SCHEMES
 from tests.tiny import has_parameters, schemes_where
 
-torch.set_num_threads(2)
 CONFIG = GPTConfig(vocab_size=32, block_size=200, n_layer=1, n_head=4, n_embd=32)
 
 

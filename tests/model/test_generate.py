@@ -1,9 +1,5 @@
-"""Generation with a KV cache equals one full forward, for every scheme and RoPE scaling.
-
-Other frameworks shipped caches that silently differ from the full forward (ALiBi and xPos
-with cached keys, dynamic NTK re-rotating cached keys). Here: decode token by token against
-the cache and compare every step's logits with one full forward over the final sequence.
-"""
+"""Decoding with a KV cache against one full forward over the final sequence, step by step, for
+every scheme and RoPE scaling; sampling (greedy, top-k, top-p) and scripts/sample.py."""
 
 from __future__ import annotations
 

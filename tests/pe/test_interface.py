@@ -1,6 +1,5 @@
-"""What every position scheme has: registration under its name, the hook flags of the design
-table, construction from defaults and from its yaml, translation invariance of the relative
-schemes, and permutation equivariance only without position information."""
+"""What every registered scheme has: its name, the design table's hooks, construction from defaults
+and its yaml, translation invariance if relative, and attention that is no longer permutation equivariant."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""KERPLE (log and power): the reference's init, hand values, and the projection of r1, r2
-back into range against the naive float64 kernel."""
+"""KERPLE (log and power): the reference's init, hand values, and r1, r2 projected back into range,
+against the naive float64 kernel."""
 
 from __future__ import annotations
 

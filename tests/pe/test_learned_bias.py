@@ -1,6 +1,5 @@
-"""Every scheme with a learned bias (T5, KERPLE, FIRE): the bias, a full attention output and the
-gradients of its parameters against float64 autograd on the naive formulas, float32 under bf16
-autocast, and a few steps of a real LitGPT fit."""
+"""Every scheme with a learned bias (T5, KERPLE, FIRE): bias, attention output and parameter gradients
+against float64 autograd on the naive formulas of tests/naive.py, and a few steps of a LitGPT fit."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Evaluation-time RoPE scaling (linear, NTK, dynamic NTK, YaRN) against naive references.
-
-The references are written from the formulas (Chen et al. 2023; the NTK-aware base change;
-Hugging Face's dynamic NTK; YaRN as in the reference code, jquesnelle/yarn and Hugging Face)
-with explicit per-pair loops in float64 and math.cos / math.sin / math.log / math.pi /
-math.floor / math.ceil; none calls model/pe/rope_scaling.py.
-"""
+"""Evaluation-time RoPE scaling (linear, NTK, dynamic NTK, YaRN) against naive float64 per-pair
+loops from the formulas (Chen et al. 2023, NTK-aware base, HF dynamic NTK, YaRN's reference code)."""
 
 from __future__ import annotations
 
