@@ -167,15 +167,11 @@ VARIANTS = [
     ("nope", {}),  # no rotation, no bias: the causal mask only
     ("rope", {"learnable_freq": True}),  # alpha = 0 at init: exactly the plain RoPE reference
 ]
-
-
 VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in VARIANTS]
 
 
 # Slopes typed in from docs/design.md: 4 heads -> 2^(-8h/4) = 2^-2, 2^-4, 2^-6, 2^-8.
 SLOPES_4 = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
-
-
 SLOPES_2 = [2.0 ** -4, 2.0 ** -8]
 
 

@@ -19,14 +19,8 @@ from tests.tiny import LEARNED_BIAS, attention_config, build, contexts
 
 
 BACKENDS = sorted(BACKEND_REGISTRY)
-
-
 BACKEND_SCHEMES = [(n, {}) for n in sorted(SCHEMES)] + [("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5})]
-
-
 BACKEND_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in BACKEND_SCHEMES]
-
-
 
 
 # per-sequence positions: packed documents (reset) and repeats
