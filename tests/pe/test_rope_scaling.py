@@ -1,10 +1,5 @@
-"""Evaluation-time RoPE scaling (linear, NTK, dynamic NTK, YaRN) against naive references.
-
-The references are written from the formulas (Chen et al. 2023; the NTK-aware base change;
-Hugging Face's dynamic NTK; YaRN as in the reference code, jquesnelle/yarn and Hugging Face)
-with explicit per-pair loops in float64 and math.cos / math.sin / math.log / math.pi /
-math.floor / math.ceil; none calls model/pe/rope_scaling.py.
-"""
+"""Evaluation-time RoPE scaling (linear, NTK, dynamic NTK, YaRN) against naive float64 per-pair
+loops from the formulas (Chen et al. 2023, NTK-aware base, HF dynamic NTK, YaRN's reference code)."""
 
 from __future__ import annotations
 
@@ -18,16 +13,13 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
+from tests import tiny
 
-torch.set_num_threads(2)
-
-ROPE_FAMILY = ["rope", "xpos", "rope_alibi"]
+ROPE_FAMILY = tiny.schemes_where(lambda pe: pe.uses_rotate)
 
 
 def tiny_config(**overrides) -> GPTConfig:
-    kwargs = dict(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_embd=64)  # head dim 16
-    kwargs.update(overrides)
-    return GPTConfig(**kwargs)
+    return tiny.tiny_config(**{"n_embd": 64, **overrides})  # head dim 16
 
 
 # --------------------------------------------------------------------------------------
@@ -380,7 +372,7 @@ def test_supports_rope_scaling_flag():
     cfg = tiny_config()
     for name in ROPE_FAMILY:
         assert getattr(SCHEMES[name](cfg), "supports_rope_scaling", False) is True
-    for name in ["learned", "sinusoidal", "alibi"]:
+    for name in tiny.schemes_where(lambda pe: not pe.uses_rotate):
         assert getattr(SCHEMES[name](cfg), "supports_rope_scaling", False) is False
 
 

@@ -1,3 +1,6 @@
+"""scripts/compare_runs.py on fake sweep folders: perplexity per scheme and length by hand, seeds
+grouped with intervals and Welch marks, and a clear failure without results."""
+
 import math
 import os
 import subprocess
@@ -9,7 +12,7 @@ import pytest
 
 from evaluation.extrapolation import ExtrapolationRow, write_csv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_run(sweep: Path, name: str, scheme: str, ppls: dict[int, float | None], sub: str = "") -> Path:
@@ -23,6 +26,11 @@ def fake_run(sweep: Path, name: str, scheme: str, ppls: dict[int, float | None],
     return write_csv(rows, sweep / name / "extrapolation" / sub / "extrapolation.csv")
 
 
+def compare_runs(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/compare_runs.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_compare_two_fake_runs(tmp_path):
     sweep = tmp_path / "multirun"
     fake_run(sweep, "0-learned", "learned", {64: 21.0, 128: None, 256: None})
@@ -34,8 +42,7 @@ def test_compare_two_fake_runs(tmp_path):
     os.utime(later, (time.time() + 5, time.time() + 5))
 
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(sweep), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = compare_runs(str(sweep), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert (out / "comparison.md").read_text() == (
         "### nonoverlapping\n\nPerplexity by evaluation length (tokens).\n\n"
@@ -51,8 +58,7 @@ def test_compare_two_fake_runs(tmp_path):
 
 
 def test_compare_without_results_fails_clearly(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = compare_runs(str(tmp_path))
     assert proc.returncode != 0 and "no extrapolation.csv found" in proc.stderr
 
 
@@ -105,8 +111,7 @@ def test_seeds_are_grouped_with_intervals_and_welch_marks(tmp_path):
     seed_run(sweep, "7-learned", "learned", 1, {64: 6.0, 128: None})
 
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(sweep), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = compare_runs(str(sweep), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     md = (out / "comparison.md").read_text()
     assert "| scheme (seeds) | 64 (train) | 128 |\n|---|---|---|\n" \
@@ -141,8 +146,7 @@ def test_one_seed_per_scheme_with_tasks_keeps_the_single_run_table(tmp_path):
     seed_run(sweep, "0-rope", "rope", 1, {64: 4.0}, {64: (1.0, 0.5), 128: (0.25, 0.0)})
     seed_run(sweep, "1-alibi", "alibi", 1, {64: 4.5}, {64: (1.0, 1.0), 128: (0.5, 1.0)})
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(sweep), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = compare_runs(str(sweep), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert (out / "comparison.md").read_text() == (
         "### nonoverlapping\n\nPerplexity by evaluation length (tokens).\n\n"

@@ -1,5 +1,5 @@
-"""The learned position functions plotted at the end of training, checked against the
-parameters by hand: T5's table rows, KERPLE's kernel, RoPE's learned frequency factors."""
+"""The learned position functions plotted at the end of training (evaluation/position_functions.py)
+against the parameters by hand: T5's table rows, KERPLE's kernel, RoPE's frequency factors."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from evaluation.position_functions import PositionFunctions
 from model.config import GPTConfig
 from model.lit import LitGPT
 from model.pe import SCHEMES
+from tests.tiny import has_parameters, schemes_where
 
-torch.set_num_threads(2)
 CONFIG = GPTConfig(vocab_size=32, block_size=200, n_layer=1, n_head=4, n_embd=32)
 
 
@@ -48,7 +48,7 @@ def test_learnable_frequencies_curve_and_nothing_for_fixed_schemes():
     curves = pe.learned_functions(200)
     _, y, _ = curves["frequency factor exp(alpha_k)"]
     torch.testing.assert_close(y[0], torch.tensor([math.exp(v) for v in (-0.5, -1 / 6, 1 / 6, 0.5)]))
-    for name in ("rope", "alibi", "sinusoidal", "nope", "xpos"):
+    for name in schemes_where(lambda pe: not has_parameters(pe)):
         assert SCHEMES[name](CONFIG).learned_functions(200) == {}
 
 

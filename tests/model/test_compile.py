@@ -1,11 +1,5 @@
-"""``torch.compile(fullgraph=True)`` of the whole model, forward and backward, for every scheme.
-
-fullgraph=True turns any graph break into an error; ``error_on_recompile`` turns a second
-compilation for a second step of the same shape into an error. The backend is
-``aot_eager``: Dynamo's capture and AOTAutograd's forward + backward graphs exactly as with
-inductor, without its C++ code generation (45-70 s per scheme on a 2-core CPU, against
-2-5 s here). The compiled loss and gradients must equal the eager ones (to bf16 rounding).
-"""
+"""``torch.compile(fullgraph=True)`` of the whole model for every scheme: no graph break, no
+recompile on a second step, and the loss and gradients of eager mode (to bf16 rounding)."""
 
 from __future__ import annotations
 
@@ -17,7 +11,6 @@ from model.gpt import GPT
 from model.loss import CHUNKED_LOSS_MIN_VOCAB, use_chunked_loss
 from model.pe import SCHEMES
 
-torch.set_num_threads(2)
 
 CASES = [(name, "auto") for name in sorted(SCHEMES)] + [("alibi", "sdpa_key"), ("rope_alibi", "math")]
 
@@ -42,6 +35,7 @@ def check_compiled_step(name: str, attention: str, bf16: bool, vocab_size: int) 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=vocab_size, block_size=8, n_layer=2, n_head=2, n_embd=16, attention=attention)
     model = GPT(config, SCHEMES[name](config))
+    # aot_eager: Dynamo's capture and AOTAutograd's graphs as inductor gets them, without its C++ code generation
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     idx = torch.randint(0, vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))

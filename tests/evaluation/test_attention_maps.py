@@ -27,7 +27,6 @@ from model.gpt import GPT
 from model.lit import LitGPT
 from model.pe import SCHEMES
 
-torch.set_num_threads(2)
 
 TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
 ALIBI = {"_target_": "model.pe.alibi.ALiBi"}

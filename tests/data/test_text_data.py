@@ -1,6 +1,5 @@
-"""data=text (the user's own .txt/.jsonl/.parquet files) and the hub corpora's code path
-(data=fineweb_edu, data=openwebtext) on local files, the streamed token writer, and the
-fast offline failure. Every file is written by the test."""
+"""data=text (the user's own .txt/.jsonl/.parquet files) and the hub corpora's code path on local
+files written by the test: documents, splits, the cache, the streamed writer, fast offline failures."""
 
 import json
 import os
@@ -18,7 +17,7 @@ from data.corpus import HubCorpus, TextFilesCorpus, document_key, find_corpus_fi
 from data.datamodule import TextDataModule, prepare_token_files
 from data.tokenizers import get_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEP = 0x1E  # the bytes tokenizer's document separator
 
 

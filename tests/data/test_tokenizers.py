@@ -1,3 +1,6 @@
+"""data/tokenizers.py: GPT-2's offline ranks checked by hash, the bytes tokenizer's round trip and
+separators (property-based), fingerprints, and the error for an unknown name."""
+
 import hashlib
 
 import pytest

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.loss import CHUNKED_LOSS_MIN_VOCAB, chunked_cross_entropy, use_chunked_loss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make(N=37, C=16, V=100, Vp=128, ignore_every=0, scale=1.0, seed=0):

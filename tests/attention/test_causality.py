@@ -1,11 +1,5 @@
-"""Causality is token order, on every attention path, whatever the positions say.
-
-Positions only carry what a scheme encodes; packed documents, randomized positions and
-cache offsets reset or repeat them. For every scheme and every path (the training forward,
-query-chunked evaluation, the attention-map probe), changing token t must leave every
-output before t bit-for-bit unchanged, and must change the output at t (so the check can
-fail).
-"""
+"""Causality is token order on every attention path, whatever the positions say (reset, repeated):
+changing token t leaves every earlier output unchanged and changes the output at t."""
 
 from __future__ import annotations
 
@@ -13,11 +7,12 @@ import pytest
 import torch
 
 from evaluation.attention_maps import attention_probs, eager_attention_pass
+from model.attention.masks import attention_mask
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-
-torch.set_num_threads(2)
+from model.positions import position_context
+from tests.tiny import build as build_layer
 
 ALL_SCHEMES = sorted(SCHEMES)
 T = 16
@@ -114,3 +109,18 @@ def test_positions_of_the_wrong_shape_are_refused():
     model = build("rope")
     with pytest.raises(ValueError, match=r"positions must have shape \(16,\) or \(batch, 16\), got \(2, 15\)"):
         model(torch.zeros(2, T, dtype=torch.long), positions=torch.zeros(2, T - 1, dtype=torch.long))
+
+
+def test_causality_future_tokens_do_not_leak():
+    for name in ALL_SCHEMES:
+        cfg, model, attn = build_layer(name, {}, seed=3)
+        positions = torch.arange(8)
+        x = torch.randn(1, 8, cfg.n_embd)
+        x2 = x.clone()
+        x2[:, 5:] = torch.randn(1, 3, cfg.n_embd)
+        mask = attention_mask(model.pe, positions, positions, torch.float32)
+        with torch.no_grad():
+            a = attn(x, position_context(model.pe, positions, mask))
+            b = attn(x2, position_context(model.pe, positions, mask))
+        torch.testing.assert_close(a[:, :5], b[:, :5], atol=1e-6, rtol=0)
+        assert (a[:, 5:] - b[:, 5:]).abs().max() > 1e-3

@@ -12,8 +12,7 @@ import model.attention.bias_grad as bias_grad
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-
-torch.set_num_threads(2)
+from tests.tiny import LEARNED_BIAS
 
 
 def naive(q, k, v, mask):
@@ -87,12 +86,11 @@ def _model(name: str, dropout: float = 0.0) -> GPT:
     return GPT(config, SCHEMES[name](config))
 
 
-@pytest.mark.parametrize("name, used", [("t5", True), ("fire", True), ("kerple_log", True), ("alibi", False),
-                                        ("rope", False)])
+@pytest.mark.parametrize("name, used", [(name, name in LEARNED_BIAS) for name in sorted(SCHEMES)])
 def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name, used):
     calls = []
-    kernel = bias_grad.attention_with_bias_grad
-    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a: calls.append(1) or kernel(*a))
+    original = bias_grad.attention_with_bias_grad
+    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a: calls.append(1) or original(*a))
     model = _model(name)
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):

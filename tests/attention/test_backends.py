@@ -1,0 +1,293 @@
+"""Every attention backend × every registered scheme against float64 autograd on the formulas (a
+layer's output and gradients, chunked evaluation, cache decoding); flex, ``auto`` and the fused hooks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.attention import BACKENDS as BACKEND_REGISTRY
+from model.attention.sdpa_key import key_features
+from model.generate import KVCache
+from model.pe import SCHEMES
+from tests.naive import (
+    naive_gelu, naive_layer_norm, naive_linear, naive_rotate, naive_softmax_attention, naive_spec, naive_t5_bucket,
+)
+from tests.tiny import LEARNED_BIAS, attention_config, build, contexts
+
+
+BACKENDS = sorted(BACKEND_REGISTRY)
+BACKEND_SCHEMES = [(n, {}) for n in sorted(SCHEMES)] + [("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5})]
+BACKEND_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in BACKEND_SCHEMES]
+
+
+# per-sequence positions: packed documents (reset) and repeats
+ROWS = [[0, 1, 2, 3, 4, 0, 1, 2, 3], [5, 5, 5, 2, 2, 7, 0, 0, 9]]
+
+
+def set_learned_params(name, pe):
+    """Fixed, non-trivial values for the learned biases (inside KERPLE's projection range)."""
+    with torch.no_grad():
+        if name in ("kerple_log", "kerple_power"):
+            pe.r1.copy_(torch.tensor([0.3, 1.2, 0.05, 0.8]))
+            pe.r2.copy_(torch.tensor([0.5, 0.02, 1.5, 0.9]))
+        if name == "t5":
+            torch.nn.init.normal_(pe.relative_attention_bias.weight, std=1.0)
+        if name == "fire":
+            pe.c.fill_(0.3)
+            pe.threshold_multiplier.fill_(0.25)
+
+
+def naive_bias64(name, opts, pe, params, qpos, kpos):
+    """(H, Tq, Tk) float64 bias from the formulas in docs/design.md, with the scheme's
+    parameters as float64 leaves ``params``; None for schemes without a bias."""
+    H = 4
+    out = torch.zeros(H, len(qpos), len(kpos), dtype=torch.float64)
+    if name in ("alibi", "rope_alibi"):
+        slopes = naive_spec(name, opts, H, 8)["slopes"]
+        return torch.tensor([[[-slopes[h] * (i - j) for j in kpos] for i in qpos] for h in range(H)],
+                            dtype=torch.float64)
+    if name == "t5":
+        table = params["relative_attention_bias.weight"]
+        rows = [torch.stack([table[naive_t5_bucket(i - j, pe.num_buckets, pe.max_distance)] for j in kpos])
+                for i in qpos]  # (Tq) x (Tk, H)
+        return torch.stack(rows).permute(2, 0, 1)
+    if name in ("kerple_log", "kerple_power"):
+        d = torch.tensor([[abs(i - j) for j in kpos] for i in qpos], dtype=torch.float64)
+        r1, r2 = params["r1"][:, None, None], params["r2"][:, None, None]
+        return -r1 * torch.log(1 + r2 * d) if name == "kerple_log" else -r1 * d ** r2
+    if name == "fire":
+        c, L = params["c"], (params["threshold_multiplier"] * pe.init_threshold.double()).abs()
+        psi = lambda x: torch.log(torch.abs(c * x) + 1)  # noqa: E731
+        rows = []
+        for i in qpos:
+            norm = psi(torch.maximum(torch.tensor(float(i), dtype=torch.float64), L)) + pe.eps
+            x = torch.stack([psi(torch.tensor(float(i - j), dtype=torch.float64)) / norm for j in kpos])[:, None]
+            h = torch.relu(x @ params["mlp.0.weight"].T + params["mlp.0.bias"])
+            rows.append(h @ params["mlp.2.weight"].T + params["mlp.2.bias"])  # (Tk, H)
+        return torch.stack(rows).permute(2, 0, 1)
+    return None if not out.any() else out
+
+
+def naive_layer64(W, Wp, x64, rows, name, opts, pe, params, n_head=4):
+    """One attention layer in float64 per sequence b at positions rows[b] (causal by order)."""
+    spec = naive_spec(name, opts, n_head, 8) if name in ("alibi", "rope_alibi", "rope", "xpos") else \
+        {"rotate": False, "slopes": None}
+    outs = []
+    B, T, C = x64.shape
+    for b, pos in enumerate(rows):
+        y = x64[b : b + 1] @ W.T
+        q, k, v = (y[..., i * C : (i + 1) * C].view(1, T, n_head, C // n_head).transpose(1, 2) for i in range(3))
+        if spec["rotate"]:
+            q, k = naive_rotate(q, pos, spec, +1.0), naive_rotate(k, pos, spec, -1.0)
+        bias = naive_bias64(name, opts, pe, params, pos, pos)
+        outs.append(naive_softmax_attention(q, k, v, bias) @ Wp.T)
+    return torch.cat(outs)
+
+
+def backend_model(name, opts, backend, seed=0, **overrides):
+    cfg, model, attn = build(name, opts, seed=seed, attention=backend, **overrides)
+    set_learned_params(name, model.pe)
+    return cfg, model, attn
+
+
+def float64_leaves(module):
+    return {n: p.detach().double().requires_grad_(True) for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, opts", BACKEND_SCHEMES, ids=BACKEND_IDS)
+@pytest.mark.parametrize("pos", ["offset", "rows"])
+def test_backend_layer_matches_naive_forward_and_gradients(backend, name, opts, pos):
+    """One layer through ``layer_contexts`` (the model's per-forward position terms)
+    with each backend, against float64 autograd on the formulas: output, and gradients of
+    the input, the attention weights and the scheme's own parameters (flex: forward only,
+    FlexAttention has no CPU backward)."""
+    cfg, model, attn = backend_model(name, opts, backend, seed=7)
+    rows = [list(range(37, 46))] * 2 if pos == "offset" else ROWS
+    positions = torch.tensor(rows[0]) if pos == "offset" else torch.tensor(rows)
+    x = torch.randn(2, 9, cfg.n_embd, requires_grad=True)
+    weights = torch.randn(2, 9, cfg.n_embd, dtype=torch.float64)
+    ctx = contexts(model, positions)[0]
+    expected = backend if backend != "sdpa_key" or model.pe.key_only_slopes() is not None else "sdpa"
+    if expected in ("sdpa", "bias_grad") and name in LEARNED_BIAS:  # CPU training: the learned-bias kernel
+        expected = "bias_grad"
+    elif expected == "bias_grad":  # no learned bias: plain SDPA
+        expected = "sdpa"
+    assert ctx.backend.name == expected
+    grad = backend != "flex"
+    with torch.set_grad_enabled(grad):
+        y = attn(x, ctx)
+    x64 = x.detach().double().requires_grad_(True)
+    W, Wp = (attn.c_attn.weight.detach().double().requires_grad_(True),
+             attn.c_proj.weight.detach().double().requires_grad_(True))
+    params = float64_leaves(model.pe)
+    ref = naive_layer64(W, Wp, x64, rows, name, opts, model.pe, params)
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    if not grad:
+        return
+    (y.double() * weights).sum().backward()
+    (ref * weights).sum().backward()
+    pairs = [("x", x.grad, x64.grad), ("c_attn", attn.c_attn.weight.grad, W.grad),
+             ("c_proj", attn.c_proj.weight.grad, Wp.grad)]
+    pairs += [(n, p.grad, params[n].grad) for n, p in model.pe.named_parameters() if params[n].grad is not None]
+    for n, got, want in pairs:
+        scale = want.abs().max().item()
+        if n == "mlp.2.bias" or scale == 0:  # FIRE's output bias shifts a whole row: softmax ignores
+            assert got.abs().max() < 1e-5  # it; FIRE's threshold does nothing while every i > L
+            continue
+        assert scale > 1e-6, f"{n}: the check needs a non-zero gradient"
+        torch.testing.assert_close(got.double(), want, atol=1e-5 * scale, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def naive_logits64(model, name, opts, idx, rows):
+    """Whole-model logits in float64 (embeddings, blocks, final norm, tied head)."""
+    cfg = model.config
+    x = model.wte.weight.detach().double()[idx]
+    for b, pos in enumerate(rows):
+        if name == "learned":
+            x[b] += model.pe.wpe.weight.detach().double()[pos]
+        if name == "sinusoidal":
+            d = cfg.n_embd
+            for t, p in enumerate(pos):
+                for k in range(d // 2):
+                    a = p / 10000.0 ** (2.0 * k / d)
+                    x[b, t, 2 * k] += math.sin(a) / math.sqrt(d)
+                    x[b, t, 2 * k + 1] += math.cos(a) / math.sqrt(d)
+    params = {n: p.detach().double() for n, p in model.pe.named_parameters()}
+    for block in model.blocks:
+        a = block.attn
+        x = x + naive_layer64(a.c_attn.weight.detach().double(), a.c_proj.weight.detach().double(),
+                              naive_layer_norm(x, block.ln_1), rows, name, opts, model.pe, params)
+        h = naive_linear(block.mlp.c_fc, naive_layer_norm(x, block.ln_2))
+        x = x + naive_linear(block.mlp.c_proj, naive_gelu(h))
+    return (naive_layer_norm(x, model.ln_f) @ model.lm_head.weight.detach().double().T)[..., : cfg.vocab_size]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, opts", BACKEND_SCHEMES, ids=BACKEND_IDS)
+def test_backend_chunked_evaluation_and_cache_decoding_match_naive(backend, name, opts):
+    """The whole model with each backend: query-chunked evaluation (chunks of 4 of 10
+    tokens, per-sequence positions) and KV-cache decoding (5 tokens, then 1, then 4) against
+    the float64 model."""
+    cfg, model, _ = backend_model(name, opts, backend, seed=8)
+    if name == "learned":
+        with torch.no_grad():
+            torch.nn.init.normal_(model.pe.wpe.weight, std=0.5)
+    T = 10
+    idx = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(9))
+    targets = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(10))
+    rows = [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3], [3, 3, 3, 0, 9, 9, 1, 1, 12, 2]]
+    ref = naive_logits64(model, name, opts, idx, rows)
+    ref_nll = torch.logsumexp(ref, -1) - ref.gather(-1, targets[..., None])[..., 0]
+    with torch.no_grad():
+        nll = model.token_nll(idx, targets, positions=torch.tensor(rows), q_chunk=4)
+        torch.testing.assert_close(nll.double(), ref_nll, atol=1e-5, rtol=1e-5)
+        # cache decoding at the default positions 0..T-1
+        ref = naive_logits64(model, name, opts, idx, [list(range(T))] * 2)
+        kv = KVCache(len(model.blocks), torch.arange(T))
+        h = torch.cat([model.hidden(idx[:, s:e], cache=kv) for s, e in ((0, 5), (5, 6), (6, T))], dim=1)
+        torch.testing.assert_close(model.logits(h).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# the flex kernel
+# --------------------------------------------------------------------------------------
+
+
+def test_compiled_flex_keeps_its_kernel_past_dynamos_recompile_limit():
+    """The CUDA flex path (compiled here on CPU, forward): every (batch, Tq, Tk) of an
+    evaluation sweep gets its own kernel; past dynamo's recompile limit flex would run
+    unfused, materialising the scores. Dynamo's limit is lowered to 2 so that 3 shapes
+    cross it; each output against a float64 causal softmax with an ALiBi-like score_mod."""
+    import warnings
+
+    flex = BACKEND_REGISTRY["flex"]
+
+    torch.manual_seed(0)
+    slopes = torch.tensor([0.5, 0.25])
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for B, Tq, Tk in [(2, 128, 128), (1, 128, 256), (1, 256, 256)]:
+            q, k, v = torch.randn(B, 2, Tq, 16), torch.randn(B, 2, Tk, 16), torch.randn(B, 2, Tk, 16)
+            offset = Tk - Tq
+
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s - slopes[h] * (q_idx + offset - kv_idx)
+
+            with torch.no_grad():
+                out = flex.compiled(q, k, v, score_mod, flex.block_mask(Tq, Tk, q.device))
+            i = torch.arange(Tq, dtype=torch.float64)[:, None] + offset
+            j = torch.arange(Tk, dtype=torch.float64)[None]
+            logits = q.double() @ k.double().transpose(-2, -1) / 4.0 - slopes.double()[:, None, None] * (i - j)
+            ref = logits.masked_fill(j > i, float("-inf")).softmax(-1) @ v.double()
+            torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    unfused = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+    assert not unfused, unfused
+
+
+def test_flex_backend_refuses_a_bias_without_an_elementwise_form():
+    cfg, model, _ = backend_model("alibi", {}, "flex")
+    model.pe.bias_score = lambda: None
+    with pytest.raises(ValueError, match="model.attention=flex: pe=alibi gives no elementwise bias"):
+        contexts(model, torch.arange(4))
+
+
+# --------------------------------------------------------------------------------------
+# backend choice and the scheme hooks it relies on
+# --------------------------------------------------------------------------------------
+
+
+def test_attention_config_is_checked():
+    with pytest.raises(ValueError, match=r"model.attention must be .*'auto'.*'flex'.*got 'fast'"):
+        attention_config(attention="fast")
+    with pytest.raises(ValueError, match="model.attention must be not flex when model.dropout > 0"):
+        attention_config(attention="flex", dropout=0.1)
+
+
+@pytest.mark.parametrize("name, cpu, cuda", [
+    ("rope", "sdpa", "sdpa"), ("nope", "sdpa", "sdpa"), ("alibi", "sdpa", "sdpa_key"),
+    ("rope_alibi", "sdpa", "sdpa_key"), ("t5", "bias_grad", "flex"), ("fire", "bias_grad", "flex"),
+])
+def test_auto_backend(name, cpu, cuda):
+    _, model, _ = build(name, {})
+    assert model.attention_backend(torch.device("cpu")) == cpu  # the measured choice (docs/design.md)
+    with torch.no_grad():  # no bias gradient wanted: SDPA's fused kernel with the float32 mask
+        assert model.attention_backend(torch.device("cpu")) == "sdpa"
+    assert model.attention_backend(torch.device("cuda")) == cuda
+    assert model.attention_backend(torch.device("cpu"), "math") == "math"
+    if cuda == "flex":  # training with dropout stays on SDPA (flex has no attention dropout)
+        _, model, _ = build(name, {}, dropout=0.1)
+        assert model.train().attention_backend(torch.device("cuda")) == "sdpa"
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_bias_hooks_agree_with_bias(name):
+    """bias_score (flex's elementwise form) equals bias() everywhere; key_only_slopes, where
+    given, are exactly the m of bias = -m (i - j)."""
+    cfg, model, _ = backend_model(name, {}, "auto")
+    pe = model.pe
+    qp, kp = torch.tensor([0, 3, 9, 300, 4100]), torch.tensor([0, 1, 7, 290, 4100, 5])
+    score = pe.bias_score()
+    assert (score is None) == (not pe.uses_bias)
+    if score is not None:
+        full = pe.bias(qp, kp)
+        heads = torch.arange(cfg.n_head)[:, None, None]
+        torch.testing.assert_close(score(qp[None, :, None], kp[None, None, :], heads), full, atol=1e-5, rtol=1e-5)
+    slopes = pe.key_only_slopes()
+    if slopes is not None:
+        d = (qp[:, None] - kp[None, :]).float()
+        assert torch.equal(pe.bias(qp, kp), -slopes[:, None, None] * d)
+
+
+def test_key_features_are_exact_pieces():
+    """The bf16 pieces of the key-only term sum back to the float32 value exactly."""
+    slopes = torch.tensor([2.0 ** -0.5, 2.0 ** -3.5, 0.3, 2.0 ** -8])
+    positions = torch.tensor([0, 5, 17, 300, 4607, 65537])
+    feats = key_features(slopes, positions, 8, torch.bfloat16)
+    assert feats.dtype == torch.bfloat16 and feats.shape == (1, 4, 6, 3)
+    term = slopes[:, None] * (positions - 65537).float()[None, :] * math.sqrt(8)
+    assert torch.equal(feats.float().sum(-1)[0], term)
+    assert torch.equal(key_features(slopes, positions, 8, torch.float32)[0, ..., 0], term)

@@ -1,0 +1,183 @@
+"""evaluation/tasks.py (accuracy vs length on the synthetic tasks) against a naive per-sample loop
+and hand counts, and scripts/eval_tasks.py on a checkpoint that train.py wrote."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.synthetic import SyntheticDataModule, Task
+from evaluation.tasks import (
+    TaskEvalConfig, TaskRow, evaluate_tasks, markdown_table, mean_over_depths, read_csv, run_task_evaluation,
+    save_results, summary_metrics,
+)
+from model import GPT, GPTConfig
+from model.pe import SCHEMES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
+
+
+def toy(scheme="rope", cfg=CFG):
+    torch.manual_seed(0)
+    return GPT(cfg, SCHEMES[scheme](cfg)).eval()
+
+
+def naive_scores(gpt, task, length, samples, seed, depth=None):
+    """(exact, tokens right, answer tokens): one sample at a time, full logits, a Python loop."""
+    exact, right, total = 0, 0, 0
+    for i in range(samples):
+        x, y = task.sample(length, i, seed, "test", 0, depth)
+        with torch.no_grad():
+            logits, _ = gpt(torch.from_numpy(x)[None])
+        ok = True
+        for t in range(length):
+            if y[t] >= 0:
+                hit = int(torch.argmax(logits[0, t])) == y[t]
+                right, total, ok = right + hit, total + 1, ok and hit
+        exact += ok
+    return exact, right, total
+
+
+def bits_only(gpt: GPT) -> GPT:
+    """The output layer untied and reduced to rows +v for '0' and -v for '1' (all others 0):
+    every prediction is a bit, which one depends on the context."""
+    with torch.no_grad():
+        v = gpt.lm_head.weight[ord("0")].clone() * 100
+        gpt.lm_head.weight = torch.nn.Parameter(torch.zeros_like(gpt.lm_head.weight))
+        gpt.lm_head.weight[ord("0")], gpt.lm_head.weight[ord("1")] = v, -v
+    return gpt
+
+
+@pytest.mark.parametrize("task", [Task("flipflop", p_ignore=0.5), Task("copy")], ids=lambda t: t.name)
+def test_accuracy_equals_a_naive_loop(task):
+    gpt = bits_only(toy("alibi")) if task.name == "flipflop" else toy("alibi")
+    config = TaskEvalConfig(multipliers=[1, 2], samples=7, tokens_per_batch=100, q_chunk=24, precision="32")
+    rows = evaluate_tasks(gpt, task, 32, config, seed=4, log=lambda _: None)
+    assert [r.eval_length for r in rows] == [32, 64] and all(math.isnan(r.depth) for r in rows)
+    for row in rows:
+        exact, right, total = naive_scores(gpt, task, row.eval_length, 7, seed=4)
+        assert row.ok and row.samples == 7
+        assert row.accuracy == exact / 7 and row.token_accuracy == pytest.approx(right / total, abs=1e-12)
+    if task.name == "flipflop":  # the comparison is not vacuous: some reads right, some wrong
+        assert all(0.1 < r.token_accuracy < 0.9 for r in rows)
+
+
+def constant_model(token: int) -> GPT:
+    """A model whose every prediction is ``token``: the final LayerNorm's gain is 0 and its bias
+    is the (tied) output row of ``token``, which is set to all ones."""
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=16, bias=True)
+    gpt = toy("rope", cfg)
+    with torch.no_grad():
+        gpt.lm_head.weight[token] = 1.0
+        gpt.ln_f.weight.zero_()
+        gpt.ln_f.bias.fill_(1.0)
+    return gpt
+
+
+def test_accuracy_of_a_constant_predictor_by_hand():
+    # predicting '7' everywhere: a key of 2 digits is exactly right when it is "77", and a digit
+    # is right when it is 7; counted here from the samples' targets
+    task, samples = Task("passkey", key_length=2), 300
+    keys = [task.sample(64, i, 11, "test", 0, 0.5)[1][-2:] for i in range(samples)]
+    exact = sum(list(k) == [55, 55] for k in keys) / samples
+    digits = sum((k == 55).sum() for k in keys) / (2 * samples)
+    config = TaskEvalConfig(multipliers=[1], depths=[0.5], samples=samples, precision="32")
+    (row,) = evaluate_tasks(constant_model(ord("7")), task, 64, config, seed=11, log=lambda _: None)
+    assert row.accuracy == pytest.approx(exact) and row.token_accuracy == pytest.approx(digits)
+    assert 0.04 < digits < 0.16 and row.depth == 0.5  # about 1 in 10, as drawn
+
+
+def test_learned_past_its_table_is_not_applicable_and_short_lengths_are_skipped(capsys):
+    config = TaskEvalConfig(multipliers=[1, 2], lengths=[5], depths=[0, 1], samples=3, precision="32")
+    rows = evaluate_tasks(toy("learned"), Task("passkey"), 32, config, seed=0)
+    assert [(r.eval_length, r.depth) for r in rows] == [(n, d) for n in (5, 32, 64) for d in (0.0, 1.0)]
+    assert {r.status for r in rows[:2]} == {"skipped: a passkey sample needs at least 11 tokens"}
+    assert all(r.ok and r.samples == 3 for r in rows[2:4])
+    assert {r.status for r in rows[4:]} == {"not applicable: pe=learned has 32 positions"}
+    assert all(math.isnan(r.accuracy) and r.samples == 0 for r in rows[4:])
+    assert "not applicable" in capsys.readouterr().out
+
+
+def test_results_round_trip_table_and_metrics(tmp_path):
+    rows = [TaskRow("passkey", "rope", 16, 16, 0.0, 10, 1.0, 1.0, 0.1),
+            TaskRow("passkey", "rope", 16, 16, 1.0, 10, 0.8, 0.9, 0.1),
+            TaskRow("passkey", "rope", 16, 32, 0.0, 10, 0.5, 0.7, 0.1),
+            TaskRow("passkey", "rope", 16, 32, 1.0, 10, 0.1, 0.3, 0.1),
+            TaskRow("passkey", "learned", 16, 32, 0.0, 0, math.nan, math.nan, 0.0,
+                    "not applicable: pe=learned has 16 positions")]
+    paths = save_results(rows, tmp_path, title="t")
+    assert paths["png"].stat().st_size > 1000
+    back = read_csv(paths["csv"])
+    assert [(r.scheme, r.eval_length, r.depth, r.accuracy, r.status) for r in back[:4]] == \
+        [(r.scheme, r.eval_length, r.depth, r.accuracy, r.status) for r in rows[:4]]
+    assert math.isnan(back[4].accuracy)
+    assert markdown_table(rows) == (
+        "| task | scheme | depth | 16 (train) | 32 |\n|---|---|---|---|---|\n"
+        "| passkey | rope | 0 | 100.0 | 50.0 |\n| passkey | rope | 1 | 80.0 | 10.0 |\n"
+        "| passkey | learned | 0 |  | n/a |\n"
+        "| passkey | rope | mean | 90.0 | 30.0 |\n| passkey | learned | mean |  | n/a |\n")
+    means = mean_over_depths(rows)
+    assert [(r.scheme, r.eval_length, r.samples, r.accuracy) for r in means[:2]] == \
+        [("rope", 16, 20, pytest.approx(0.9)), ("rope", 32, 20, pytest.approx(0.3))]
+    metrics = summary_metrics(rows)
+    assert metrics["tasks/passkey/accuracy@32"] == pytest.approx(0.3)
+    assert metrics["tasks/passkey/token_accuracy@16"] == pytest.approx(0.95)
+    assert metrics["tasks/passkey/depth1/accuracy@16"] == 0.8
+    assert not any("learned" in k for k in metrics) and len(metrics) == 4 + 4
+
+
+def test_run_task_evaluation_writes_tables_and_logs(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+    from omegaconf import OmegaConf
+
+    from model.lit import LitGPT
+
+    cfg = OmegaConf.create({
+        "model": {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 256},
+        "trainer": {"precision": "32"},
+        "eval": {"tasks": {"multipliers": [1, 2], "depths": [0.5], "samples": 4}},
+    })
+    module = LitGPT(model=cfg.model, pe={"_target_": "model.pe.alibi.ALiBi"})
+    logger = CSVLogger(tmp_path, name="csv", version="")
+    dm = SyntheticDataModule("passkey", block_size=16)
+    options = {**OmegaConf.to_container(cfg.eval.tasks), "precision": "32"}
+    rows = run_task_evaluation(options, module, dm, [logger], tmp_path, step=3)
+    logger.save()
+    assert [(r.eval_length, r.depth, r.samples) for r in rows] == [(16, 0.5, 4), (32, 0.5, 4)]
+    assert [(r.eval_length, r.accuracy) for r in read_csv(tmp_path / "tasks" / "tasks.csv")] == \
+        [(r.eval_length, r.accuracy) for r in rows]
+    logged = (tmp_path / "csv" / "metrics.csv").read_text()
+    assert "tasks/passkey/accuracy@32" in logged and "tasks/passkey/depth0.5/accuracy@16" in logged
+    assert run_task_evaluation({**options, "enabled": False}, module, dm, [logger], tmp_path, step=3) == []
+
+
+def test_train_then_eval_tasks_script(tmp_path):
+    """train.py runs unchanged on synthetic data; scripts/eval_tasks.py scores its checkpoint."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    run = tmp_path / "run"
+    tiny = ["experiment=task_ablation", "pe=alibi", "logger=csv", f"hydra.run.dir={run}", "model.n_layer=1",
+            "model.n_embd=32", "model.block_size=32", "data.batch_size=4", "data.val_samples=8", "data.key_length=2",
+            "trainer.max_steps=3", "trainer.val_check_interval=3", "~callbacks.attention_maps",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+    proc = subprocess.run([sys.executable, "train.py", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "unigram baseline 2.3" in proc.stdout  # two-digit keys: about ln 10 per answer token
+    ckpt = run / "checkpoints" / "last.ckpt"
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "scripts/eval_tasks.py", f"ckpt={ckpt}", "multipliers=1,2",
+                           "depths=0,1", "samples=5", "precision=32", f"out={out}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(out / "tasks.csv")
+    assert [(r.task, r.scheme, r.train_length, r.eval_length, r.depth, r.samples) for r in rows] == \
+        [("passkey", "alibi", 32, n, d, 5) for n in (32, 64) for d in (0.0, 1.0)]
+    bad = subprocess.run([sys.executable, "scripts/eval_tasks.py", f"ckpt={ckpt}", "samples=many"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "samples='many' is not valid" in bad.stderr

@@ -1,0 +1,88 @@
+"""Small models shared by the tests: configurations, scheme lists taken from the registry by
+property, a GPT with sharpened attention, positions as the model sees them, per-layer contexts."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.pe import SCHEMES
+from model.positions import layer_contexts
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    kwargs = dict(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    kwargs.update(overrides)
+    return GPTConfig(**kwargs)
+
+
+def attention_config(**overrides) -> GPTConfig:
+    kwargs = dict(vocab_size=31, block_size=32, n_layer=2, n_head=4, n_embd=32)  # head dim 8
+    kwargs.update(overrides)
+    return GPTConfig(**kwargs)
+
+
+@functools.cache
+def _default_schemes() -> dict:
+    with torch.random.fork_rng(devices=[]):  # building at collection leaves the tests' random state alone
+        return {name: SCHEMES[name](attention_config()) for name in sorted(SCHEMES)}
+
+
+def schemes_where(test: Callable) -> list[str]:
+    """The registered schemes (sorted by name) whose default instance passes ``test``."""
+    return [name for name, pe in _default_schemes().items() if test(pe)]
+
+
+def has_parameters(pe) -> bool:
+    return any(True for _ in pe.parameters())
+
+
+# schemes whose bias has parameters (T5, KERPLE, FIRE): CPU training runs them on the bias_grad backend
+LEARNED_BIAS = schemes_where(lambda pe: pe.uses_bias and has_parameters(pe))
+
+
+def build(name, opts=None, seed=0, **cfg_overrides):
+    """(config, model, first attention layer) of a GPT with scheme ``name``."""
+    torch.manual_seed(seed)
+    cfg = attention_config(**cfg_overrides)
+    pe = SCHEMES[name](cfg, **(opts or {}))
+    model = GPT(cfg, pe).eval()
+    # larger weights than GPT-2 init so attention is far from uniform and errors show
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        torch.nn.init.normal_(attn.c_attn.weight, std=0.25)
+        torch.nn.init.normal_(attn.c_proj.weight, std=0.2)
+        if attn.c_attn.bias is not None:
+            torch.nn.init.normal_(attn.c_attn.bias, std=0.1)
+            torch.nn.init.normal_(attn.c_proj.bias, std=0.1)
+    return cfg, model, attn
+
+
+# Positions as the model may see them: from 0, offset past the training length (FIRE's
+# max(i, L) switches branch), and reset / repeated (a visible key can have a larger position).
+POSITIONS = {
+    "from0": list(range(9)),
+    "offset": list(range(37, 46)),
+    "reset": [0, 1, 2, 3, 4, 0, 1, 2, 3],
+    "repeat": [5, 5, 5, 2, 2, 7, 0, 0, 9],
+    "far": [0, 3, 17, 40, 129, 300, 301, 1000, 5000],
+}
+
+
+def rotate_single(pe, x: torch.Tensor, p: int) -> torch.Tensor:
+    """Apply pe.rotate to one head vector x (d,) at position p (used as both q and k)."""
+    q = x.reshape(1, 1, 1, -1)
+    pos = torch.tensor([p])
+    rq, _ = pe.rotate(q, q.clone(), pos, pos)
+    return rq.reshape(-1)
+
+
+def contexts(model, positions, k_positions=None, dtype=torch.float32, always_mask=False):
+    """The per-layer position contexts of one forward, as ``GPT.hidden`` builds them."""
+    backend = model.attention(positions.device, dtype=dtype)
+    return layer_contexts(model.pe, len(model.blocks), positions, backend, k_positions, dtype=dtype,
+                          always_mask=always_mask, nope_layers=model.nope_layers)
