@@ -29,7 +29,7 @@ def validate_config(cfg: DictConfig) -> None:
     from data.tokenizers import TOKENIZERS
     from evaluation.extrapolation import ExtrapolationConfig
     from model.config import GPTConfig
-    from model.lit import OptimConfig
+    from pelab.optim import OptimConfig
     from model.pe.schedule import check_randomize_to, nope_layers, split_schedule
     from pelab.config import ConfigError, check_options, describe, fail, matches, require
 
@@ -144,8 +144,8 @@ def validate_config(cfg: DictConfig) -> None:
             if extrapolation.get(key) is not None:
                 require(extrapolation[key] >= 1, f"eval.extrapolation.{key}", extrapolation[key], ">= 1")
         build("eval.extrapolation", ExtrapolationConfig.from_dict, extrapolation)
-    if cfg.ckpt_path:  # readable, a pelab checkpoint, of this run's scheme and model (model/checkpoint.py)
-        from model.checkpoint import check_resume
+    if cfg.ckpt_path:  # readable, a pelab checkpoint, of this run's scheme and model (pelab/checkpoint.py)
+        from pelab.checkpoint import check_resume
         check_resume(cfg.ckpt_path, cfg)
 
 
@@ -156,7 +156,7 @@ def build_callbacks(cfg: DictConfig) -> list:
 def resume_from_run_dir(cfg: DictConfig, output_dir: Path) -> bool:
     """``resume=auto``: set ``ckpt_path`` to the newest checkpoint of the run dir and say so
     (True), or start fresh when the dir has none (a first start and a restart are one command)."""
-    from model.checkpoint import newest_checkpoint
+    from pelab.checkpoint import newest_checkpoint
     from pelab.config import ConfigError, fail
 
     resume = cfg.get("resume")
@@ -186,7 +186,7 @@ def train(cfg: DictConfig) -> float | None:
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
     from data.datamodule import build_datamodule
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
     from pelab.loggers import SafeWandbLogger
 
     output_dir = Path(cfg.paths.output_dir)

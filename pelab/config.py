@@ -11,14 +11,46 @@ import collections.abc
 import inspect
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
-from hydra.errors import CompactHydraException
+from hydra.errors import CompactHydraException, InstantiationException
+from hydra.utils import get_class
 
 
 class ConfigError(CompactHydraException, ValueError):
     """A bad config value. Hydra's CLI prints a CompactHydraException as its message alone,
     without a traceback (HYDRA_FULL_ERROR=1 still shows one)."""
+
+
+def config_error(section: str, err: BaseException) -> ConfigError:
+    """A constructor's ``err`` as the ConfigError users see: its own message when that names
+    its key (model/ and data/ raise plain ValueErrors that do), else prefixed with the section."""
+    message = str(err)
+    return ConfigError(message if message.startswith(section) else f"{section}: {message}")
+
+
+def build(section: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with a ValueError/TypeError it raises, directly or inside Hydra's
+    InstantiationException, turned into ``config_error(section, ...)``: one line, no traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError:
+        raise
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, TypeError)):
+            raise config_error(section, err.__cause__) from None
+        raise
+    except (ValueError, TypeError) as err:
+        raise config_error(section, err) from None
+
+
+def target_class(section: str, values: dict) -> type:
+    """The class a config node's ``_target_`` names, or a ConfigError saying it names none."""
+    try:
+        return get_class(values["_target_"])
+    except Exception as err:  # noqa: BLE001 - a missing or unimportable _target_
+        raise ConfigError(f"{section}._target_={values.get('_target_')!r} is not an importable class: "
+                          f"{err}") from None
 
 
 def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:

@@ -45,10 +45,10 @@ def parse_key_values(argv: list[str], allowed: dict[str, str]) -> dict[str, str]
 
 def checkpoint_arg(args: dict[str, str], allowed: dict[str, str]) -> Path:
     """The required ``ckpt=PATH``, checked to be a readable pelab checkpoint (not truncated, not a
-    foreign file) before any data is read; load it with ``model.checkpoint.load_lit_gpt``."""
+    foreign file) before any data is read; load it with ``pelab.checkpoint.load_lit_gpt``."""
     if "ckpt" not in args:
         raise SystemExit(f"ckpt=PATH is required; options:\n{describe_options(allowed)}")
-    from model.checkpoint import CheckpointError, read_checkpoint
+    from pelab.checkpoint import CheckpointError, read_checkpoint
 
     ckpt = Path(args["ckpt"])
     try:

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
-    from model.checkpoint import load_lit_gpt
+    from pelab.checkpoint import load_lit_gpt
     from data.datamodule import build_datamodule, load_tokens
 
     cfg = load_run_config(ckpt, "which data and training length to use")

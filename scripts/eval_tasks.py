@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from evaluation.tasks import TaskEvalConfig, evaluate_tasks, save_results
-    from model.checkpoint import load_lit_gpt
+    from pelab.checkpoint import load_lit_gpt
     from pelab.config import ConfigError
 
     cfg = load_run_config(ckpt, "which task, options and seed to use")

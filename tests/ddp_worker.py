@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from data.datamodule import StreamDataModule, ValidationWindows, load_tokens  # noqa: E402
-from model.lit import LitGPT  # noqa: E402
+from pelab.lit import LitGPT  # noqa: E402
 
 BLOCK, STEPS, GLOBAL_ROWS = 32, 4, 8
 

@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from model.callbacks import NonFiniteError, NonFiniteGuard
-from model.checkpoint import AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint
-from model.lit import LitGPT
+from pelab.callbacks import NonFiniteError, NonFiniteGuard
+from pelab.checkpoint import AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint
+from pelab.lit import LitGPT
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -184,7 +184,7 @@ from pathlib import Path
 import hydra, torch
 from hydra import compose, initialize_config_dir
 
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 
 out, marker = Path(sys.argv[1]), Path(sys.argv[2])
 with initialize_config_dir(os.path.abspath("conf"), version_base="1.3"):
@@ -276,7 +276,7 @@ def test_checkpoint_io_keeps_the_old_file_rather_than_write_nan_weights(tmp_path
 def test_every_trainer_preset_writes_through_the_atomic_io():
     for preset in ("default", "gpu", "ddp"):
         plugins = compose_config([f"trainer={preset}"]).trainer.plugins
-        assert [p._target_ for p in plugins] == ["model.checkpoint.AtomicCheckpointIO"], preset
+        assert [p._target_ for p in plugins] == ["pelab.checkpoint.AtomicCheckpointIO"], preset
 
 
 # ---------------------------------------------------------------------------- bad checkpoint files

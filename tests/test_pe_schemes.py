@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 from model.pe import SCHEMES
 from model.pe.base import distance_bias
 

@@ -149,7 +149,7 @@ def test_eval_script_rejects_unknown_option(sweep):
 
 
 def test_checkpoint_from_sweep_rebuilds_its_scheme(sweep):
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     out, _ = sweep
     for run in (p for p in out.iterdir() if (p / "checkpoints" / "last.ckpt").exists()):
@@ -319,7 +319,7 @@ def fit_tiny(logger, steps: int):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     x = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(0))
     module = LitGPT(model=dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16),

@@ -229,7 +229,7 @@ def check_resume(ckpt_path, cfg) -> dict[str, Any]:
 
 def load_lit_gpt(path, map_location=None, key: str = "ckpt"):
     """``LitGPT.load_from_checkpoint`` after ``read_checkpoint``, with ``weights_only=True``."""
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     read_checkpoint(path, key)
     return LitGPT.load_from_checkpoint(path, map_location=map_location, weights_only=True)
