@@ -116,13 +116,22 @@ def describe(hint: Any) -> str:
     return words.get(hint, getattr(hint, "__name__", str(hint)))
 
 
+def _type_hints(fn: Any) -> dict:
+    """``fn``'s resolved annotations; none where one names a type imported only for type checkers
+    (e.g. WandbLogger's wandb ``Run``): those options go unchecked rather than fail."""
+    try:
+        return typing.get_type_hints(fn)
+    except NameError:
+        return {}
+
+
 def _keyword_options(target: Any) -> tuple[dict, dict, bool]:
     """(parameters, type hints, takes any keyword) of ``target``'s constructor. A class whose
     ``__init__`` forwards ``**options`` to its base also gets the base's parameters (up the
     MRO until a constructor without ``**``), so a subclass need not repeat its parent's
     signature for its options to be checked."""
     init = target if hasattr(target, "__dataclass_fields__") else getattr(target, "__init__", target)
-    params, hints = dict(inspect.signature(target).parameters), typing.get_type_hints(init)
+    params, hints = dict(inspect.signature(target).parameters), _type_hints(init)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     for base in (target.__mro__[1:] if inspect.isclass(target) else ()):
         if not takes_any or base is object:
@@ -132,7 +141,7 @@ def _keyword_options(target: Any) -> tuple[dict, dict, bool]:
         base_params = inspect.signature(base).parameters
         params = {**{n: p for n, p in base_params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)},
                   **{n: p for n, p in params.items() if p.kind is not p.VAR_KEYWORD}}
-        hints = {**typing.get_type_hints(base.__init__), **hints}
+        hints = {**_type_hints(base.__init__), **hints}
         takes_any = any(p.kind is p.VAR_KEYWORD for p in base_params.values())
     return params, hints, takes_any
 

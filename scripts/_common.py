@@ -77,7 +77,7 @@ def log_rows_to_new_wandb_run(rows, png: Path, out: Path, prefix: str, series_by
     import wandb
 
     from evaluation.extrapolation import log_to_wandb
-    from pelab.run import wandb_offline_reason
+    from pelab.loggers import wandb_offline_reason
 
     why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
     try:  # the results are already on disk: a W&B failure must not turn into a failed command

@@ -222,12 +222,46 @@ def test_every_scheme_config_builds(scheme):
     ("pe=rope_alibi pe.bias_heads=9", "pe.bias_heads must be in"),
 ])
 def test_bad_config_fails_before_any_work(override, message):
-    from train import validate_config
+    from pelab.validate import validate_config
 
     cfg = compose_config(override.split())
     with pytest.raises(ValueError) as err:
         validate_config(cfg)
     assert message in str(err.value)
+
+
+def test_the_scheme_is_built_once_per_run(tmp_path, monkeypatch):
+    """Validation builds the scheme (its checks need it built) and train.py trains that one."""
+    import functools
+
+    import lightning as L
+
+    import model.pe.rope
+    from train import train
+
+    built, fitted = [], []
+    real = model.pe.rope.RoPE.__init__
+
+    @functools.wraps(real)
+    def counting(self, *args, **kwargs):
+        built.append(self)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(model.pe.rope.RoPE, "__init__", counting)
+    monkeypatch.setattr(L.Trainer, "fit", lambda self, module, **kwargs: fitted.append(module))
+    train(compose_config(["logger=csv", *TINY_RUN], output_dir=tmp_path / "out"))
+    assert len(built) == 1 and fitted[0].model.pe is built[0]
+
+
+def test_lightning_info_lines_are_printed_once(tmp_path):
+    """Under Hydra's logging each Lightning line appears once (on stdout and in train.log), not
+    also through Lightning's own console handler."""
+    proc = run_train(["trainer.max_steps=2", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                      "eval.extrapolation.enabled=false", "logger=none", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for line in ("GPU available:", "Seed set to 1337", "`Trainer.fit` stopped: `max_steps=2` reached"):
+        assert (proc.stdout + proc.stderr).count(line) == 1, (line, proc.stdout, proc.stderr)
+        assert line in (tmp_path / "train.log").read_text()
 
 
 def test_default_config_is_the_documented_one():
