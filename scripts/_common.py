@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if str(ROOT) not in sys.path:  # the checkout is the application: model/, data/ are not installed
     sys.path.insert(0, str(ROOT))
 
 

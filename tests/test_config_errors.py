@@ -37,7 +37,7 @@ CASES = [
     ("pe.base=1", ["pe.base must be > 1, got 1"]),
     ("pe.rotary_fraction=0", ["pe.rotary_fraction must be in (0, 1], got 0"]),
     ("data.batch_size=0", ["data.batch_size must be >= 1, got 0"]),
-    ("data.val_batch_size=0", ["data.val_batch_size must be >= 1, got 0"]),  # was silently batch_size
+    ("data.val_batch_size=0", ["data.val_batch_size must be >= 1, got 0"]),  # not silently batch_size
     ("data.corpus.val_fraction=0.7", ["data.corpus.val_fraction must be in (0, 0.5), got 0.7"]),
     ("data.tokenizer=words", ["data.tokenizer must be one of", "bytes", "gpt2", "got 'words'"]),
     ("eval.extrapolation.stride=0", ["eval.extrapolation.stride must be >= 1, got 0"]),

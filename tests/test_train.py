@@ -337,7 +337,7 @@ def test_long_run_names_stay_distinct_and_dirs_stay_valid_override_values():
 
 
 def test_swept_pe_option_reaches_run_names_and_sweep_dirs(tmp_path):
-    """`pe.base=100,10000` used to give two runs the same W&B name and sweep subdir."""
+    """Two values of a swept pe option give two W&B names and two sweep subdirs."""
     out = tmp_path / "sweep"
     proc = run_train(["-m", "pe=rope", "pe.base=100,10000", "logger=csv", f"hydra.sweep.dir={out}", *TINY_RUN], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
