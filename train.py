@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import hydra
@@ -58,4 +59,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # The checkout is the application (model/, data/ are not installed): the processes a launcher
+    # starts (submitit, SLURM jobs) import from it wherever they run.
+    root, path = str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")
+    if root not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
     main()

@@ -36,12 +36,19 @@ class Position:
     randomize_to: int | None
 
 
+def position_options(pe: dict) -> tuple[dict, dict]:
+    """(the scheme's options, the schedule options) of a ``pe`` config dict; the scheme's are
+    checked against its class's signature."""
+    options, schedule = split_schedule(pe)
+    check_options("pe", options, target_class("pe", options), ignore=("config",))
+    return options, schedule
+
+
 def build_position(pe: dict, config: GPTConfig) -> Position:
     """The scheme of a ``pe`` config dict for ``config``'s shape, with every rule that ties it to
     the model checked (a one-line ConfigError). Its parameters are initialised here, from the
     global RNG: the run's seed must be set before."""
-    options, schedule = split_schedule(pe)
-    check_options("pe", options, target_class("pe", options), ignore=("config",))
+    options, schedule = position_options(pe)
     scheme = build("pe", hydra.utils.instantiate(options, _partial_=True), config)
     randomize_to = build("pe", check_randomize_to, schedule.get("randomize_to"), config.block_size,
                          scheme.max_positions)

@@ -24,7 +24,7 @@ from evaluation.tasks import TaskEvalConfig
 from model.config import GPTConfig
 from pelab.checkpoint import check_resume
 from pelab.config import ConfigError, build, check_options, describe, fail, matches, require, target_class
-from pelab.lit import Position, build_position, model_config
+from pelab.lit import Position, build_position, model_config, position_options
 from pelab.optim import OptimConfig
 
 TOP_LEVEL = {"seed": int, "compile": bool, "project": str, "run_name": str | None, "group": str | None,
@@ -51,11 +51,11 @@ def validate_config(cfg: DictConfig) -> Checked:
             fail(key, plain(cfg.get(key)), describe(hint))
     # vocab_size comes from the tokenizer, loaded once the config has passed; no check depends on it
     model = model_config({"vocab_size": 1, **plain(cfg.model)})
-    optim = plain(cfg.optim)
-    check_options("optim", optim, OptimConfig)
-    optim = OptimConfig(**optim)
+    optim_values = plain(cfg.optim)
+    check_options("optim", optim_values, OptimConfig)
+    optim = OptimConfig(**optim_values)
     pe = plain(cfg.pe)
-    check_options("pe", pe, target_class("pe", pe), ignore=("config", "nope_every", "randomize_to"))
+    position_options(pe)  # the scheme is built last (seeded); its options are checked before any work
     datamodule = build_data(cfg, model)
     check_trainer(plain(cfg.trainer), optim)
     check_evaluation(cfg, datamodule)
