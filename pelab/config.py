@@ -15,11 +15,17 @@ from typing import Any, Callable, Literal, Union
 
 from hydra.errors import CompactHydraException, InstantiationException
 from hydra.utils import get_class
+from omegaconf import OmegaConf
 
 
 class ConfigError(CompactHydraException, ValueError):
     """A bad config value. Hydra's CLI prints a CompactHydraException as its message alone,
     without a traceback (HYDRA_FULL_ERROR=1 still shows one)."""
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain YAML data (dicts, lists, scalars), interpolations resolved."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def config_error(section: str, err: BaseException) -> ConfigError:

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import hydra
 import lightning as L
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchmetrics import MeanMetric
 
 from model.config import GPTConfig
 from model.gpt import GPT, uncompiled
 from model.pe.schedule import check_randomize_to, nope_layers, random_positions, split_schedule
-from pelab.config import ConfigError, build, check_options, target_class
+from pelab.config import ConfigError, build, check_options, plain, target_class
 from pelab.optim import OptimConfig, adamw, cosine_schedule
 
 
@@ -62,10 +60,6 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     return Position(scheme, layers, randomize_to)
 
 
-def _plain(cfg: Any) -> Any:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-
-
 class LitGPT(L.LightningModule):
     """Built from plain dicts (the Hydra groups ``model``, ``pe``, ``optim``) so that a
     checkpoint alone rebuilds the model: ``LitGPT.load_from_checkpoint(path)``. ``position``:
@@ -74,7 +68,7 @@ class LitGPT(L.LightningModule):
     def __init__(self, model: dict, pe: dict, optim: dict | None = None, compile: bool = False,
                  position: Position | None = None) -> None:
         super().__init__()
-        model, pe, optim = _plain(model), _plain(pe), _plain(optim) or {}
+        model, pe, optim = plain(model), plain(pe), plain(optim) or {}
         self.save_hyperparameters({"model": model, "pe": pe, "optim": optim, "compile": compile})
         self.config = model_config(model)
         self.optim = OptimConfig(**optim)

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import hydra
 import lightning as L
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from data.datamodule import build_datamodule
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.tasks import TaskEvalConfig
 from model.config import GPTConfig
 from pelab.checkpoint import check_resume
-from pelab.config import ConfigError, build, check_options, describe, fail, matches, require, target_class
+from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
+                          target_class)
 from pelab.lit import Position, build_position, model_config, position_options
 from pelab.optim import OptimConfig
 
@@ -39,10 +39,6 @@ class Checked:
     datamodule: L.LightningDataModule
     position: Position
     callbacks: list
-
-
-def plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def validate_config(cfg: DictConfig) -> Checked:
