@@ -63,7 +63,10 @@ def main(argv: list[str]) -> int:
         options["precision"] = args["precision"]
     if "rope_scaling" in args:
         options["rope_scaling"] = [None] + [s for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
-    config = ExtrapolationConfig.from_dict(options)
+    try:
+        config = ExtrapolationConfig.from_dict(options)
+    except ValueError as e:  # one line naming the option, before any data is read
+        raise SystemExit(str(e)) from None
 
     device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     distributed = join_torchrun_group(device)
