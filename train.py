@@ -21,6 +21,7 @@ def train(cfg: DictConfig) -> float | None:
 
     from pelab.batch import set_accumulation
     from pelab.checkpoint import resume_from_run_dir
+    from pelab.config import build
     from pelab.hydra_callbacks import check_writable_dir
     from pelab.lit import LitGPT
     from pelab.loggers import build_loggers, closed_on_failure
@@ -43,7 +44,8 @@ def train(cfg: DictConfig) -> float | None:
     module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile, position=checked.position)
     run_id = wandb_run_id(output_dir, resuming)
     loggers = build_loggers(cfg, identity, run_id)
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=checked.callbacks)
+    trainer = build("trainer", hydra.utils.instantiate, cfg.trainer, logger=loggers or False,
+                    callbacks=checked.callbacks)  # Lightning's own device checks, as one line
     set_accumulation(trainer, cfg)
     save_run(cfg, trainer, output_dir, run_id, loggers, identity)
 
