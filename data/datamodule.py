@@ -21,6 +21,7 @@ first and written last, so a crash never leaves it pointing at half-written bins
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -32,7 +33,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from data.tokenizers import Tokenizer, cache_dir, get_tokenizer
+from data.tokenizers import TOKENIZERS, Tokenizer, cache_dir, get_tokenizer
 
 FORMAT_VERSION = 2  # 2: hashes in meta.json, bytes separator 0x1E
 _MASK64 = (1 << 64) - 1
@@ -277,22 +278,33 @@ class TextDataModule(StreamDataModule):
         val_windows: int | None = 256,
     ) -> None:
         super().__init__()
+        for key, value, low in (("batch_size", batch_size, 1), ("val_batch_size", val_batch_size, 1),
+                                ("num_workers", num_workers, 0), ("tokenize_num_proc", tokenize_num_proc, 1)):
+            if value is not None and value < low:
+                raise ValueError(f"data.{key} must be >= {low}, got {value!r}")
+        if tokenizer not in TOKENIZERS:
+            raise ValueError(f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
         if val_windows is not None and (isinstance(val_windows, bool) or not isinstance(val_windows, int)
                                         or val_windows < 1):
             raise ValueError(f"data.val_windows must be a positive integer (windows spread over the held-out "
                              f"split) or null (every non-overlapping window), got {val_windows!r}")
         self.val_windows = val_windows
         self.corpus = corpus
-        self.tokenizer = get_tokenizer(tokenizer)
+        self.tokenizer_name = tokenizer
         self.block_size, self.batch_size = block_size, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.seed, self.train_samples = num_workers, seed, train_samples
         self.tokenize_num_proc = tokenize_num_proc  # datasets.map processes for big hub corpora
         root = Path(data_dir) if data_dir else cache_dir() / "data"
-        self.token_dir = root / corpus.cache_name / self.tokenizer.name
+        self.token_dir = root / corpus.cache_name / tokenizer
         self.meta: dict | None = None
         self.train_set: RandomWindows | None = None
         self.val_set: ValidationWindows | None = None
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Loaded on first use (gpt2 may fetch its ranks), so building the module reads nothing."""
+        return get_tokenizer(self.tokenizer_name)
 
     @property
     def vocab_size(self) -> int:

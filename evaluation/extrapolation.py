@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from model.gpt import GPT, uncompiled
+from model.pe.rope_scaling import ROPE_SCALINGS
+from pelab.config import require
 
 MODES = ("nonoverlapping", "sliding")
 
@@ -67,15 +69,23 @@ class ExtrapolationConfig(LengthSweepOptions):
     precision: str = "bf16-mixed"
 
     def __post_init__(self) -> None:
+        key = "eval.extrapolation"
         bad = [m for m in self.modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown extrapolation mode(s) {bad}; valid choices: {', '.join(MODES)}")
-        if self.stride is not None and self.stride < 1:
-            raise ValueError(f"stride must be a positive integer, got {self.stride}")
+        for name in ("stride", "max_tokens", "tokens_per_batch", "q_chunk"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"{key}.{name}", value, ">= 1")
         if any(m <= 0 for m in self.multipliers) or any(n < 1 for n in self.lengths):
             raise ValueError(f"eval lengths must be positive, got multipliers={list(self.multipliers)} "
                              f"lengths={list(self.lengths)}")
-        self.rope_scaling = [None if s in (None, "none", "None", "") else s for s in self.rope_scaling] or [None]
+        given = list(self.rope_scaling)
+        self.rope_scaling = [None if s in (None, "none", "None", "") else s for s in given] or [None]
+        require(all(s is None or s in ROPE_SCALINGS for s in self.rope_scaling), f"{key}.rope_scaling", given,
+                f"a list of null, {', '.join(ROPE_SCALINGS)}")
+        factor = self.rope_scaling_factor
+        require(factor is None or math.isfinite(factor) and factor >= 1, f"{key}.rope_scaling_factor", factor,
+                "null (eval length / train length) or a finite number >= 1")
 
 
 @dataclass

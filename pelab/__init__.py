@@ -1,1 +1,2 @@
-"""pelab's run plumbing: config checks, secret redaction, Hydra callbacks, a fail-safe W&B logger."""
+"""pelab's harness, above the network (model/) and the data (data/): the LightningModule and its
+optimiser, option validation, callbacks, checkpoints, run naming, loggers."""

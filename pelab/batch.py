@@ -4,6 +4,8 @@ a sweep over devices or nodes keeps the optimisation the same."""
 
 from __future__ import annotations
 
+from omegaconf import DictConfig, open_dict
+
 from pelab.config import ConfigError
 
 
@@ -27,3 +29,17 @@ def describe_batch(batch_size: int, block_size: int, devices: int, nodes: int, a
     total = batch_size * block_size * devices * nodes * accumulation
     return (f"[pelab] global batch: {total:,} tokens per optimiser step = micro-batch {batch_size} x context "
             f"{block_size} x {devices} device(s) x {nodes} node(s) x {accumulation} accumulation step(s)")
+
+
+def set_accumulation(trainer, cfg: DictConfig) -> None:
+    """The trainer's gradient accumulation from ``data.tokens_per_step`` (recorded in ``cfg``, so the
+    saved config says how the run ran), then the global batch printed once."""
+    data = cfg.data
+    if data.get("tokens_per_step") is not None:
+        trainer.accumulate_grad_batches = accumulation_for(data.tokens_per_step, data.batch_size, cfg.model.block_size,
+                                                           trainer.num_devices, trainer.num_nodes)
+        with open_dict(cfg):
+            cfg.trainer.accumulate_grad_batches = trainer.accumulate_grad_batches
+    if trainer.is_global_zero:
+        print(describe_batch(data.batch_size, cfg.model.block_size, trainer.num_devices, trainer.num_nodes,
+                             trainer.accumulate_grad_batches), flush=True)

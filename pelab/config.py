@@ -11,14 +11,52 @@ import collections.abc
 import inspect
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
-from hydra.errors import CompactHydraException
+from hydra.errors import CompactHydraException, InstantiationException
+from hydra.utils import get_class
+from omegaconf import OmegaConf
 
 
 class ConfigError(CompactHydraException, ValueError):
     """A bad config value. Hydra's CLI prints a CompactHydraException as its message alone,
     without a traceback (HYDRA_FULL_ERROR=1 still shows one)."""
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain YAML data (dicts, lists, scalars), interpolations resolved."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def config_error(section: str, err: BaseException) -> ConfigError:
+    """A constructor's ``err`` as the ConfigError users see: its own message when that names
+    its key (model/ and data/ raise plain ValueErrors that do), else prefixed with the section."""
+    message = str(err)
+    return ConfigError(message if message.startswith(section) else f"{section}: {message}")
+
+
+def build(section: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with a ValueError/TypeError it raises, directly or inside Hydra's
+    InstantiationException, turned into ``config_error(section, ...)``: one line, no traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError:
+        raise
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, TypeError)):
+            raise config_error(section, err.__cause__) from None
+        raise
+    except (ValueError, TypeError) as err:
+        raise config_error(section, err) from None
+
+
+def target_class(section: str, values: dict) -> type:
+    """The class a config node's ``_target_`` names, or a ConfigError saying it names none."""
+    try:
+        return get_class(values["_target_"])
+    except Exception as err:  # noqa: BLE001 - a missing or unimportable _target_
+        raise ConfigError(f"{section}._target_={values.get('_target_')!r} is not an importable class: "
+                          f"{err}") from None
 
 
 def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
@@ -84,13 +122,22 @@ def describe(hint: Any) -> str:
     return words.get(hint, getattr(hint, "__name__", str(hint)))
 
 
+def _type_hints(fn: Any) -> dict:
+    """``fn``'s resolved annotations; none where one names a type imported only for type checkers
+    (e.g. WandbLogger's wandb ``Run``): those options go unchecked rather than fail."""
+    try:
+        return typing.get_type_hints(fn)
+    except NameError:
+        return {}
+
+
 def _keyword_options(target: Any) -> tuple[dict, dict, bool]:
     """(parameters, type hints, takes any keyword) of ``target``'s constructor. A class whose
     ``__init__`` forwards ``**options`` to its base also gets the base's parameters (up the
     MRO until a constructor without ``**``), so a subclass need not repeat its parent's
     signature for its options to be checked."""
     init = target if hasattr(target, "__dataclass_fields__") else getattr(target, "__init__", target)
-    params, hints = dict(inspect.signature(target).parameters), typing.get_type_hints(init)
+    params, hints = dict(inspect.signature(target).parameters), _type_hints(init)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     for base in (target.__mro__[1:] if inspect.isclass(target) else ()):
         if not takes_any or base is object:
@@ -100,7 +147,7 @@ def _keyword_options(target: Any) -> tuple[dict, dict, bool]:
         base_params = inspect.signature(base).parameters
         params = {**{n: p for n, p in base_params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)},
                   **{n: p for n, p in params.items() if p.kind is not p.VAR_KEYWORD}}
-        hints = {**typing.get_type_hints(base.__init__), **hints}
+        hints = {**_type_hints(base.__init__), **hints}
         takes_any = any(p.kind is p.VAR_KEYWORD for p in base_params.values())
     return params, hints, takes_any
 

@@ -3,6 +3,7 @@ own steps that train.py cannot reach, because Hydra runs them before the task fu
 
 from __future__ import annotations
 
+import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +42,20 @@ def _stop_unless_writable(path: Path) -> None:
         raise SystemExit(1) from None
 
 
+def log_lightning_through_root() -> None:
+    """Lightning's log lines through the root logger only, i.e. Hydra's console and train.log:
+    Lightning's package logger has a console handler of its own and also propagates to the root,
+    so under Hydra's logging each line would print twice."""
+    import lightning  # noqa: F401 - importing it adds that handler
+
+    if not logging.getLogger().handlers:  # hydra/job_logging=none: Lightning's own handler is the only one
+        return
+    package = logging.getLogger("lightning")
+    for handler in list(package.handlers):
+        if type(handler) is logging.StreamHandler:
+            package.removeHandler(handler)
+
+
 class PelabCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _stop_unless_writable(Path(config.hydra.run.dir))  # before Hydra creates it
@@ -49,6 +64,7 @@ class PelabCallback(Callback):
         _stop_unless_writable(Path(config.hydra.sweep.dir))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        log_lightning_through_root()  # Hydra has configured the job's logging just before
         # Hydra has just saved the composed config and the command-line overrides: mask secrets.
         hc = config.hydra
         if hc.output_subdir is not None:

@@ -1,15 +1,22 @@
-"""Lightning's WandbLogger, made unable to stop a training run."""
+"""Where a run logs: the loggers of ``cfg.logger``, W&B going offline by itself when it cannot
+reach a server, and Lightning's WandbLogger made unable to stop a training run."""
 
 from __future__ import annotations
 
 import argparse
+import netrc
+import os
+import socket
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from urllib.parse import urlparse
 
+import hydra
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.logger import DummyExperiment
+from omegaconf import DictConfig
 
 from pelab.redact import redact, redact_text
 
@@ -130,3 +137,80 @@ def log_results(loggers: list, to_wandb: Callable[..., None], rows: list, png: P
             to_wandb(rows, logger.experiment, png=png)
         else:
             logger.log_metrics(metrics, step=step)
+
+
+def wandb_reachable(timeout: float = 3.0) -> bool:
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_offline_reason() -> str | None:
+    """Why a W&B run cannot go online from here (no credentials, no route), or None."""
+    if not wandb_has_credentials():
+        return "no W&B credentials (WANDB_API_KEY or `wandb login`)"
+    if not wandb_reachable():
+        return "W&B server unreachable"
+    return None
+
+
+def build_loggers(cfg: DictConfig, identity, run_id: str | None = None) -> list:
+    """The loggers of ``cfg.logger``; a W&B one named by ``identity`` (pelab/run.py RunIdentity)."""
+    loggers = []
+    for key, logger_cfg in (cfg.get("logger") or {}).items():
+        if logger_cfg is None or "_target_" not in logger_cfg:
+            continue
+        extra = {}
+        if issubclass(hydra.utils.get_class(logger_cfg._target_), WandbLogger):
+            extra = {"name": identity.name, "group": identity.group, "tags": identity.tags}
+            if run_id:  # same id after a restart: the W&B run continues (resume="allow": or starts)
+                extra |= {"id": run_id, "resume": "allow"}
+            mode = os.environ.get("WANDB_MODE", "")
+            if mode not in ("offline", "disabled") and not logger_cfg.get("offline"):
+                why = wandb_offline_reason()
+                if why:
+                    print(f"[pelab] {why}: logging to W&B in offline mode", flush=True)
+                    extra["offline"] = True
+            os.environ.setdefault("WANDB_SILENT", "true")
+        loggers.append(hydra.utils.instantiate(logger_cfg, **extra))
+    return loggers
+
+
+def finish_loggers(loggers: list) -> list[str]:
+    """Flush file loggers and close the W&B run, saying where each went."""
+    lines = []
+    for logger in loggers:
+        if isinstance(logger, SafeWandbLogger):
+            lines.append(logger.finish())
+        elif isinstance(logger, WandbLogger):  # Lightning's own, if configured
+            logger.experiment.finish()
+        else:
+            logger.save()  # flush what was logged after fit (extrapolation, unigram baseline)
+            lines.append(f"[pelab] {type(logger).__name__}: {getattr(logger, 'log_dir', None) or logger.save_dir}")
+    return [line for line in lines if line]
+
+
+@contextmanager
+def closed_on_failure(loggers: list) -> Iterator[None]:
+    """A W&B run whose training failed is closed as failed, so that the next job of a sweep does
+    not log into it."""
+    try:
+        yield
+    except BaseException:
+        for logger in loggers:
+            if isinstance(logger, SafeWandbLogger):
+                logger.finish(exit_code=1)
+        raise

@@ -1,25 +1,23 @@
-"""How a run is named and where it logs: run names and sweep subdirs from the overrides that
-change what is trained, the W&B identity (name, group, tags), and the loggers built from
-``cfg.logger`` with W&B going offline by itself when it cannot reach a server.
+"""A run's name and what it leaves in its run dir: run names and sweep subdirs from the
+overrides that change what is trained, the W&B identity (name, group, tags), the resolved
+config beside the checkpoints, the W&B run id a restart continues, the end-of-run summary.
 """
 
 from __future__ import annotations
 
 import hashlib
-import netrc
+import math
 import os
 import re
-import socket
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pelab.redact import looks_secret, redact_text
+from pelab.redact import looks_secret, redact, redact_text
 
 # Overrides that do not change what is trained stay out of run names and sweep subdirs: an
 # exact key, or a whole group given with its dot ("logger."). Never a bare prefix: "pe" is
@@ -97,73 +95,13 @@ def describe_run(cfg: DictConfig) -> RunIdentity:
     return RunIdentity(name=name, group=group, tags=tags, choices={"pe": scheme, **choices})
 
 
-def wandb_reachable(timeout: float = 3.0) -> bool:
-    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def wandb_offline_reason() -> str | None:
-    """Why a W&B run cannot go online from here (no credentials, no route), or None."""
-    if not wandb_has_credentials():
-        return "no W&B credentials (WANDB_API_KEY or `wandb login`)"
-    if not wandb_reachable():
-        return "W&B server unreachable"
-    return None
-
-
-def build_loggers(cfg: DictConfig, identity: RunIdentity, run_id: str | None = None) -> list:
-    from lightning.pytorch.loggers import WandbLogger
-
-    loggers = []
-    for key, logger_cfg in (cfg.get("logger") or {}).items():
-        if logger_cfg is None or "_target_" not in logger_cfg:
-            continue
-        extra = {}
-        if issubclass(hydra.utils.get_class(logger_cfg._target_), WandbLogger):
-            extra = {"name": identity.name, "group": identity.group, "tags": identity.tags}
-            if run_id:  # same id after a restart: the W&B run continues (resume="allow": or starts)
-                extra |= {"id": run_id, "resume": "allow"}
-            mode = os.environ.get("WANDB_MODE", "")
-            if mode not in ("offline", "disabled") and not logger_cfg.get("offline"):
-                why = wandb_offline_reason()
-                if why:
-                    print(f"[pelab] {why}: logging to W&B in offline mode", flush=True)
-                    extra["offline"] = True
-            os.environ.setdefault("WANDB_SILENT", "true")
-        loggers.append(hydra.utils.instantiate(logger_cfg, **extra))
-    return loggers
-
-
-def finish_loggers(loggers: list) -> list[str]:
-    """Flush file loggers and close the W&B run, saying where each went."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    from pelab.loggers import SafeWandbLogger
-
-    lines = []
-    for logger in loggers:
-        if isinstance(logger, SafeWandbLogger):
-            lines.append(logger.finish())
-        elif isinstance(logger, WandbLogger):  # Lightning's own, if configured
-            logger.experiment.finish()
-        else:
-            logger.save()  # flush what was logged after fit (extrapolation, unigram baseline)
-            lines.append(f"[pelab] {type(logger).__name__}: {getattr(logger, 'log_dir', None) or logger.save_dir}")
-    return [line for line in lines if line]
+def name_run(cfg: DictConfig) -> RunIdentity:
+    """``describe_run``, also recorded in ``cfg`` so that the saved config says how the run
+    appears on W&B."""
+    identity = describe_run(cfg)
+    with open_dict(cfg):
+        cfg.run_name, cfg.group, cfg.tags = identity.name, identity.group, identity.tags
+    return identity
 
 
 RUN_ID_FILE = "wandb_run_id.txt"
@@ -188,3 +126,42 @@ def save_run_id(output_dir: Path, run_id: str) -> None:
     tmp = path.with_suffix(".partial")
     tmp.write_text(run_id + "\n")
     os.replace(tmp, path)
+
+
+def save_run(cfg: DictConfig, trainer, output_dir: Path, run_id: str, loggers: list, identity: RunIdentity) -> None:
+    """The resolved config, secrets masked, into the checkpoint dir (before the first checkpoint:
+    the scripts read it there) and to every logger; the W&B run id for a restart."""
+    # ModelCheckpoint warns about a non-empty dir: config.yaml is there on purpose.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    resolved = redact(OmegaConf.to_container(cfg, resolve=True))
+    if trainer.is_global_zero:
+        ckpt_dir = Path(output_dir) / "checkpoints"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(resolved), ckpt_dir / "config.yaml")
+        save_run_id(output_dir, run_id)
+    for logger in loggers:
+        logger.log_hyperparams({"config": resolved, **identity.as_dict()})
+
+
+def summary(trainer, identity: RunIdentity, output_dir: Path, loggers: list) -> float | None:
+    """Close the loggers and print (rank zero) where everything went; the final val/loss."""
+    from pelab.loggers import finish_loggers  # imports Lightning: this module is loaded before Hydra starts
+
+    metrics = trainer.callback_metrics
+    val_loss = float(metrics["val/loss"]) if "val/loss" in metrics else None
+    if not trainer.is_global_zero:
+        return val_loss
+    lines = [f"[pelab] run {identity.name!r} finished at step {trainer.global_step}"]
+    if val_loss is not None:
+        line = f"[pelab] val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f})"
+        if "val/unigram_loss" in metrics:  # evaluation/end_of_training.py
+            baseline = float(metrics["val/unigram_loss"])
+            line += f"; unigram baseline {baseline:.4f} (ppl {math.exp(baseline):.2f})"
+        lines.append(line)
+    lines.append(f"[pelab] outputs: {Path(output_dir).resolve()}")
+    ckpt = trainer.checkpoint_callback
+    if ckpt is not None and ckpt.last_model_path:
+        lines.append(f"[pelab] checkpoints: {Path(ckpt.dirpath).resolve()} (+ resolved config.yaml)")
+    lines += finish_loggers(loggers)
+    print("\n".join(lines), flush=True)
+    return val_loss

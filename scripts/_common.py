@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if str(ROOT) not in sys.path:  # the checkout is the application: model/, data/ are not installed
     sys.path.insert(0, str(ROOT))
 
 
@@ -45,10 +45,10 @@ def parse_key_values(argv: list[str], allowed: dict[str, str]) -> dict[str, str]
 
 def checkpoint_arg(args: dict[str, str], allowed: dict[str, str]) -> Path:
     """The required ``ckpt=PATH``, checked to be a readable pelab checkpoint (not truncated, not a
-    foreign file) before any data is read; load it with ``model.checkpoint.load_lit_gpt``."""
+    foreign file) before any data is read; load it with ``pelab.checkpoint.load_lit_gpt``."""
     if "ckpt" not in args:
         raise SystemExit(f"ckpt=PATH is required; options:\n{describe_options(allowed)}")
-    from model.checkpoint import CheckpointError, read_checkpoint
+    from pelab.checkpoint import CheckpointError, read_checkpoint
 
     ckpt = Path(args["ckpt"])
     try:
@@ -77,7 +77,7 @@ def log_rows_to_new_wandb_run(rows, png: Path, out: Path, prefix: str, series_by
     import wandb
 
     from evaluation.extrapolation import log_to_wandb
-    from pelab.run import wandb_offline_reason
+    from pelab.loggers import wandb_offline_reason
 
     why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
     try:  # the results are already on disk: a W&B failure must not turn into a failed command

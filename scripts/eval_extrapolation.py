@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
-    from model.checkpoint import load_lit_gpt
+    from pelab.checkpoint import load_lit_gpt
     from data.datamodule import build_datamodule, load_tokens
 
     cfg = load_run_config(ckpt, "which data and training length to use")
@@ -63,7 +63,10 @@ def main(argv: list[str]) -> int:
         options["precision"] = args["precision"]
     if "rope_scaling" in args:
         options["rope_scaling"] = [None] + [s for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
-    config = ExtrapolationConfig.from_dict(options)
+    try:
+        config = ExtrapolationConfig.from_dict(options)
+    except ValueError as e:  # one line naming the option, before any data is read
+        raise SystemExit(str(e)) from None
 
     device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     distributed = join_torchrun_group(device)

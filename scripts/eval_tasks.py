@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from evaluation.tasks import TaskEvalConfig, evaluate_tasks, save_results
-    from model.checkpoint import load_lit_gpt
+    from pelab.checkpoint import load_lit_gpt
     from pelab.config import ConfigError
 
     cfg = load_run_config(ckpt, "which task, options and seed to use")
@@ -104,7 +104,7 @@ def log_task_rows_to_new_wandb_run(rows, png: Path, out: Path, **init) -> None:
     import wandb
 
     from evaluation.tasks import log_to_wandb
-    from pelab.run import wandb_offline_reason
+    from pelab.loggers import wandb_offline_reason
 
     why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
     run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)

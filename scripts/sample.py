@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from data.tokenizers import get_tokenizer
-    from model.checkpoint import load_lit_gpt
+    from pelab.checkpoint import load_lit_gpt
 
     run_config = ckpt.parent / "config.yaml"
     tokenizer_name = OmegaConf.load(run_config).data.tokenizer if run_config.is_file() else "bytes"

@@ -10,7 +10,7 @@ import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS = "model.lit"  # the module that defines LitGPT
+HARNESS = "pelab.lit"  # the module that defines LitGPT
 VOCABS = {"byte": (256, 1), "gpt2": (50257, 64)}  # vocabulary, pad_vocab_multiple
 # conf/callbacks/default.yaml entries left out of the timed fit: they write files or probe the
 # model only at validation or at the end of training, none of which happens in the timed steps

@@ -219,7 +219,7 @@ def compose(overrides):
 def test_configs_compose_validate_and_build():
     from data.datamodule import build_datamodule
 
-    from train import validate_config
+    from pelab.validate import validate_config
 
     cfg = compose(["data=synthetic", "data.task=copy", "eval.extrapolation.enabled=false"])
     validate_config(cfg)

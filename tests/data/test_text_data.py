@@ -212,7 +212,7 @@ def compose_config(overrides, tmp_path):
 
 def test_configs_compose_and_validate(tmp_path):
     from pelab.config import ConfigError
-    from train import validate_config
+    from pelab.validate import validate_config
 
     write_txt(tmp_path / "c", docs(3))
     cfg = compose_config(["data=text", f"data.paths=[{tmp_path / 'c'}]"], tmp_path)

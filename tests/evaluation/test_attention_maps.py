@@ -24,7 +24,7 @@ from evaluation.attention_maps import (
 )
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 from model.pe import SCHEMES
 
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from evaluation.position_functions import PositionFunctions
 from model.config import GPTConfig
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 from model.pe import SCHEMES
 from tests.tiny import has_parameters, schemes_where
 

@@ -136,7 +136,7 @@ def test_run_task_evaluation_writes_tables_and_logs(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
     from omegaconf import OmegaConf
 
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     cfg = OmegaConf.create({
         "model": {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 256},

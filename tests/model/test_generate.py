@@ -102,8 +102,8 @@ def test_sample_script_with_and_without_cache_gives_the_same_greedy_text(tmp_pat
 
     import lightning as L
 
-    from model.checkpoint import AtomicCheckpointIO
-    from model.lit import LitGPT
+    from pelab.checkpoint import AtomicCheckpointIO
+    from pelab.lit import LitGPT
 
     torch.manual_seed(0)
     module = LitGPT(model={"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.gpt import GPT
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 from model.pe import SCHEMES, PositionEncoding
 from tests.naive import naive_softmax_attention
 from tests.tiny import attention_config, build, schemes_where, tiny_config

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from model.attention.masks import attention_mask
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 from model.pe import SCHEMES
 from model.pe.base import distance_bias
 from model.positions import position_context

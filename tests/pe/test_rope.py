@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from model.attention.masks import attention_mask
 from model.config import GPTConfig
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 from model.pe import SCHEMES
 from model.positions import position_context
 from tests.naive import naive_attention_loops, naive_rope, naive_rope_vec

@@ -49,7 +49,7 @@ def test_nope_every_layer_drops_the_scheme_on_those_layers_only():
 
 def test_nope_every_from_the_config(tmp_path):
     """pe.nope_every reaches the model through LitGPT; embedding-only schemes refuse it."""
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     module = LitGPT(model={"vocab_size": 41, "block_size": 32, "n_layer": 8, "n_head": 2, "n_embd": 16},
                     pe={"_target_": "model.pe.rope.RoPE", "nope_every": 4})
@@ -78,7 +78,7 @@ def test_random_positions_are_sorted_distinct_subsets():
 
 
 def test_training_uses_random_positions_and_evaluation_does_not(monkeypatch):
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     module = LitGPT(model={"vocab_size": 41, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16},
                     pe={"_target_": "model.pe.alibi.ALiBi", "randomize_to": 64})

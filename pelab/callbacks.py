@@ -69,13 +69,11 @@ class HostMemoryReuse(L.Callback):
 
     glibc's malloc hands large freed blocks back to the kernel (a block over its adaptive mmap
     threshold is unmapped at free; a free top of the heap past the trim threshold is trimmed),
-    and the next step's activations fault the same pages in again, zero-filled. A CPU training
-    step of the tiny model took 1,000-4,000 such page faults under Lightning, and the step ran
-    about 3% faster without them (scripts/bench.py, README). Fixed thresholds (``mallopt``)
-    make blocks up to ``mmap_threshold_mb`` come from the heap and keep up to
-    ``trim_threshold_mb`` of free heap: the steady-state footprint of a training loop, which
-    it needs again every step anyway. The setting is per process (DataLoader workers forked
-    later inherit it) and is made at ``setup``, before the first step.
+    and the next step's activations fault the same pages in again, zero-filled. Fixed
+    thresholds (``mallopt``) make blocks up to ``mmap_threshold_mb`` come from the heap and
+    keep up to ``trim_threshold_mb`` of free heap: the steady-state footprint of a training
+    loop, which it needs again every step anyway. The setting is per process (DataLoader
+    workers forked later inherit it) and is made at ``setup``, before the first step.
     """
 
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h

@@ -16,11 +16,11 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from model.callbacks import NonFiniteError, NonFiniteGuard
-from model.checkpoint import AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint
-from model.lit import LitGPT
+from pelab.callbacks import NonFiniteError, NonFiniteGuard
+from pelab.checkpoint import AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint
+from pelab.lit import LitGPT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
 ROPE = {"_target_": "model.pe.rope.RoPE"}
 # train.py as cheap as it goes: the model of the checkpoints below, no evaluation, no attention maps
@@ -167,7 +167,7 @@ def test_ddp_ranks_stop_together_when_one_rank_has_a_nan_loss(tmp_path):
     """Rank 1 alone sees a NaN loss (its gradients, and so the all-reduced ones, stay finite): both
     ranks must stop at the same step with the same message, not hang or train on apart."""
     proc = run_script(["train.py", f"hydra.run.dir={tmp_path}", "trainer.accelerator=cpu", "trainer.devices=2",
-                       "trainer.strategy=ddp", "+callbacks.poison._target_=tests.test_faults.Poison",
+                       "trainer.strategy=ddp", "+callbacks.poison._target_=tests.harness.test_faults.Poison",
                        "+callbacks.poison.what=loss", "+callbacks.poison.steps=[3]", "+callbacks.poison.rank=1",
                        *FAST], timeout=300)
     assert proc.returncode != 0
@@ -184,7 +184,7 @@ from pathlib import Path
 import hydra, torch
 from hydra import compose, initialize_config_dir
 
-from model.lit import LitGPT
+from pelab.lit import LitGPT
 
 out, marker = Path(sys.argv[1]), Path(sys.argv[2])
 with initialize_config_dir(os.path.abspath("conf"), version_base="1.3"):
@@ -276,7 +276,7 @@ def test_checkpoint_io_keeps_the_old_file_rather_than_write_nan_weights(tmp_path
 def test_every_trainer_preset_writes_through_the_atomic_io():
     for preset in ("default", "gpu", "ddp"):
         plugins = compose_config([f"trainer={preset}"]).trainer.plugins
-        assert [p._target_ for p in plugins] == ["model.checkpoint.AtomicCheckpointIO"], preset
+        assert [p._target_ for p in plugins] == ["pelab.checkpoint.AtomicCheckpointIO"], preset
 
 
 # ---------------------------------------------------------------------------- bad checkpoint files

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from model.lit import LitGPT, OptimConfig
+from pelab.lit import LitGPT
+from pelab.optim import OptimConfig
 from model.pe import SCHEMES
 
 TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
@@ -204,7 +205,7 @@ def test_tokens_per_sec_counts_every_micro_batch_and_logs_once_per_log_step(monk
     trainer.global_step), over the tokens of every micro-batch since the previous log."""
     import types
 
-    import model.callbacks as callbacks
+    import pelab.callbacks as callbacks
 
     clock = iter(range(1000))  # perf_counter advances by 1 s per call: tokens/s = tokens since the last log
     monkeypatch.setattr(callbacks, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))

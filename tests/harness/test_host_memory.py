@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from model.callbacks import HostMemoryReuse
+from pelab.callbacks import HostMemoryReuse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, BLOCK_MIB = 6, 8
 PAGES = BLOCKS * BLOCK_MIB * 2**20 // os.sysconf("SC_PAGE_SIZE")
 
@@ -20,7 +20,7 @@ PAGES = BLOCKS * BLOCK_MIB * 2**20 // os.sysconf("SC_PAGE_SIZE")
 # page faults count the pages the C library gave back to the kernel after the first.
 STEP_FAULTS = f"""
 import resource, sys, torch
-from model.callbacks import HostMemoryReuse
+from pelab.callbacks import HostMemoryReuse
 if sys.argv[1] == "on":
     callback = HostMemoryReuse()
     callback.setup(None, None, "fit")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 ARGS = [
     "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4",
@@ -35,7 +35,7 @@ def offline_run_ids(run_dir: Path) -> set[str]:
 
 
 def stop_at_step_6(run_dir: Path, signum: str) -> Path:
-    stopped = run(run_dir, "+callbacks.signal._target_=tests.signal_at_step.SignalAtStep",
+    stopped = run(run_dir, "+callbacks.signal._target_=tests.harness.signal_at_step.SignalAtStep",
                   "+callbacks.signal.step=6", f"+callbacks.signal.signum={signum}")
     assert stopped.returncode == 0, stopped.stderr[-3000:]  # a clean exit, not a crash
     assert "finished at step" not in stopped.stdout

@@ -12,7 +12,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ["learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"]
 FAST = [
     "model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=32",
@@ -149,7 +149,7 @@ def test_eval_script_rejects_unknown_option(sweep):
 
 
 def test_checkpoint_from_sweep_rebuilds_its_scheme(sweep):
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     out, _ = sweep
     for run in (p for p in out.iterdir() if (p / "checkpoints" / "last.ckpt").exists()):
@@ -222,12 +222,46 @@ def test_every_scheme_config_builds(scheme):
     ("pe=rope_alibi pe.bias_heads=9", "pe.bias_heads must be in"),
 ])
 def test_bad_config_fails_before_any_work(override, message):
-    from train import validate_config
+    from pelab.validate import validate_config
 
     cfg = compose_config(override.split())
     with pytest.raises(ValueError) as err:
         validate_config(cfg)
     assert message in str(err.value)
+
+
+def test_the_scheme_is_built_once_per_run(tmp_path, monkeypatch):
+    """Validation builds the scheme (its checks need it built) and train.py trains that one."""
+    import functools
+
+    import lightning as L
+
+    import model.pe.rope
+    from train import train
+
+    built, fitted = [], []
+    real = model.pe.rope.RoPE.__init__
+
+    @functools.wraps(real)
+    def counting(self, *args, **kwargs):
+        built.append(self)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(model.pe.rope.RoPE, "__init__", counting)
+    monkeypatch.setattr(L.Trainer, "fit", lambda self, module, **kwargs: fitted.append(module))
+    train(compose_config(["logger=csv", *TINY_RUN], output_dir=tmp_path / "out"))
+    assert len(built) == 1 and fitted[0].model.pe is built[0]
+
+
+def test_lightning_info_lines_are_printed_once(tmp_path):
+    """Under Hydra's logging each Lightning line appears once (on stdout and in train.log), not
+    also through Lightning's own console handler."""
+    proc = run_train(["trainer.max_steps=2", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                      "eval.extrapolation.enabled=false", "logger=none", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for line in ("GPU available:", "Seed set to 1337", "`Trainer.fit` stopped: `max_steps=2` reached"):
+        assert (proc.stdout + proc.stderr).count(line) == 1, (line, proc.stdout, proc.stderr)
+        assert line in (tmp_path / "train.log").read_text()
 
 
 def test_default_config_is_the_documented_one():
@@ -303,7 +337,7 @@ def test_long_run_names_stay_distinct_and_dirs_stay_valid_override_values():
 
 
 def test_swept_pe_option_reaches_run_names_and_sweep_dirs(tmp_path):
-    """`pe.base=100,10000` used to give two runs the same W&B name and sweep subdir."""
+    """Two values of a swept pe option give two W&B names and two sweep subdirs."""
     out = tmp_path / "sweep"
     proc = run_train(["-m", "pe=rope", "pe.base=100,10000", "logger=csv", f"hydra.sweep.dir={out}", *TINY_RUN], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -319,7 +353,7 @@ def fit_tiny(logger, steps: int):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     x = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(0))
     module = LitGPT(model=dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16),

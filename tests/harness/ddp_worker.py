@@ -1,12 +1,12 @@
-"""Run by tests/test_distributed.py: train a few fp32 steps on ``devices`` CPU processes (gloo
+"""Run by tests/harness/test_distributed.py: train a few fp32 steps on ``devices`` CPU processes (gloo
 DDP through Lightning) with ``batch`` sequences per rank, on windows that make the global
 batch of every step the same rows whatever the number of ranks; then validate. Rank zero saves
-the parameters and val/loss.   python tests/ddp_worker.py DEVICES BATCH TOKENS.bin OUT.pt"""
+the parameters and val/loss.   python tests/harness/ddp_worker.py DEVICES BATCH TOKENS.bin OUT.pt"""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import numpy as np  # noqa: E402
@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from data.datamodule import StreamDataModule, ValidationWindows, load_tokens  # noqa: E402
-from model.lit import LitGPT  # noqa: E402
+from pelab.lit import LitGPT  # noqa: E402
 
 BLOCK, STEPS, GLOBAL_ROWS = 32, 4, 8
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(devices: int, batch: int, tokens: Path, out: Path) -> dict:
-    proc = subprocess.run([sys.executable, "tests/ddp_worker.py", str(devices), str(batch), str(tokens), str(out)],
+    proc = subprocess.run([sys.executable, "tests/harness/ddp_worker.py", str(devices), str(batch), str(tokens), str(out)],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = [
     "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4",
     "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",

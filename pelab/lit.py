@@ -2,75 +2,79 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import hydra
 import lightning as L
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
-from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from torchmetrics import MeanMetric
 
 from model.config import GPTConfig
-from model.gpt import GPT
+from model.gpt import GPT, uncompiled
 from model.pe.schedule import check_randomize_to, nope_layers, random_positions, split_schedule
-from pelab.config import check_options, require
+from pelab.config import ConfigError, build, check_options, plain, target_class
+from pelab.optim import OptimConfig, adamw, cosine_schedule
+
+
+def model_config(values: dict) -> GPTConfig:
+    """``GPTConfig`` of a ``model`` config dict: unknown keys and types checked here, ranges by
+    GPTConfig itself; either way a one-line ConfigError."""
+    check_options("model", values, GPTConfig)
+    return build("model", GPTConfig, **values)
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 100
-    decay_steps: int | None = None  # cosine reaches min_lr here; default: trainer.max_steps
+class Position:
+    """A ``pe`` config built: the scheme and the schedule options beside it (model/pe/schedule.py)."""
 
-    def __post_init__(self) -> None:
-        check_options("optim", {f.name: getattr(self, f.name) for f in fields(self)}, OptimConfig)
-        self.betas = tuple(self.betas)
-        require(self.lr > 0, "optim.lr", self.lr, "> 0")
-        require(0 < self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in (0, optim.lr={self.lr}]")
-        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
-        require(all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas), "two numbers in [0, 1)")
-        require(self.eps > 0, "optim.eps", self.eps, "> 0")
-        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
-        require(self.decay_steps is None or self.decay_steps >= 1, "optim.decay_steps", self.decay_steps,
-                "null (= trainer.max_steps) or an integer >= 1")
-
-    def lr_at(self, step: int, decay_steps: int) -> float:
-        """Linear warmup from 0, then cosine decay to min_lr at decay_steps, then flat."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / (self.warmup_steps + 1)
-        if step >= decay_steps:
-            return self.min_lr
-        progress = (step - self.warmup_steps) / max(1, decay_steps - self.warmup_steps)
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
+    scheme: nn.Module
+    nope_layers: frozenset[int]
+    randomize_to: int | None
 
 
-def _plain(cfg: Any) -> Any:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+def position_options(pe: dict) -> tuple[dict, dict]:
+    """(the scheme's options, the schedule options) of a ``pe`` config dict; the scheme's are
+    checked against its class's signature."""
+    options, schedule = split_schedule(pe)
+    check_options("pe", options, target_class("pe", options), ignore=("config",))
+    return options, schedule
+
+
+def build_position(pe: dict, config: GPTConfig) -> Position:
+    """The scheme of a ``pe`` config dict for ``config``'s shape, with every rule that ties it to
+    the model checked (a one-line ConfigError). Its parameters are initialised here, from the
+    global RNG: the run's seed must be set before."""
+    options, schedule = position_options(pe)
+    scheme = build("pe", hydra.utils.instantiate(options, _partial_=True), config)
+    randomize_to = build("pe", check_randomize_to, schedule.get("randomize_to"), config.block_size,
+                         scheme.max_positions)
+    layers = build("pe", nope_layers, config.n_layer, schedule.get("nope_every"))
+    if layers and not (scheme.uses_rotate or scheme.uses_bias):
+        raise ConfigError(f"pe.nope_every={schedule['nope_every']} needs a scheme that acts inside attention "
+                          f"(rotation or bias); pe={scheme.name} only adds to the embeddings")
+    if scheme.max_positions is not None and config.block_size > scheme.max_positions:
+        raise ConfigError(f"model.block_size={config.block_size} exceeds the {scheme.max_positions} positions of "
+                          f"pe={scheme.name}; raise pe.max_positions or lower model.block_size")
+    return Position(scheme, layers, randomize_to)
 
 
 class LitGPT(L.LightningModule):
     """Built from plain dicts (the Hydra groups ``model``, ``pe``, ``optim``) so that a
-    checkpoint alone rebuilds the model: ``LitGPT.load_from_checkpoint(path)``."""
+    checkpoint alone rebuilds the model: ``LitGPT.load_from_checkpoint(path)``. ``position``:
+    the ``pe`` config already built (train.py's validation builds it once), else built here."""
 
-    def __init__(self, model: dict, pe: dict, optim: dict | None = None, compile: bool = False) -> None:
+    def __init__(self, model: dict, pe: dict, optim: dict | None = None, compile: bool = False,
+                 position: Position | None = None) -> None:
         super().__init__()
-        model, pe, optim = _plain(model), _plain(pe), _plain(optim) or {}
+        model, pe, optim = plain(model), plain(pe), plain(optim) or {}
         self.save_hyperparameters({"model": model, "pe": pe, "optim": optim, "compile": compile})
-        self.config = GPTConfig(**model)
+        self.config = model_config(model)
         self.optim = OptimConfig(**optim)
-        scheme, schedule = split_schedule(pe)
-        pe_factory = hydra.utils.instantiate(scheme, _partial_=True)
-        self.model = GPT(self.config, pe_factory(self.config),
-                         nope_layers(self.config.n_layer, schedule.get("nope_every")))
-        self.randomize_to = check_randomize_to(schedule.get("randomize_to"), self.config.block_size,
-                                               self.model.pe.max_positions)
+        position = position or build_position(pe, self.config)
+        self.model = GPT(self.config, position.scheme, position.nope_layers)
+        self.randomize_to = position.randomize_to
         self.compile = compile
         self.val_loss = MeanMetric()
         # PaLM appendix B: 6N + 12·L·d·T model FLOPs per trained token (tied weights counted once)
@@ -88,8 +92,7 @@ class LitGPT(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.global_rank == 0:  # the attention backend, once per fit
-            gpt = getattr(self.model, "_orig_mod", self.model)
-            print(f"[pelab] attention: {gpt.attention_backend(self.device)} "
+            print(f"[pelab] attention: {uncompiled(self.model).attention_backend(self.device)} "
                   f"(model.attention={self.config.attention}, pe={self.pe_name}, {self.device.type})")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None):
@@ -147,28 +150,9 @@ class LitGPT(L.LightningModule):
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
 
     def configure_optimizers(self) -> dict:
-        decay, no_decay = [], []
-        pe = self.model.pe
-        scheme_rule = {id(p): False for p in pe.parameters()} | {id(p): True for p in pe.decayed_parameters()}
-        for p in self.model.parameters():
-            if not p.requires_grad:
-                continue
-            # Matrices (incl. the tied token embedding, as in nanoGPT) are decayed; norm gains and
-            # biases are not; a scheme's parameters only where the scheme says so.
-            (decay if scheme_rule.get(id(p), p.dim() >= 2) else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.optim.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        # torch's fused AdamW kernel (CUDA, and CPU since torch 2.4): on CPU about 3x faster than
-        # the per-parameter loop that nanoGPT (fused on CUDA only) and the bench reference use.
-        # Not with a GradScaler (16-mixed): it unscales inside a fused step, so the gradients
-        # could not be unscaled before clipping (configure_gradient_clipping).
+        # Not fused under a GradScaler (16-mixed): it unscales inside a fused step, so the
+        # gradients could not be unscaled before clipping (configure_gradient_clipping).
         fused = self.device.type in ("cuda", "cpu") and self._grad_scaler() is None
-        optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas,
-                                      eps=self.optim.eps, fused=fused)
-        decay_steps = self.optim.decay_steps or self.trainer.max_steps
-        if decay_steps is None or decay_steps <= 0:
-            raise ValueError("set trainer.max_steps (or optim.decay_steps): the cosine schedule needs a length")
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: self.optim.lr_at(step, decay_steps) / self.optim.lr
-        )
+        optimizer = adamw(self.model, self.optim, fused)
+        scheduler = cosine_schedule(optimizer, self.optim, self.optim.decay_steps or self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (overrides, text the message must contain: key, bad value, what is allowed)
 CASES = [
@@ -37,7 +37,7 @@ CASES = [
     ("pe.base=1", ["pe.base must be > 1, got 1"]),
     ("pe.rotary_fraction=0", ["pe.rotary_fraction must be in (0, 1], got 0"]),
     ("data.batch_size=0", ["data.batch_size must be >= 1, got 0"]),
-    ("data.val_batch_size=0", ["data.val_batch_size must be >= 1, got 0"]),  # was silently batch_size
+    ("data.val_batch_size=0", ["data.val_batch_size must be >= 1, got 0"]),  # not silently batch_size
     ("data.corpus.val_fraction=0.7", ["data.corpus.val_fraction must be in (0, 0.5), got 0.7"]),
     ("data.tokenizer=words", ["data.tokenizer must be one of", "bytes", "gpt2", "got 'words'"]),
     ("eval.extrapolation.stride=0", ["eval.extrapolation.stride must be >= 1, got 0"]),
@@ -78,6 +78,24 @@ CASES = [
     ("pe=rope_alibi pe.bias_heads=9", ["pe.bias_heads must be in [1, n_head=4] or null, got 9"]),
     ("data.block_size=512", ["data.block_size must be model.block_size=256", "got 512"]),
     ("trainer.max_steps=-1", ["trainer.max_steps must be > 0", "-1 only with optim.decay_steps", "got -1"]),
+    ("trainer.devices=abc", ["trainer.devices must be an integer >= 1, -1 (all), 'auto', or device ids as a list "
+                             "or '0,1', got 'abc'"]),
+    # eval.* runs after the training, and is checked before it
+    ("eval.extrapolation.rope_scaling=[bogus]", ["eval.extrapolation.rope_scaling must be a list of null, linear, "
+                                                 "ntk, dynamic_ntk, yarn, got ['bogus']"]),
+    ("eval.extrapolation.rope_scaling_factor=0.5", ["eval.extrapolation.rope_scaling_factor must be null",
+                                                    "a finite number >= 1, got 0.5"]),
+    ("eval.extrapolation.q_chunk=0", ["eval.extrapolation.q_chunk must be >= 1, got 0"]),
+    ("eval.extrapolation.max_tokens=0", ["eval.extrapolation.max_tokens must be >= 1, got 0"]),
+    # callbacks are built before any data is read, by their own constructors
+    ("callbacks.host_memory_reuse.mmap_threshold_mb=64", ["callbacks.host_memory_reuse.mmap_threshold_mb must be "
+                                                          "an integer in [0, 32]", "got 64"]),
+    ("callbacks.attention_maps.every_n_validations=0", ["callbacks.attention_maps", "every_n_validations must be "
+                                                        ">= 1, got 0"]),
+    ("+callbacks.nonfinite_guard.max_skiped_steps=1", ["callbacks.nonfinite_guard.max_skiped_steps=1 is not an "
+                                                       "option of callbacks.nonfinite_guard", "max_skipped_steps"]),
+    ("+callbacks.extra._target_=pelab.callbacks.NoSuchCallback", ["callbacks.extra._target_=",
+                                                                  "is not an importable class"]),
 ]
 
 # Refused by Hydra while composing (struct mode, unknown group option): its own messages.
@@ -145,6 +163,9 @@ def test_bad_config_is_refused_while_composing(overrides, error, expected, tmp_p
     ("model.dropout=1.5", "model.dropout must be in [0, 1), got 1.5"),
     ("+pe.foo=1", "pe.foo=1 is not an option of pe (RoPE); valid options: base, rotary_fraction"),
     ("pe=rotary", "Could not find 'pe/rotary'"),
+    ("eval.extrapolation.rope_scaling=[bogus]", "eval.extrapolation.rope_scaling must be a list of null, linear, "
+                                                "ntk, dynamic_ntk, yarn, got ['bogus']"),
+    ("trainer.devices=abc", "trainer.devices must be an integer >= 1, -1 (all), 'auto'"),
 ])
 def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     """The real command line: non-zero exit, the message on stderr, no traceback, nothing written."""
@@ -165,10 +186,53 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=pe_ablation"],
     ["experiment=task_ablation"],
     ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],
+    ["trainer.devices=auto"],
+    ["trainer.devices='0,1'"],  # a string: Lightning's device-id list form
+    ["trainer.devices=[0,1]"],
+    ["eval.extrapolation.rope_scaling=[null,linear,ntk,dynamic_ntk,yarn]", "eval.extrapolation.rope_scaling_factor=2"],
     *[[f"pe={name}"] for name in ("learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi", "nope", "t5",
                                   "kerple_log", "kerple_power", "fire")],
 ])
 def test_shipped_configs_pass_validation(overrides, tmp_path):
-    from train import validate_config
+    from pelab.validate import validate_config
 
     validate_config(compose_config(overrides, tmp_path / "out"))
+
+
+@pytest.mark.parametrize("overrides,raise_in,message", [
+    ("model.n_head=5", "model", "model.n_embd must be divisible by model.n_head=5, got 128"),
+    ("pe.base=1", "pe", "pe.base must be > 1, got 1"),
+    ("pe.base=1", "pe-type", "pe: base must be a float"),
+])
+def test_plain_errors_of_model_constructors_become_one_line_config_errors(overrides, raise_in, message, tmp_path,
+                                                                          monkeypatch, no_work):
+    """model/ raises plain ValueError/TypeError (no harness import there): the harness shows them
+    as the ConfigError users see, message unchanged (a TypeError that names no key gets its section)."""
+    import functools
+
+    import model.config
+    import model.pe.rope
+    from pelab.config import ConfigError
+    from train import train
+
+    if raise_in == "model":
+        real = model.config.GPTConfig.__post_init__
+
+        def post_init(self):
+            if self.n_head == 5:
+                raise ValueError(message)
+            real(self)
+
+        monkeypatch.setattr(model.config.GPTConfig, "__post_init__", post_init)
+    else:
+        error = ValueError(message) if raise_in == "pe" else TypeError("base must be a float")
+
+        @functools.wraps(model.pe.rope.RoPE.__init__)  # keeps the signature the option check reads
+        def init(self, *args, **kwargs):
+            raise error
+
+        monkeypatch.setattr(model.pe.rope.RoPE, "__init__", init)
+    with pytest.raises(ConfigError) as err:
+        train(compose_config(overrides.split() + ["logger=csv"], tmp_path / "out"))
+    assert str(err.value) == message and type(err.value) is ConfigError
+    assert not (tmp_path / "out").exists()

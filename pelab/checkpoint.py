@@ -8,6 +8,7 @@
 - ``check_resume``: the above plus a comparison of the checkpoint's position scheme and model
   shape with the run's config, for ``train.py ckpt_path=...`` before any data or compute.
 - ``load_lit_gpt``: checked, ``weights_only=True`` ``LitGPT.load_from_checkpoint`` for the scripts.
+- ``resume_from_run_dir``: ``resume=auto``, the newest checkpoint of the run dir.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from pelab.config import ConfigError, fail
 
 EXPECTED = "a Lightning checkpoint written by train.py (RUN_DIR/checkpoints/*.ckpt)"
 ZIP_MAGIC = b"PK\x03\x04"  # every torch.save archive (the default format since torch 1.6) starts so
@@ -229,10 +232,30 @@ def check_resume(ckpt_path, cfg) -> dict[str, Any]:
 
 def load_lit_gpt(path, map_location=None, key: str = "ckpt"):
     """``LitGPT.load_from_checkpoint`` after ``read_checkpoint``, with ``weights_only=True``."""
-    from model.lit import LitGPT
+    from pelab.lit import LitGPT
 
     read_checkpoint(path, key)
     return LitGPT.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+
+
+def resume_from_run_dir(cfg, output_dir: Path) -> bool:
+    """``resume=auto``: set ``ckpt_path`` to the newest checkpoint of the run dir and say so
+    (True), or start fresh when the dir has none (a first start and a restart are one command)."""
+    resume = cfg.get("resume")
+    if resume is None:
+        return False
+    if resume != "auto":
+        fail("resume", resume, "null or auto")
+    if cfg.ckpt_path:
+        raise ConfigError(f"resume=auto and ckpt_path={cfg.ckpt_path} both given: resume=auto picks the newest "
+                          f"checkpoint of the run dir itself; keep one of them")
+    newest = newest_checkpoint(output_dir)
+    if newest is None:
+        print(f"[pelab] resume=auto: no checkpoint in {output_dir}, starting fresh", flush=True)
+        return False
+    cfg.ckpt_path = str(newest)
+    print(f"[pelab] resume=auto: continuing from {newest}", flush=True)
+    return True
 
 
 def newest_checkpoint(run_dir) -> Path | None:

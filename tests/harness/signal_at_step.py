@@ -1,5 +1,5 @@
 """A test-only callback: sends this process a real signal after a given optimizer step, as a
-cluster does on preemption (used by tests/test_preemption.py through +callbacks.signal=...)."""
+cluster does on preemption (used by tests/harness/test_preemption.py through +callbacks.signal=...)."""
 
 import os
 import signal

@@ -1,0 +1,134 @@
+"""Every option checked before any data is read or compute spent.
+
+A bad value fails with one line naming the key, the value and what is allowed. Unknown keys
+and types come from the consumers' signatures (``check_options``); ranges are checked by the
+constructors that consume them (GPTConfig, OptimConfig, the schemes, the data modules and
+corpora, ExtrapolationConfig, TaskEvalConfig, the callbacks), which are built here. This
+module holds the rules that tie sections together, and returns what it built so that
+train.py builds nothing twice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import hydra
+import lightning as L
+from omegaconf import DictConfig
+
+from data.datamodule import build_datamodule
+from evaluation.extrapolation import ExtrapolationConfig
+from evaluation.tasks import TaskEvalConfig
+from model.config import GPTConfig
+from pelab.checkpoint import check_resume
+from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
+                          target_class)
+from pelab.lit import Position, build_position, model_config, position_options
+from pelab.optim import OptimConfig
+
+TOP_LEVEL = {"seed": int, "compile": bool, "project": str, "run_name": str | None, "group": str | None,
+             "tags": list[str]}
+DEVICE_IDS = re.compile(r"auto|-1|\d+|(\d+,)+\d*")  # Lightning's string forms: 'auto', '-1', '2', '0,1'
+
+
+@dataclass
+class Checked:
+    """What validation built, handed on as it is."""
+
+    datamodule: L.LightningDataModule
+    position: Position
+    callbacks: list
+
+
+def validate_config(cfg: DictConfig) -> Checked:
+    for key, hint in TOP_LEVEL.items():
+        if key in cfg and not matches(plain(cfg.get(key)), hint):
+            fail(key, plain(cfg.get(key)), describe(hint))
+    # vocab_size comes from the tokenizer, loaded once the config has passed; no check depends on it
+    model = model_config({"vocab_size": 1, **plain(cfg.model)})
+    optim_values = plain(cfg.optim)
+    check_options("optim", optim_values, OptimConfig)
+    optim = OptimConfig(**optim_values)
+    pe = plain(cfg.pe)
+    position_options(pe)  # the scheme is built last (seeded); its options are checked before any work
+    datamodule = build_data(cfg, model)
+    check_trainer(plain(cfg.trainer), optim)
+    check_evaluation(cfg, datamodule)
+    callbacks = build_callbacks(cfg)
+    for name, node in (cfg.get("logger") or {}).items():
+        if node and "_target_" in node:
+            check_options(f"logger.{name}", plain(node), target_class(f"logger.{name}", plain(node)))
+    if cfg.ckpt_path:  # readable, a pelab checkpoint, of this run's scheme and model
+        build("ckpt_path", check_resume, cfg.ckpt_path, cfg)
+    L.seed_everything(cfg.seed, workers=True)  # the scheme below takes its initial weights from the seed
+    return Checked(datamodule, build_position(pe, model), callbacks)
+
+
+def build_data(cfg: DictConfig, model: GPTConfig) -> L.LightningDataModule:
+    data = plain(cfg.data)
+    if data.pop("tokens_per_step", None) is not None and cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+        raise ConfigError(f"data.tokens_per_step={cfg.data.tokens_per_step} and trainer.accumulate_grad_batches="
+                          f"{cfg.trainer.accumulate_grad_batches} both given: tokens_per_step sets the accumulation; "
+                          f"keep one of them")
+    corpus = data.get("corpus")
+    check_options("data", {k: v for k, v in data.items() if k != "corpus"}, target_class("data", data))
+    if isinstance(corpus, dict):
+        check_options("data.corpus", corpus, target_class("data.corpus", corpus))
+    if "block_size" in data:
+        require(data["block_size"] == model.block_size, "data.block_size", data["block_size"],
+                f"model.block_size={model.block_size} (set model.block_size; data follows it)")
+    return build("data", build_datamodule, data)  # reads nothing: the tokenizer loads on first use
+
+
+def check_trainer(trainer: dict, optim: OptimConfig) -> None:
+    """Lightning's Trainer checks its options only when built, after the data: checked here."""
+    check_options("trainer", trainer, L.Trainer)
+    max_steps = trainer.get("max_steps", -1)
+    if not (max_steps > 0 or (max_steps == -1 and optim.decay_steps)):
+        fail("trainer.max_steps", max_steps, "> 0 (it sets the LR schedule's length; -1 only with optim.decay_steps)")
+    devices = trainer.get("devices")
+    require(devices >= 1 or devices == -1 if isinstance(devices, int) else
+            not isinstance(devices, str) or DEVICE_IDS.fullmatch(devices.replace(" ", "")),
+            "trainer.devices", devices, "an integer >= 1, -1 (all), 'auto', or device ids as a list or '0,1'")
+    for key in ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"):
+        if trainer.get(key) is not None:
+            require(trainer[key] >= 1, f"trainer.{key}", trainer[key], ">= 1")
+    for key in ("gradient_clip_val", "limit_val_batches"):
+        if trainer.get(key) is not None:
+            require(trainer[key] >= 0, f"trainer.{key}", trainer[key], ">= 0 or null")
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, (int, float)):
+        require(interval > 0, "trainer.val_check_interval", interval, "> 0 (steps, or a fraction of an epoch)")
+
+
+def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:
+    """``eval.*``, run when fit ends, checked now rather than after the training."""
+    evaluation = plain(cfg.get("eval")) or {}
+    extrapolation = dict(evaluation.get("extrapolation") or {})
+    enabled = extrapolation.pop("enabled", False)
+    require(isinstance(enabled, bool), "eval.extrapolation.enabled", enabled, "true or false")
+    held_out_text = getattr(datamodule, "held_out_text", True)
+    if enabled and not held_out_text:
+        raise ConfigError(f"eval.extrapolation.enabled=true needs held-out text, and data={cfg.data._target_} "
+                          f"(a synthetic task) has none: set eval.extrapolation.enabled=false (accuracy vs "
+                          f"length runs from eval.tasks)")
+    tasks = dict(evaluation.get("tasks") or {})
+    if tasks.pop("enabled", False):
+        if held_out_text:
+            raise ConfigError("eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=...")
+        build("eval.tasks", TaskEvalConfig.from_dict, {"precision": str(cfg.trainer.precision), **tasks})
+    if enabled:
+        # precision mirrors trainer.precision (checked with the trainer), which may be an int
+        check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))
+        build("eval.extrapolation", ExtrapolationConfig.from_dict, extrapolation)
+
+
+def build_callbacks(cfg: DictConfig) -> list:
+    callbacks = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node and "_target_" in node:
+            section = f"callbacks.{name}"
+            check_options(section, plain(node), target_class(section, plain(node)))
+            callbacks.append(build(section, hydra.utils.instantiate, node))
+    return callbacks
