@@ -23,6 +23,15 @@ def _load(*parts: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(ROOT.joinpath("conf", *parts)), resolve=True)
 
 
+def _composed(group: str, option: str) -> dict:
+    """conf/GROUP/OPTION.yaml as train.py gets it: composed by Hydra, its defaults list applied."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=[f"{group}={option}"])[group], resolve=True)
+
+
 def model_config(config: str, block_size: int | None) -> dict:
     """conf/model/SIZE.yaml with the vocabulary of ``VOCAB-SIZE``."""
     vocab, _, size = config.partition("-")
@@ -41,7 +50,7 @@ def pe_config(scheme: str, **overrides) -> dict:
     from model.pe import SCHEMES
 
     if (ROOT / "conf" / "pe" / f"{scheme}.yaml").is_file():
-        pe = _load("pe", f"{scheme}.yaml")
+        pe = _composed("pe", scheme)
     else:
         cls = SCHEMES[scheme]
         pe = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
