@@ -13,6 +13,7 @@ if str(ROOT) not in sys.path:  # the checkout is the application: model/, data/ 
 def join_torchrun_group(device) -> bool:
     """Under ``torchrun`` (WORLD_SIZE > 1): join its process group (NCCL on CUDA, else gloo),
     one GPU per local rank, and return True; a plain ``python`` start returns False."""
+    import atexit
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -23,6 +24,7 @@ def join_torchrun_group(device) -> bool:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    atexit.register(dist.destroy_process_group)  # the backend's threads stopped before exit (else it may abort)
     return True
 
 

@@ -69,6 +69,9 @@ def main(devices: int, batch: int, tokens: Path, out: Path) -> None:
         torch.save({"table": [(r.eval_length, r.mode, r.tokens, r.loss) for r in rows], "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
                     "val_loss": float(trainer.callback_metrics["val/loss"]),
                     "val_batches": int(trainer.num_val_batches[0])}, out)
+    if torch.distributed.is_initialized():  # stop gloo's threads before exit: left running, they can abort it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
