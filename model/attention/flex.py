@@ -31,13 +31,14 @@ class FlexState:
 class Flex(AttentionBackend):
     name = "flex"
     dropout = False
-    fallback = plain = "flex"
+    fallback = ("math",)
+    plain = "flex"
 
     def __init__(self) -> None:
         self._compiled = None
         self._block_masks: dict = {}  # causal BlockMasks per (Tq, Tk, device)
 
-    def fits(self, pe, grad: bool) -> bool:
+    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return not pe.uses_bias or pe.bias_score() is not None
 
     def prepare(self, terms: Terms, chunked: bool = False) -> FlexState:
