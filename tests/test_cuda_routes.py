@@ -94,3 +94,29 @@ def test_every_backend_falls_back_to_one_that_applies():
                             continue
                         got = resolve(name, pe, device, dtype, dropout, grad=True)
                         assert got.supports(pe, device, dtype, dropout, True) or got.name == "flex"
+
+
+def test_a_schedule_that_leaves_no_layer_to_a_scheme_with_parameters_is_refused():
+    from model.pe.schedule import nope_layers
+
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(ValueError, match=r"pe.nope_every=1 makes all 2 layers NoPE layers, so pe=t5's parameters"):
+        GPT(cfg, SCHEMES["t5"](cfg), nope_layers(2, 1))
+    GPT(cfg, SCHEMES["t5"](cfg), nope_layers(2, 2))  # one layer keeps the scheme
+    GPT(cfg, SCHEMES["alibi"](cfg), nope_layers(2, 1))  # no parameters: nothing unused
+
+
+def test_decoding_one_token_does_not_take_flex(monkeypatch):
+    """generate() with a KV cache: the prompt runs on flex, each decoded token (one query row)
+    on math, so compiled flex does not build a kernel and a BlockMask per cache length."""
+    flex = BACKENDS["flex"]
+    shapes, real = [], type(flex).__call__
+    monkeypatch.setattr(type(flex), "__call__", lambda self, q, k, v, s, d: shapes.append(q.shape[2]) or real(
+        self, q, k, v, s, d))
+    cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=16, attention="flex")
+    torch.manual_seed(0)
+    model = GPT(cfg, SCHEMES["t5"](cfg)).eval()
+    prompt = torch.randint(0, 32, (1, 6), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 5, temperature=0.0)
+    assert shapes == [6, 6]  # the prompt, in both layers
+    assert torch.equal(cached, model.generate(prompt, 5, temperature=0.0, cache=False))
