@@ -120,3 +120,28 @@ def test_decoding_one_token_does_not_take_flex(monkeypatch):
     cached = model.generate(prompt, 5, temperature=0.0)
     assert shapes == [6, 6]  # the prompt, in both layers
     assert torch.equal(cached, model.generate(prompt, 5, temperature=0.0, cache=False))
+
+
+@pytest.mark.parametrize("scheme", ["kerple_log", "kerple_power"])
+def test_kerple_forward_writes_no_parameter_and_keeps_the_reference_gradient(scheme):
+    """FSDP (use_orig_params) hands a module its parameters as views of one flat tensor; an
+    in-place clamp inside forward then fails in backward. The reference clamps in place and
+    differentiates at the clamped value: the gradient must be that plain one, not clamp's zero."""
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    pe = SCHEMES[scheme](cfg)
+    flat = torch.tensor([0.003, 0.7, 0.004, 0.5], requires_grad=True)  # r1[0], r2[0] below eps = 0.01
+    r1, r2 = flat.split(2)  # views of one flat tensor, as FSDP hands them out
+    del pe.r1, pe.r2
+    pe.r1, pe.r2 = r1, r2
+    positions = torch.arange(6)
+    weights = torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (pe.bias(positions, positions).double() * weights).sum().backward()
+    assert torch.equal(flat.detach(), torch.tensor([0.003, 0.7, 0.004, 0.5]))  # forward wrote nothing
+    # reference: the parameters clamped first, then used, in float64
+    a = torch.tensor([0.01, 0.7], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([0.01, 0.5], dtype=torch.float64, requires_grad=True)
+    d = (positions[:, None] - positions[None, :]).double().abs()
+    kernel = (lambda a, b: -a[:, None, None] * torch.log1p(b[:, None, None] * d)) if scheme == "kerple_log" \
+        else (lambda a, b: -a[:, None, None] * d.pow(b[:, None, None]))
+    (kernel(a, b) * weights).sum().backward()
+    torch.testing.assert_close(flat.grad.double(), torch.cat([a.grad, b.grad]), atol=1e-5, rtol=1e-5)
