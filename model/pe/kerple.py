@@ -58,9 +58,9 @@ class _Kerple(PositionEncoding):
 
     def projected(self) -> tuple[Tensor, Tensor]:
         """r1, r2 with the values clamped into range and the plain gradient passed through."""
-        r1, r2 = self.r1, self.r2
-        return (r1 + (r1.clamp(min=self.eps) - r1).detach(),
-                r2 + (r2.clamp(min=self.eps, max=self.r2_max) - r2).detach())
+        r1, r2 = self.r1, self.r2  # clamped values exactly (x - x is 0), gradient 1
+        return (r1.detach().clamp(min=self.eps) + (r1 - r1.detach()),
+                r2.detach().clamp(min=self.eps, max=self.r2_max) + (r2 - r2.detach()))
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         (r1, r2), kernel = self.projected(), self.kernel
