@@ -17,6 +17,7 @@ from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, generate
 from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.pe.base import PositionEncoding
+from model.pe.schedule import check_nope_layers
 from model.positions import PositionContext, layer_contexts, resolve_positions
 
 
@@ -78,6 +79,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.nope_layers = frozenset(nope_layers)  # layers that attend with no position information
+        check_nope_layers(self.nope_layers, config.n_layer, pe)
         self.pe = pe  # shared by all layers; its tables are computed once per forward
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -134,7 +136,7 @@ class GPT(nn.Module):
             span = k_positions if cache is None else cache.span
         dtype = self._compute_dtype(idx.device)
         x = self.embed(idx, positions)
-        backend = self.attention(idx.device, attention, dtype)
+        backend = self.attention(idx.device, attention, dtype, queries=T)
         contexts = layer_contexts(self.pe, len(self.blocks), positions, backend, k_positions, span, dtype,
                                   q_chunk if cache is None else None,
                                   always_mask=past > 0 and T > 1,  # several new tokens after a cache
@@ -187,11 +189,14 @@ class GPT(nn.Module):
 
     generate = generate  # model/generate.py: KV-cache decoding with top-k / top-p sampling
 
-    def attention(self, device: torch.device, name: str | None = None, dtype: torch.dtype = torch.float32):
+    def attention(self, device: torch.device, name: str | None = None, dtype: torch.dtype = torch.float32,
+                  queries: int | None = None):
         """The attention backend of a forward now: ``name`` or ``model.attention`` resolved
-        for this scheme, device, dtype, dropout and grad mode (model/attention/__init__.py)."""
+        for this scheme, device, dtype, dropout, grad mode and number of queries
+        (model/attention/__init__.py)."""
         dropout = self.config.dropout if self.training else 0.0
-        return resolve(name or self.config.attention, self.pe, device, dtype, dropout, torch.is_grad_enabled())
+        return resolve(name or self.config.attention, self.pe, device, dtype, dropout, torch.is_grad_enabled(),
+                       queries)
 
     def attention_backend(self, device: torch.device, name: str | None = None,
                           dtype: torch.dtype = torch.float32) -> str:

@@ -17,7 +17,8 @@ chunk of rows,
    the row's logits instead when softmax[target] < 2**-100, so a hopeless target stays exact),
 3. forms d loss / d logits = (softmax - one_hot(target)) / n_valid in float32 (zero for
    ignored rows) and casts it to the compute dtype (exactly what autograd does for the
-   full-logits reference),
+   full-logits reference) -- except under fp16, where it stays float32: these values are
+   formed before the loss scale of mixed precision applies, and fp16 would flush them to 0,
 4. stores d loss / d h_c = g_c @ W and accumulates d loss / d W += g_c.T @ h_c (float32
    accumulator).
 
@@ -122,8 +123,12 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
     # float32 work buffer for the softmax statistics (the logits buffer itself when dtype is fp32)
     work_buf = logits_buf if dtype == torch.float32 else torch.empty((rows, V), dtype=torch.float32, device=device)
     need_grad = grad_h is not None or grad_w is not None
-    gh_buf = torch.empty((rows, C), dtype=dtype, device=device) if grad_h is not None and grad_h.dtype != dtype else None
-    gw_buf = torch.empty((V, C), dtype=dtype, device=device) if grad_w is not None and grad_w.dtype != dtype else None
+    # fp16 cannot hold d loss / d logits = p / n_valid (it flushes to zero below 6e-8, before any
+    # loss scale applies): under fp16 the gradient matmuls run in float32
+    gdt = torch.float32 if dtype == torch.float16 else dtype
+    w_g = w if gdt == dtype else w.float()
+    gh_buf = torch.empty((rows, C), dtype=gdt, device=device) if grad_h is not None and grad_h.dtype != gdt else None
+    gw_buf = torch.empty((V, C), dtype=gdt, device=device) if grad_w is not None and grad_w.dtype != gdt else None
     add_rows = min(V, max(1, _ADD_BLOCK // C))
     add_buf = torch.empty((add_rows, C), dtype=grad_w.dtype, device=device) if gw_buf is not None else None
     for s in range(0, N, chunk_size):
@@ -151,19 +156,20 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
         # the compute dtype (as autograd does for the full-logits reference)
         x.scatter_add_(1, t_c, torch.full_like(p_target, -1.0))
         x.mul_(scale_c)
-        g = logits
+        g = logits if gdt == dtype else x
         if g is not x:
             g.copy_(x)
+        h_g = h_c if gdt == dtype else h_c.float()
         if grad_h is not None:
             if gh_buf is None:
-                torch.mm(g, w, out=grad_h[s:e])
+                torch.mm(g, w_g, out=grad_h[s:e])
             else:
-                grad_h[s:e].copy_(torch.mm(g, w, out=gh_buf[:n]))
+                grad_h[s:e].copy_(torch.mm(g, w_g, out=gh_buf[:n]))
         if grad_w is not None:
             if gw_buf is None:
-                grad_w.addmm_(g.t(), h_c)
+                grad_w.addmm_(g.t(), h_g)
             else:
-                _add_converted_(grad_w, torch.mm(g.t(), h_c, out=gw_buf), add_buf)
+                _add_converted_(grad_w, torch.mm(g.t(), h_g, out=gw_buf), add_buf)
 
 
 @torch.library.custom_op("pelab::chunked_linear_cross_entropy", mutates_args=())

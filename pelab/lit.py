@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 
 from model.config import GPTConfig
 from model.gpt import GPT, uncompiled
-from model.pe.schedule import check_randomize_to, nope_layers, random_positions, split_schedule
+from model.pe.schedule import check_nope_layers, check_randomize_to, nope_layers, random_positions, split_schedule
 from pelab.config import ConfigError, build, check_options, plain, target_class
 from pelab.optim import OptimConfig, adamw, cosine_schedule
 
@@ -54,11 +54,15 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     if layers and not (scheme.uses_rotate or scheme.uses_bias):
         raise ConfigError(f"pe.nope_every={schedule['nope_every']} needs a scheme that acts inside attention "
                           f"(rotation or bias); pe={scheme.name} only adds to the embeddings")
+    build("pe", check_nope_layers, layers, config.n_layer, scheme)
     if scheme.max_positions is not None and config.block_size > scheme.max_positions:
         raise ConfigError(f"model.block_size={config.block_size} exceeds the {scheme.max_positions} positions of "
                           f"pe={scheme.name}; raise pe.max_positions or lower model.block_size")
     return Position(scheme, layers, randomize_to)
 
+
+# the compute dtype of a trainer.precision, by its prefix ("bf16-mixed", "16-mixed", "32-true", ...)
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 class LitGPT(L.LightningModule):
     """Built from plain dicts (the Hydra groups ``model``, ``pe``, ``optim``) so that a
@@ -91,9 +95,15 @@ class LitGPT(L.LightningModule):
             self.model = torch.compile(self.model)
 
     def on_fit_start(self) -> None:
-        if self.global_rank == 0:  # the attention backend, once per fit
-            print(f"[pelab] attention: {uncompiled(self.model).attention_backend(self.device)} "
-                  f"(model.attention={self.config.attention}, pe={self.pe_name}, {self.device.type})")
+        if self.global_rank == 0:  # the attention backend that runs, once per fit
+            dtype = COMPUTE_DTYPES.get(str(self.trainer.precision).split("-")[0], torch.float32)
+            print(f"[pelab] attention: {uncompiled(self.model).attention_backend(self.device, dtype=dtype)} "
+                  f"(model.attention={self.config.attention}, pe={self.pe_name}, {self.device.type}, "
+                  f"{str(dtype).removeprefix('torch.')})")
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        uncompiled(self.model).pe.project()  # constrained scheme parameters (KERPLE) back into range
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         return self.model(idx, targets, positions)

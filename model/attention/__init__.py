@@ -38,13 +38,17 @@ def auto(pe: Any, device: torch.device, dropout: float) -> str:
 
 
 def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
-            grad: bool = False) -> AttentionBackend:
+            grad: bool = False, queries: int | None = None) -> AttentionBackend:
     """The backend that runs ``name`` (a value of model.attention) for this forward: ``auto``
-    decided, a backend that does not apply replaced by its fallback, and SDPA with a learned
-    bias under autograd on CPU served by ``bias_grad`` (SDPA would take its float32 math path)."""
+    decided, a backend that does not apply replaced by the first of its fallbacks that does
+    (``math`` applies everywhere), flex for a single query (decoding) served by ``math``, and
+    SDPA with a learned bias under autograd on CPU served by ``bias_grad`` (SDPA would take
+    its float32 math path)."""
     backend = BACKENDS[auto(pe, device, dropout) if name == "auto" else name]
-    if not backend.supports(pe, device, dtype, dropout, grad) and backend.name != "flex":  # flex says why
-        backend = BACKENDS[backend.fallback]
+    if backend.name != "flex" and not backend.supports(pe, device, dtype, dropout, grad):  # flex says why
+        backend = next(BACKENDS[n] for n in backend.fallback if BACKENDS[n].supports(pe, device, dtype, dropout, grad))
+    if backend.name == "flex" and queries == 1:  # one decoded token: a compiled kernel per cache length buys nothing
+        backend = BACKENDS["math"]
     bias_grad = BACKENDS["bias_grad"]
     if backend.name == "sdpa" and bias_grad.supports(pe, device, dtype, dropout, grad):
         backend = bias_grad

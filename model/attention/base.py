@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from model.attention.masks import attention_mask
+from model.attention.masks import attention_mask, causal_future
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,15 @@ class Terms:
         return attention_mask(self.pe, self.q_positions, self.k_positions, torch.float32,
                               always=always or self.explicit_mask, with_bias=self.bias)
 
+    def order_mask(self) -> Tensor | None:
+        """SDPA's mask: the float32 one with a bias; else a boolean order mask (Tq, Tk) where
+        one is needed (bool is accepted by every SDPA kernel whatever q's dtype), or None."""
+        if self.with_bias:
+            return self.mask()
+        if not self.explicit_mask:
+            return None
+        return ~causal_future(self.q_positions.shape[-1], self.k_positions.shape[-1], self.q_positions.device)
+
 
 class AttentionBackend:
     """softmax(q k^T / sqrt(d) + position terms + causal mask) v, one way.
@@ -51,16 +60,16 @@ class AttentionBackend:
     dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it is exact in (None: any)
     dropout: ClassVar[bool] = True  # whether it applies attention dropout
     records: ClassVar[bool] = False  # returns (output, probabilities)
-    fallback: ClassVar[str] = "sdpa"  # where it does not apply
+    fallback: ClassVar[tuple[str, ...]] = ("sdpa", "flex", "math")  # in order, where it does not apply
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
 
     def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool) -> bool:
         return ((self.devices is None or device.type in self.devices)
                 and (self.dtypes is None or dtype in self.dtypes)
-                and (self.dropout or not dropout) and self.fits(pe, grad))
+                and (self.dropout or not dropout) and self.fits(pe, device, dtype, grad))
 
-    def fits(self, pe: Any, grad: bool) -> bool:
-        """Whether the scheme gives this backend what it needs."""
+    def fits(self, pe: Any, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+        """Whether the scheme (on this device, in this dtype) gives this backend what it needs."""
         return True
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Any:

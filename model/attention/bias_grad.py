@@ -132,9 +132,10 @@ class BiasGrad(SDPA):
 
     name = "bias_grad"
     devices = ("cpu",)  # CUDA's SDPA kernels take the bias gradient themselves
+    fallback = ("sdpa", "flex", "math")
     dropout = False
 
-    def fits(self, pe, grad: bool) -> bool:
+    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return grad and pe.uses_bias and any(p.requires_grad for p in pe.parameters())
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float) -> Tensor:

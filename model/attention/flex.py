@@ -31,13 +31,14 @@ class FlexState:
 class Flex(AttentionBackend):
     name = "flex"
     dropout = False
-    fallback = plain = "flex"
+    fallback = ("math",)
+    plain = "flex"
 
     def __init__(self) -> None:
         self._compiled = None
         self._block_masks: dict = {}  # causal BlockMasks per (Tq, Tk, device)
 
-    def fits(self, pe, grad: bool) -> bool:
+    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return not pe.uses_bias or pe.bias_score() is not None
 
     def prepare(self, terms: Terms, chunked: bool = False) -> FlexState:
@@ -51,12 +52,17 @@ class Flex(AttentionBackend):
         return FlexState(state.score, rows.q_positions, rows.k_positions)
 
     def block_mask(self, Tq: int, Tk: int, device: torch.device):
-        """The causal BlockMask of Tq queries (the last of Tk tokens) against Tk keys, built once."""
+        """The causal BlockMask of Tq queries (the last of Tk tokens) against Tk keys, built once
+        per shape in eager mode; a compiled graph builds its own (a cache mutated inside the
+        graph would recompile it)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        offset = Tk - Tq
+        if torch.compiler.is_compiling():
+            return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset, None, None, Tq, Tk,
+                                     device=device)
         key = (Tq, Tk, str(device))
         if key not in self._block_masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            offset = Tk - Tq
             self._block_masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset,
                                                        None, None, Tq, Tk, device=device)
         return self._block_masks[key]
@@ -86,7 +92,9 @@ class Flex(AttentionBackend):
         block_mask = self.block_mask(Tq, Tk, q.device)
         dtype = v.dtype
         with torch.autocast(v.device.type, enabled=False):
-            if v.device.type == "cuda" and not torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():  # inside the model's graph: traced, no warnings filter (a break)
+                return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)
+            if v.device.type == "cuda":
                 return self.compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask)
             with warnings.catch_warnings():  # eager flex warns that it is not the fused kernel
                 warnings.simplefilter("ignore")

@@ -29,7 +29,8 @@ class Math(AttentionBackend):
 
     name = "math"
     records = True
-    fallback = plain = "math"
+    fallback = ()
+    plain = "math"
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
         return None if chunked else terms.mask(always=True)

@@ -26,12 +26,20 @@ def default_scale(q: Tensor) -> float:
 
 
 class SDPA(AttentionBackend):
-    """The state is the float32 mask, or None: a scheme without a bias gets SDPA's causal kernel."""
+    """The state is the float32 mask with a bias, else a boolean order mask or None (SDPA's
+    causal kernel)."""
 
     name = "sdpa"
+    fallback = ("flex", "math")
+
+    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+        # CUDA's fused kernels take a float mask only in q's dtype: the memory-efficient one
+        # refuses a float32 mask with bf16/fp16 q, and cuDNN reads it as q's dtype (garbage).
+        # A bias must keep float32, so on CUDA a bias goes through SDPA in float32 compute only.
+        return device.type != "cuda" or not pe.uses_bias or dtype == torch.float32
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
-        return None if chunked else terms.mask()
+        return None if chunked else terms.order_mask()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, dropout: float) -> Tensor:
         return sdpa(q, k, v, mask, dropout, causal=mask is None and q.shape[2] == k.shape[2])

@@ -49,9 +49,9 @@ class SDPAKey(AttentionBackend):
     """The state is the key features of every key of the forward (chunks take a prefix)."""
 
     name = "sdpa_key"
-    dtypes = tuple(KEY_PIECES)
+    dtypes = tuple(KEY_PIECES)  # fp16 has no exact pieces (its range ends at 65504)
 
-    def fits(self, pe, grad: bool) -> bool:
+    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return pe.key_only_slopes() is not None
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor:

@@ -85,6 +85,10 @@ class PositionEncoding(nn.Module):
         features on q) so that SDPA's causal kernel computes it inside q.k."""
         return None
 
+    def project(self) -> None:
+        """Bring constrained parameters back into their range; called after every optimizer
+        step (never inside forward: FSDP's flat parameter views forbid writes there)."""
+
     def decayed_parameters(self) -> list[nn.Parameter]:
         """The scheme's parameters that get weight decay; by default none (position tables,
         bucket biases and kernel parameters are not pulled towards zero)."""

@@ -12,7 +12,11 @@ ParallelKerplePower with pos_emb ``kerple_log`` / ``kerple_power_ap_``):
 - positivity is a projection, not a reparametrisation: at every forward the parameters
   are clamped in place to [eps, inf) (and the power exponent to [eps, 2]), eps = 0.01,
   before use; the gradient is the plain one at the projected value, so a parameter that an
-  optimizer step pushed below eps is back at eps for the next forward and can move up again;
+  optimizer step pushed below eps is back at eps for the next forward and can move up again.
+  Here the forward uses the projected values without writing the parameters (a write inside
+  forward breaks FSDP's flat parameter views), with the plain gradient passed straight
+  through, and ``project()`` writes them after every optimizer step (the harness calls it):
+  the same values and gradients as the reference's;
 - one module for all layers (the reference builds one and hands it to every layer).
 
 The reference builds i - j for positions 0..T-1, where the visible part is i - j >= 0; the
@@ -44,21 +48,26 @@ class _Kerple(PositionEncoding):
         # U(0, high) per head, as torch.rand(heads) * high in the reference
         self.r1 = nn.Parameter(torch.rand(config.n_head) * self.r1_init_high)
         self.r2 = nn.Parameter(torch.rand(config.n_head) * self.r2_init_high)
+        self.project()
 
     def project(self) -> None:
-        """Clamp the parameters into their range in place (the reference does this in forward)."""
+        """Clamp the parameters into their range in place, after an optimizer step."""
         with torch.no_grad():
             self.r1.clamp_(min=self.eps)
             self.r2.clamp_(min=self.eps, max=self.r2_max)
 
+    def projected(self) -> tuple[Tensor, Tensor]:
+        """r1, r2 with the values clamped into range and the plain gradient passed through."""
+        r1, r2 = self.r1, self.r2  # clamped values exactly (x - x is 0), gradient 1
+        return (r1.detach().clamp(min=self.eps) + (r1 - r1.detach()),
+                r2.detach().clamp(min=self.eps, max=self.r2_max) + (r2 - r2.detach()))
+
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        self.project()
-        r1, r2, kernel = self.r1, self.r2, self.kernel
+        (r1, r2), kernel = self.projected(), self.kernel
         return distance_bias(lambda d: kernel(r1, r2, d.float().abs()[..., None]), q_positions, k_positions)
 
     def bias_score(self):
-        self.project()
-        r1, r2, kernel = self.r1, self.r2, self.kernel
+        (r1, r2), kernel = self.projected(), self.kernel
         return lambda q, k, head: kernel(r1[head], r2[head], (q - k).float().abs())
 
     def extra_repr(self) -> str:

@@ -38,6 +38,14 @@ def nope_layers(n_layer: int, nope_every: int | None = None) -> frozenset[int]:
     return frozenset(range(nope_every - 1, n_layer, nope_every))
 
 
+def check_nope_layers(layers: frozenset[int], n_layer: int, pe) -> None:
+    """A schedule must leave the scheme some layer when the scheme has parameters: unused
+    parameters get no gradient, and DDP stops at its second step on them."""
+    if layers and len(layers) == n_layer and any(True for _ in pe.parameters()):
+        raise ValueError(f"pe.nope_every={min(layers) + 1} makes all {n_layer} layers NoPE layers, so pe={pe.name}'s "
+                         f"parameters would never be used; use pe.nope_every >= 2 (or pe=nope)")
+
+
 def check_randomize_to(randomize_to: int | None, block_size: int, max_positions: int | None) -> int | None:
     """``pe.randomize_to`` checked against the training length and the scheme's table."""
     if randomize_to is None:

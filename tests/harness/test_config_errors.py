@@ -57,6 +57,8 @@ CASES = [
     ("pe=learned +pe.nope_every=2", ["pe.nope_every=2 needs a scheme that acts inside attention",
                                      "pe=learned only adds to the embeddings"]),
     ("pe.nope_every=0", ["pe.nope_every must be null or an integer >= 1", "got 0"]),
+    ("pe=t5 pe.nope_every=1", ["pe.nope_every=1 makes all 4 layers NoPE layers, so pe=t5's parameters would never "
+                               "be used"]),
     ("data=synthetic", ["eval.extrapolation.enabled=true needs held-out text", "eval.extrapolation.enabled=false"]),
     ("data.tokens_per_step=1000", ["data.tokens_per_step=1000 is not a whole number of micro-batches",
                                    "= 4096 tokens; allowed: a multiple of 4096, e.g. 4096"]),

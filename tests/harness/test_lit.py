@@ -270,3 +270,23 @@ def test_validation_loss_is_weighted_by_scored_targets():
     nll = sum(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
               for y in (y1, y2))
     assert logged["val/loss"] == pytest.approx((nll / 16).item(), rel=1e-4)
+
+
+def test_constrained_scheme_parameters_are_projected_after_every_optimizer_step(monkeypatch):
+    """KERPLE's forward reads its parameters clamped without writing them (FSDP's flat views
+    forbid writes in forward); the module projects them after every optimizer step. A huge
+    learning rate drives some below the bound; after each step they are back in range."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (4, 33))
+    loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=2)
+    module = LitGPT(model=TINY, pe={"_target_": "model.pe.kerple.KerpleLog"},
+                    optim={"warmup_steps": 0, "lr": 10.0, "min_lr": 10.0, "weight_decay": 0.0})
+    pe, seen = module.model.pe, []
+    project = pe.project
+    monkeypatch.setattr(pe, "project", lambda: seen.append(min(pe.r1.min().item(), pe.r2.min().item())) or project())
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", precision="32-true", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert len(seen) == 3  # once per optimizer step
+    assert min(seen) < pe.eps  # an unprojected step did leave the range
+    assert pe.r1.min() >= pe.eps and pe.r2.min() >= pe.eps

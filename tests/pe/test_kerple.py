@@ -50,7 +50,8 @@ def test_kerple_hand_values():
 @pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
 def test_kerple_parameters_are_projected_back_into_range(name):
     """A step that drives r1, r2 negative (and the power exponent above 2): the next forward
-    clamps them in place to [0.01, inf) (r2 of power: [0.01, 2]), as the reference, and the
+    uses them clamped to [0.01, inf) (r2 of power: [0.01, 2]), as the reference, ``project()``
+    after the step writes them clamped, and the
     bias is the kernel at the clamped values. The gradient is the plain one at the clamped
     value, so a later step can move a parameter back up (it is not stuck at the bound)."""
     torch.manual_seed(4)
@@ -63,7 +64,11 @@ def test_kerple_parameters_are_projected_back_into_range(name):
     opt.step()
     assert (pe.r1[:3] < 0).all() and (pe.r2[:3] < 0).all()  # the optimizer did leave the range
     positions = torch.tensor([0, 1, 2, 3, 5, 8, 13, 40])
+    unprojected = pe.bias(positions, positions)  # forward uses the clamped values, writes nothing
+    assert (pe.r1[:3] < 0).all() and (pe.r2[:3] < 0).all()
+    pe.project()  # after every optimizer step (pelab's LightningModule)
     bias = pe.bias(positions, positions)
+    assert torch.equal(bias, unprojected)
     assert (pe.r1 >= 0.01).all() and (pe.r2 >= 0.01).all()
     assert torch.all(pe.r1[:3] == 0.01) and torch.all(pe.r2[:3] == 0.01)
     if name == "kerple_power":

@@ -1,0 +1,147 @@
+"""The attention route each (scheme, compute dtype, dropout, model.attention) takes on CUDA,
+resolved for a CUDA device and run on CPU with a spy on SDPA: CUDA's fused kernels take a
+float mask only in q's dtype (the memory-efficient kernel refuses a float32 mask with bf16 q,
+cuDNN reads it as bf16), so SDPA must never get a float mask of another dtype than q's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.attention import BACKENDS, CHOICES, resolve
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.pe import SCHEMES
+from model.positions import layer_contexts
+
+torch.set_num_threads(2)
+
+CUDA = torch.device("cuda")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def sdpa_calls(monkeypatch) -> list[tuple[torch.dtype, torch.dtype | None]]:
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.dtype, None if attn_mask is None else attn_mask.dtype))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("precision", list(DTYPES))
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_sdpa_never_gets_a_float_mask_of_another_dtype_on_cuda(monkeypatch, scheme, precision, dropout):
+    dtype = DTYPES[precision]
+    calls = sdpa_calls(monkeypatch)
+    for choice in CHOICES:
+        if choice == "flex" and dropout:
+            continue  # refused by GPTConfig
+        cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout,
+                        attention=choice)
+        torch.manual_seed(0)
+        model = GPT(cfg, SCHEMES[scheme](cfg)).train()
+        backend = resolve(choice, model.pe, CUDA, dtype, dropout, grad=True)
+        assert backend.name != "bias_grad"  # a CPU kernel
+        assert backend.dropout or not dropout, f"{choice} -> {backend.name} drops the attention dropout"
+        if backend.name in ("flex", "math"):
+            continue  # they never call SDPA
+        positions = torch.arange(12)
+        x = torch.randn(2, 12, cfg.n_embd)
+        # whole sequences, query chunks, and several new tokens after a cache (an explicit order mask)
+        for q_chunk, always in ((None, False), (5, False), (None, True)):
+            ctx = layer_contexts(model.pe, 1, positions, backend, dtype=dtype, q_chunk=q_chunk,
+                                 always_mask=always)[0]
+            with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                y = model.blocks[0](x, ctx)
+            assert torch.isfinite(y).all()
+    for q_dtype, mask_dtype in calls:
+        assert mask_dtype in (None, torch.bool, q_dtype), f"SDPA got a {mask_dtype} mask with {q_dtype} q"
+
+
+@pytest.mark.parametrize("scheme, precision, dropout, expected", [
+    ("t5", "bf16", 0.0, "flex"),  # an elementwise bias, float32 scores
+    ("t5", "bf16", 0.2, "math"),  # flex has no dropout; a bf16 mask would round the bias
+    ("t5", "fp32", 0.2, "sdpa"),  # a float32 mask with float32 q
+    ("fire", "fp16", 0.2, "math"),
+    ("alibi", "bf16", 0.2, "sdpa_key"),  # the key-only form: exact in bf16 pieces, SDPA's dropout
+    ("alibi", "fp16", 0.0, "flex"),  # fp16 has no exact pieces
+    ("rope_alibi", "fp16", 0.2, "math"),
+    ("rope", "fp16", 0.2, "sdpa"),  # no bias: the causal kernel
+])
+def test_auto_on_cuda_takes_an_exact_route(scheme, precision, dropout, expected):
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout)
+    pe = SCHEMES[scheme](cfg)
+    assert resolve("auto", pe, CUDA, DTYPES[precision], dropout, grad=True).name == expected
+    if expected != "sdpa_key" and pe.uses_bias:  # an explicit sdpa is rerouted the same way
+        assert resolve("sdpa", pe, CUDA, DTYPES[precision], dropout, grad=True).name == expected
+
+
+def test_every_backend_falls_back_to_one_that_applies():
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    for scheme in SCHEMES:
+        pe = SCHEMES[scheme](cfg)
+        for name, backend in BACKENDS.items():
+            assert "math" in backend.fallback or name == "math"
+            for device in (torch.device("cpu"), CUDA):
+                for dtype in DTYPES.values():
+                    for dropout in (0.0, 0.2):
+                        if name == "flex" and dropout:
+                            continue
+                        got = resolve(name, pe, device, dtype, dropout, grad=True)
+                        assert got.supports(pe, device, dtype, dropout, True) or got.name == "flex"
+
+
+def test_a_schedule_that_leaves_no_layer_to_a_scheme_with_parameters_is_refused():
+    from model.pe.schedule import nope_layers
+
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(ValueError, match=r"pe.nope_every=1 makes all 2 layers NoPE layers, so pe=t5's parameters"):
+        GPT(cfg, SCHEMES["t5"](cfg), nope_layers(2, 1))
+    GPT(cfg, SCHEMES["t5"](cfg), nope_layers(2, 2))  # one layer keeps the scheme
+    GPT(cfg, SCHEMES["alibi"](cfg), nope_layers(2, 1))  # no parameters: nothing unused
+
+
+def test_decoding_one_token_does_not_take_flex(monkeypatch):
+    """generate() with a KV cache: the prompt runs on flex, each decoded token (one query row)
+    on math, so compiled flex does not build a kernel and a BlockMask per cache length."""
+    flex = BACKENDS["flex"]
+    shapes, real = [], type(flex).__call__
+    monkeypatch.setattr(type(flex), "__call__", lambda self, q, k, v, s, d: shapes.append(q.shape[2]) or real(
+        self, q, k, v, s, d))
+    cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=16, attention="flex")
+    torch.manual_seed(0)
+    model = GPT(cfg, SCHEMES["t5"](cfg)).eval()
+    prompt = torch.randint(0, 32, (1, 6), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 5, temperature=0.0)
+    assert shapes == [6, 6]  # the prompt, in both layers
+    assert torch.equal(cached, model.generate(prompt, 5, temperature=0.0, cache=False))
+
+
+@pytest.mark.parametrize("scheme", ["kerple_log", "kerple_power"])
+def test_kerple_forward_writes_no_parameter_and_keeps_the_reference_gradient(scheme):
+    """FSDP (use_orig_params) hands a module its parameters as views of one flat tensor; an
+    in-place clamp inside forward then fails in backward. The reference clamps in place and
+    differentiates at the clamped value: the gradient must be that plain one, not clamp's zero."""
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    pe = SCHEMES[scheme](cfg)
+    flat = torch.tensor([0.003, 0.7, 0.004, 0.5], requires_grad=True)  # r1[0], r2[0] below eps = 0.01
+    r1, r2 = flat.split(2)  # views of one flat tensor, as FSDP hands them out
+    del pe.r1, pe.r2
+    pe.r1, pe.r2 = r1, r2
+    positions = torch.arange(6)
+    weights = torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (pe.bias(positions, positions).double() * weights).sum().backward()
+    assert torch.equal(flat.detach(), torch.tensor([0.003, 0.7, 0.004, 0.5]))  # forward wrote nothing
+    # reference: the parameters clamped first, then used, in float64
+    a = torch.tensor([0.01, 0.7], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([0.01, 0.5], dtype=torch.float64, requires_grad=True)
+    d = (positions[:, None] - positions[None, :]).double().abs()
+    kernel = (lambda a, b: -a[:, None, None] * torch.log1p(b[:, None, None] * d)) if scheme == "kerple_log" \
+        else (lambda a, b: -a[:, None, None] * d.pow(b[:, None, None]))
+    (kernel(a, b) * weights).sum().backward()
+    torch.testing.assert_close(flat.grad.double(), torch.cat([a.grad, b.grad]), atol=1e-5, rtol=1e-5)
