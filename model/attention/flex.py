@@ -63,8 +63,11 @@ class Flex(AttentionBackend):
                                      device=device)
         key = (Tq, Tk, str(device))
         if key not in self._block_masks:
-            self._block_masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset,
-                                                       None, None, Tq, Tk, device=device)
+            # normal tensors even when first asked for under inference_mode (Lightning's sanity
+            # validation): inference tensors in the cache could not be saved for a later backward
+            with torch.inference_mode(False):
+                self._block_masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset,
+                                                           None, None, Tq, Tk, device=device)
         return self._block_masks[key]
 
     def compiled(self, q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask) -> Tensor:

@@ -145,3 +145,14 @@ def test_kerple_forward_writes_no_parameter_and_keeps_the_reference_gradient(sch
         else (lambda a, b: -a[:, None, None] * d.pow(b[:, None, None]))
     (kernel(a, b) * weights).sum().backward()
     torch.testing.assert_close(flat.grad.double(), torch.cat([a.grad, b.grad]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_block_mask_first_built_under_inference_mode_is_a_normal_tensor():
+    """Lightning's sanity validation runs under inference_mode; the cached BlockMask is reused by
+    training, whose backward cannot save inference tensors."""
+    flex = BACKENDS["flex"]
+    flex._block_masks.clear()
+    with torch.inference_mode():
+        mask = flex.block_mask(48, 48, torch.device("cpu"))
+    assert not mask.kv_num_blocks.is_inference() and not mask.kv_indices.is_inference()
+    assert flex.block_mask(48, 48, torch.device("cpu")) is mask  # cached
