@@ -127,7 +127,10 @@ class LitGPT(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         _, loss = self.model(x, y)
-        self.val_loss.update(loss, weight=(y >= 0).sum())  # scored targets only: ignored ones (-1) carry no loss
+        scored = (y >= 0).sum()  # scored targets only: ignored ones (-1) carry no loss
+        # a batch of ignored windows only (the padding that evens out the ranks' batch counts):
+        # weight 0, and 0, not the NaN of a mean over no target, so that it adds exactly nothing
+        self.val_loss.update(torch.where(scored > 0, loss, 0.0), weight=scored)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted mean, synced across ranks by torchmetrics
