@@ -1,5 +1,6 @@
 """FSDP on 2 gloo CPU processes, configured by Lightning's FSDPStrategy from conf/trainer/fsdp.yaml
-(tests/harness/fsdp_worker.py): weight decay after wrapping, one optimizer step of every scheme; and validation shards that give every rank the same number of
+(tests/harness/fsdp_worker.py): weight decay after wrapping, float32 position terms, one
+optimizer step of every scheme; and validation shards that give every rank the same number of
 batches, with the token-weighted loss of one process."""
 
 import json
@@ -47,6 +48,13 @@ def scheme_result(fsdp: dict, name: str) -> dict:
     return result
 
 
+def test_the_preset_gathers_float32_and_reduces_in_float32(fsdp):
+    assert fsdp["precision"] == "bf16-mixed"  # autocast's dtype
+    mixed = fsdp["mixed_precision"]
+    assert ("param_dtype=None, reduce_dtype=torch.float32, buffer_dtype=torch.float32" in mixed), mixed
+    assert fsdp["wall_s"] < 60
+
+
 @pytest.mark.parametrize("scheme", SCHEME_CASES)
 def test_weight_decay_set_is_the_same_after_wrapping(fsdp, scheme):
     """Lightning wraps before configure_optimizers: parameters are then 1-D shard views, and
@@ -55,6 +63,18 @@ def test_weight_decay_set_is_the_same_after_wrapping(fsdp, scheme):
     assert result["root_unit"] == "CPUDeviceFSDP"
     assert result["decayed_after"] == result["decayed_before"]
     assert {"wte.weight", "blocks.0.attn.c_attn.weight", "blocks.1.mlp.c_proj.weight"} <= set(result["decayed_after"])
+
+
+@pytest.mark.parametrize("scheme", SCHEME_CASES)
+def test_position_terms_are_float32_and_the_unwrapped_schemes(fsdp, scheme):
+    """Inside an FSDP forward under bf16 autocast: buffers float32, and every position term
+    (embedding, rotation tables near and at 16k, bias) float32 and equal to the one an unwrapped
+    copy of the scheme computes."""
+    result = scheme_result(fsdp, scheme)
+    assert set(result["buffers"].values()) <= {"float32"}, result["buffers"]
+    assert result["terms"] or scheme in ("nope",)
+    for term, (dtype, equal) in result["terms"].items():
+        assert dtype == "float32" and equal, (term, dtype, equal)
 
 
 @pytest.mark.parametrize("scheme", SCHEME_CASES)
@@ -69,6 +89,13 @@ def test_one_optimizer_step_of_every_scheme(fsdp, scheme):
         assert result["in_range"]
         values = torch.tensor([v for values in result["pe_parameters"].values() for v in values])
         assert (values == torch.tensor(1e-2)).any()  # the step left the range, the projection brought it back
+
+
+def test_validation_of_uneven_shards_under_fsdp_matches_one_process(fsdp):
+    """5 windows in batches of 2 on 2 ranks: shares of 3 and 2 windows; the second rank's
+    padding window evens the batch counts (otherwise FSDP's gathers stop matching)."""
+    rope = scheme_result(fsdp, "rope")
+    assert rope["val_loss"] == pytest.approx(rope["val_loss_one_process"], rel=1e-6)
 
 
 class Numbered(Dataset):
