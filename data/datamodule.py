@@ -222,16 +222,43 @@ class ValidationWindows(Dataset):
 class RankShard(Sampler):
     """Indices rank, rank + world, ... of a dataset of ``length``: the ranks validate disjoint
     windows that together are every window exactly once (torch's DistributedSampler pads with
-    repeats, which would count some windows twice in the token-weighted mean)."""
+    repeats, which would count some windows twice in the token-weighted mean).
 
-    def __init__(self, length: int, rank: int, world: int) -> None:
-        self.indices = range(rank, length, world)
+    With ``batch_size``, every rank gets the same number of batches: a rank whose share makes
+    one batch fewer than the largest share ends with index ``length``, an ignored window
+    (``IgnoredPadding``), in a batch of its own. FSDP gathers parameters in every forward, so a
+    rank with an extra batch would wait for the others forever (256 windows, 6 ranks, batches
+    of 14: 4 batches on ranks 0-3, 3 on ranks 4-5). The other batches are unchanged."""
+
+    def __init__(self, length: int, rank: int, world: int, batch_size: int | None = None) -> None:
+        self.indices = list(range(rank, length, world))
+        largest = -(-length // world)  # shares differ by at most one window
+        if batch_size is not None and -(-len(self.indices) // batch_size) < -(-largest // batch_size):
+            self.indices.append(length)  # this share fills whole batches: the padding is alone in its own
 
     def __iter__(self):
         return iter(self.indices)
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class IgnoredPadding(Dataset):
+    """``dataset`` and one more sample at index ``len(dataset)``: the inputs of sample 0 with
+    every target ignored (-1), so it is scored on no token (validation losses are
+    token-weighted over scored targets)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset) + 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == len(self.dataset):
+            x, y = self.dataset[0]
+            return x, torch.full_like(y, -1)
+        return self.dataset[i]
 
 
 class StreamDataModule(L.LightningDataModule):
@@ -248,9 +275,12 @@ class StreamDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         # Under DDP each rank validates its own share of the windows (N ranks: N times the
         # windows per second, not the same ones N times); val/loss is reduced token-weighted.
+        # Every rank runs the same number of batches (RankShard: FSDP would hang otherwise).
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
-        shard = RankShard(len(self.val_set), rank, world) if world > 1 else None
-        return self._loader(self.val_set, self.val_batch_size, drop_last=False, sampler=shard)
+        if world == 1:
+            return self._loader(self.val_set, self.val_batch_size, drop_last=False)
+        shard = RankShard(len(self.val_set), rank, world, self.val_batch_size)
+        return self._loader(IgnoredPadding(self.val_set), self.val_batch_size, drop_last=False, sampler=shard)
 
     def _loader(self, dataset: Dataset, batch_size: int, drop_last: bool, sampler=None) -> DataLoader:
         return DataLoader(

@@ -15,7 +15,7 @@ from model.config import GPTConfig
 from model.gpt import GPT, uncompiled
 from model.pe.schedule import check_nope_layers, check_randomize_to, nope_layers, random_positions, split_schedule
 from pelab.config import ConfigError, build, check_options, plain, target_class
-from pelab.optim import OptimConfig, adamw, cosine_schedule
+from pelab.optim import OptimConfig, adamw, cosine_schedule, decay_rule
 
 
 def model_config(values: dict) -> GPTConfig:
@@ -78,6 +78,7 @@ class LitGPT(L.LightningModule):
         self.optim = OptimConfig(**optim)
         position = position or build_position(pe, self.config)
         self.model = GPT(self.config, position.scheme, position.nope_layers)
+        self.decay_rule: dict[str, bool] | None = None  # recorded by configure_model
         self.randomize_to = position.randomize_to
         self.compile = compile
         self.val_loss = MeanMetric()
@@ -91,6 +92,11 @@ class LitGPT(L.LightningModule):
         return self.model.pe.name
 
     def configure_model(self) -> None:
+        """Called by Lightning before any strategy wraps the model. Records which parameters get
+        weight decay, by name: under FSDP the parameters are 1-D shard views by the time
+        configure_optimizers runs. Once: a later fit may find the model already wrapped."""
+        if self.decay_rule is None:
+            self.decay_rule = decay_rule(uncompiled(self.model))
         if self.compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
             self.model = torch.compile(self.model)
 
@@ -127,7 +133,10 @@ class LitGPT(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         _, loss = self.model(x, y)
-        self.val_loss.update(loss, weight=(y >= 0).sum())  # scored targets only: ignored ones (-1) carry no loss
+        scored = (y >= 0).sum()  # scored targets only: ignored ones (-1) carry no loss
+        # a batch of ignored windows only (the padding that evens out the ranks' batch counts):
+        # weight 0, and 0, not the NaN of a mean over no target, so that it adds exactly nothing
+        self.val_loss.update(torch.where(scored > 0, loss, 0.0), weight=scored)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted mean, synced across ranks by torchmetrics
@@ -163,6 +172,6 @@ class LitGPT(L.LightningModule):
         # Not fused under a GradScaler (16-mixed): it unscales inside a fused step, so the
         # gradients could not be unscaled before clipping (configure_gradient_clipping).
         fused = self.device.type in ("cuda", "cpu") and self._grad_scaler() is None
-        optimizer = adamw(self.model, self.optim, fused)
+        optimizer = adamw(self.model, self.optim, fused, self.decay_rule)  # rule None: decided now
         scheduler = cosine_schedule(optimizer, self.optim, self.optim.decay_steps or self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -44,20 +44,44 @@ class OptimConfig:
         return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices (the tied token embedding too, as in nanoGPT) are decayed; norm gains and biases
-    are not; a position scheme's parameters only where the scheme says so."""
+# Name components that wrappers insert: FSDP units, activation checkpointing, torch.compile.
+WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the wrappers' components, i.e. its name in the bare model:
+    ``blocks.0._fsdp_wrapped_module.attn.c_attn.weight`` -> ``blocks.0.attn.c_attn.weight``."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
+def decay_rule(model: nn.Module) -> dict[str, bool]:
+    """Whether each parameter (by plain name, tied ones under each name) gets weight decay:
+    matrices do (the tied token embedding too, as in nanoGPT); norm gains and biases do not; a
+    position scheme's parameters only where the scheme says so. Decided on the bare model:
+    under FSDP (``use_orig_params``) every parameter is a 1-D shard view by the time the
+    optimizer is built, so its shape no longer tells a matrix from a bias."""
     pe = model.pe
     scheme_rule = {id(p): False for p in pe.parameters()} | {id(p): True for p in pe.decayed_parameters()}
+    return {plain_name(name): scheme_rule.get(id(p), p.dim() >= 2)
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def param_groups(model: nn.Module, weight_decay: float, rule: dict[str, bool] | None = None) -> list[dict]:
+    """The decayed and the other trainable parameters of ``model`` (bare or wrapped), as
+    ``rule`` (``decay_rule`` of the bare model; default: of ``model`` itself) says by name."""
+    rule = decay_rule(model) if rule is None else rule
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if scheme_rule.get(id(p), p.dim() >= 2) else no_decay).append(p)
+            if plain_name(name) not in rule:
+                raise KeyError(f"parameter {name} was not in the model when its weight-decay groups were decided")
+            (decay if rule[plain_name(name)] else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw(model: nn.Module, optim: OptimConfig, fused: bool) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas,
+def adamw(model: nn.Module, optim: OptimConfig, fused: bool, rule: dict[str, bool] | None = None
+          ) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, optim.weight_decay, rule), lr=optim.lr, betas=optim.betas,
                              eps=optim.eps, fused=fused)
 
 
