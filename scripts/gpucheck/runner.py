@@ -23,7 +23,7 @@ def child_env(out: Path) -> dict:
     folder, W&B off, Hugging Face offline, unbuffered output."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("PELAB_CACHE", str(out / "cache"))
+    env["PELAB_CACHE"] = str(out / "cache")
     env.update(WANDB_MODE="disabled", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     return env
 

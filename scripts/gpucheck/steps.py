@@ -177,7 +177,7 @@ def train_steps(out: Path, schemes: list[str]) -> list[Step]:
     return [Step(f"train_{name}", "train", f"python train.py trainer=gpu {' '.join(extra)}: {TRAIN_OVERRIDES[1]}, "
                  "sanity validation, finite val loss",
                  [PY, "train.py", "trainer=gpu", *extra, *TRAIN_OVERRIDES, f"hydra.run.dir={out / 'train' / name}"],
-                 150, parse_train) for name, extra in runs.items()]
+                 240 if "compile=true" in extra else 150, parse_train) for name, extra in runs.items()]
 
 
 def ddp_step(out: Path, gpus: int) -> Step:

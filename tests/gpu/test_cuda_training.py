@@ -54,7 +54,9 @@ def compare_with_math(record_property, scheme: str, precision: str, route: str) 
     logits, loss, grads = training_step(model, x, y, dtype)
     m_logits, m_loss, m_grads = training_step(math_model, x, y, dtype)
     r_logits, r_loss, r_grads = training_step(math_model, x, y, None)  # math in float32: the reference
-    assert torch.isfinite(logits).all() and torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    for name, (lg, ls, gs) in (("route", (logits, loss, grads)), ("math", (m_logits, m_loss, m_grads))):
+        assert torch.isfinite(lg).all() and torch.isfinite(ls), f"{name}: non-finite logits or loss"
+        assert all(torch.isfinite(g).all() for g in gs), f"{name}: non-finite gradients"
     floor = FLOOR[dtype]
     check_bounded(record_property, "loss", loss, m_loss, r_loss, floor)
     check_bounded(record_property, "logits", logits, m_logits, r_logits, floor)

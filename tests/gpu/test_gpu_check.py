@@ -200,3 +200,26 @@ def test_the_report_has_every_step(tmp_path):
     text = md.read_text()
     assert "**1 passed, 1 failed, 1 skipped**" in text and "NVIDIA H100 80GB HBM3" in text
     assert "| two | fail |" in text and "- `t::x`: bad | worse" in text
+
+
+def test_on_a_gpu_machine_it_runs_the_preflight_and_the_steps_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    """The driver end to end with CUDA faked and two stand-in steps (one passes, one fails)."""
+    import torch
+
+    from pelab import callbacks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(runner, "machine", lambda: {"host": "h", "python": "3.12", "torch": torch.__version__,
+                                                     "cuda": "13.0", "lightning": "2.6", "started": "now", "gpus": []})
+    stand_ins = [py_step("passes", "print('fine')"), py_step("fails", "raise SystemExit(2)")]
+    monkeypatch.setattr(steps, "all_steps", lambda out, schemes, gpus: stand_ins)
+    assert gpu_check.main([f"out={tmp_path}", "budget_s=600"]) == 1
+    printed = capsys.readouterr().out
+    assert "[gpu_check] preflight: pass" in printed and f"report: {tmp_path / 'gpu_check.md'}" in printed
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [("preflight", "pass"), ("passes", "pass"),
+                                                                   ("fails", "fail")]
+    assert report["steps"][0]["numbers"]["mfu_peak_bf16"] == callbacks.device_peak(torch.device("cuda"),
+                                                                                   "bf16-mixed")[1]
