@@ -29,8 +29,9 @@ def child_env(out: Path) -> dict:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """End the step's process group (its children too: torchrun ranks, compile workers), politely first."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+    """End the step's process group (its children too: DDP ranks, compile workers), politely first:
+    SIGINT lets pytest write the junit xml of the tests that finished and Lightning stop cleanly."""
+    for sig, wait in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -68,8 +69,14 @@ def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int) -> Ou
         status, reason, numbers = step.parse(result)
     except Exception as e:  # noqa: BLE001 - a parser bug must not lose the other steps
         status, reason, numbers = "fail", f"could not read the step's output: {type(e).__name__}: {e}", {}
-    if returncode is None and status == "pass":
-        status, reason = "fail", f"timed out after {seconds:.0f} s"
+    if returncode is None:  # the parser's reason says what finished before; say why it stopped
+        status = "fail"
+        if timeout < step.timeout_s:
+            budget = (f"stopped when the run's budget ran out, after {seconds:.0f} s (its own timeout: "
+                      f"{step.timeout_s} s; rerun it with steps={step.name})")
+            reason = f"{budget}; {reason}" if reason else budget
+        elif not reason:
+            reason = f"timed out after {seconds:.0f} s"
     return Outcome(step, status, reason, seconds, numbers)
 
 

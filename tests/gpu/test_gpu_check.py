@@ -114,10 +114,17 @@ def test_runner_statuses_timeouts_budget_and_gpu_counts(tmp_path):
     hung = runner.run_step(hang, tmp_path, env, deadline, 1)
     assert hung.status == "fail" and hung.reason.startswith("timed out") and time.monotonic() - t0 < 60
     assert not running(int(pid_file.read_text())), "the step's child outlived its timeout"
-    late = runner.run_step(py_step("late", "print(1)"), tmp_path, env, time.monotonic() + 10, 1)
+    late = runner.run_step(py_step("late", "print(1)"), tmp_path, env, time.monotonic() + runner.MIN_START_S - 1, 1)
     assert late.status == "skip" and "budget" in late.reason
     two = runner.run_step(py_step("two", "print(1)", gpus=2), tmp_path, env, deadline, 1)
     assert two.status == "skip" and "needs 2 GPUs, 1 present" in two.reason
+
+
+def test_a_step_cut_by_the_budget_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_START_S", 1)
+    cut = runner.run_step(py_step("cut", "import time; time.sleep(600)", timeout_s=600), tmp_path,
+                          runner.child_env(tmp_path), time.monotonic() + 3, 1)
+    assert cut.status == "fail" and "budget ran out" in cut.reason and "steps=cut" in cut.reason
 
 
 def test_train_runs_after_the_first_go_three_at_a_time(tmp_path):
@@ -154,6 +161,21 @@ def test_junit_xml_of_real_pytest_runs_is_read(tmp_path):
     assert numbers["worst_error_to_bound"] == 3.0 and numbers["worst_at"].endswith("test_bad logits")
     status, reason, _ = steps.parse_cuda_tests(steps.Result(1, 1.0, "", tmp_path.joinpath("x")))
     assert status == "fail"
+
+
+def test_a_timed_out_pytest_still_reports_the_tests_that_finished(tmp_path):
+    """The runner interrupts a step with SIGINT first: pytest then writes the junit xml of the
+    tests that finished, which the report keeps."""
+    (tmp_path / "test_slow.py").write_text("import time\ndef test_quick(): pass\ndef test_bad(): assert 0\n"
+                                           "def test_slow(): time.sleep(600)\n")
+    step = steps.cuda_tests_step(tmp_path)
+    step.command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tmp_path / "test_slow.py"),
+                    f"--junitxml={tmp_path / 'cuda-tests.xml'}", "-o", "junit_family=xunit1"]
+    step.timeout_s = 8
+    outcome = runner.run_step(step, tmp_path, runner.child_env(tmp_path), time.monotonic() + 600, 1)
+    assert outcome.status == "fail" and outcome.reason.startswith("timed out after")
+    assert "1 passed and 1 failed before" in outcome.reason
+    assert outcome.numbers["tests"] == 2 and outcome.numbers["failures"][0]["test"].endswith("test_bad")
 
 
 def test_train_output_and_bench_rows_are_read(tmp_path):
