@@ -13,5 +13,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (the GPU acceptance run: docs/gpu.md)")
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)

@@ -77,10 +77,10 @@ def test_training_step_matches_math(record_property, scheme, precision, route):
 
 @pytest.mark.parametrize("scheme, precision, route", DROPOUT_ROUTES, ids=["-".join(c) for c in DROPOUT_ROUTES])
 def test_dropout_route_is_finite_and_drops_attention(record_property, scheme, precision, route):
-    """model.dropout=0.2: the route a training step takes applies attention dropout (the same
-    seed gives the same logits, another seed other logits, with every other dropout off) and
-    the loss and gradients are finite. Against math only with the dropout off (the test above):
-    the kernels draw their masks from other random streams."""
+    """model.dropout=0.2: the route a training step takes applies attention dropout (with every
+    other dropout off, the same seed gives the same logits within 1e-5 relative, another seed
+    logits at least 1e-2 away; 0.86 on CPU) and the loss and gradients are finite. Against math
+    only with the dropout off (the test above): the kernels draw their masks from other streams."""
     record_property("route", route)
     dtype = DTYPES[precision]
     choice = next(c for s, p, d, r, choices in ROUTES if (s, p, r) == (scheme, precision, route) and d > 0
@@ -98,8 +98,9 @@ def test_dropout_route_is_finite_and_drops_attention(record_property, scheme, pr
     again, _, _ = training_step(model, x, y, dtype)
     torch.manual_seed(2)
     other, _, _ = training_step(model, x, y, dtype)
-    assert torch.equal(logits, again), "the same seed must draw the same attention dropout"
-    assert not torch.equal(logits, other), "attention dropout 0.2 changed nothing: the route drops no attention"
+    record_property("logits_change_other_seed", f"{rel(other, logits):.3g}")
+    assert rel(again, logits) <= 1e-5, "the same seed must draw the same attention dropout"
+    assert rel(other, logits) >= 1e-2, "attention dropout 0.2 changed (almost) nothing: the route drops no attention"
 
 
 @pytest.mark.parametrize("scheme", LEARNED_BIAS)
