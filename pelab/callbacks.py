@@ -3,18 +3,86 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+
+# Dense tensor-core peaks (no 2:4 sparsity), FLOP/s per GPU, by the compute dtype of the matmuls:
+# "tf32" is float32 under torch.set_float32_matmul_precision("high"/"medium") (train.py sets
+# "high" on CUDA), "fp32" under "highest". NVIDIA's datasheets print the tensor-core rates "with
+# sparsity"; the dense rate is half. Sources and the chips' names: docs/gpu.md, "MFU peaks".
+DENSE_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
+    "H100 NVL": {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12},
+    "H200 SXM": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "H200 NVL": {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+
+
+def chip_of(device_name: str) -> str | None:
+    """The key of DENSE_PEAK_FLOPS for a ``torch.cuda.get_device_name``, or None. "NVIDIA H200"
+    is the SXM part ("NVIDIA H200 NVL" the PCIe one); "NVIDIA H100 80GB HBM3" the SXM H100."""
+    name = device_name.lower()
+    words = set(re.split(r"[^a-z0-9]+", name))
+    if "h100" in words:
+        if "nvl" in words:
+            return "H100 NVL"
+        if "pcie" in words or "hbm2e" in words:
+            return "H100 PCIe"
+        if "hbm3" in words or "sxm" in words or "sxm5" in words:
+            return "H100 SXM"
+        return None
+    if "h200" in words:  # a word: GH200 (Grace Hopper) is another product
+        return "H200 NVL" if "nvl" in words else "H200 SXM"
+    if any(w.startswith("a100") for w in words):
+        return "A100"
+    return None
+
+
+def compute_of(precision: str) -> str | None:
+    """The dtype the matmuls of a ``trainer.precision`` run in: bf16, fp16, tf32 or fp32 (None: 64)."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    if precision.startswith("32"):
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return None
+
+
+def device_peak(device: torch.device, precision: str) -> tuple[float, str] | None:
+    """(peak FLOP/s, what it is) of one device in the compute dtype of ``precision``, or None
+    where no peak is known (CPU, a chip in neither table). DENSE_PEAK_FLOPS first; other chips
+    from Lightning's table, which is named in the description since it is not checked here."""
+    compute = compute_of(precision)
+    if device.type != "cuda" or compute is None:
+        return None
+    name = torch.cuda.get_device_name(device)
+    chip = chip_of(name)
+    if chip is not None:
+        flops = DENSE_PEAK_FLOPS[chip][compute]
+        return flops, f"{flops / 1e12:g} TFLOP/s: {name} as {chip}, dense {compute} (docs/gpu.md, MFU peaks)"
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute, torch.float32)
+    flops = get_available_flops(device, dtype)
+    if not flops:
+        return None
+    return float(flops), f"{flops / 1e12:g} TFLOP/s: {name}, {compute}, from Lightning's table (not checked in pelab)"
 
 
 class TokensPerSecond(L.Callback):
     """Logs ``train/tokens_per_sec`` (summed over ranks) and, where the device's peak is
-    known (CUDA), ``train/mfu`` from ``LitGPT.flops_per_token``.
+    known (CUDA), ``train/mfu`` from ``LitGPT.flops_per_token`` against ``device_peak``, the
+    dense peak in the compute dtype of the precision; the peak used is printed once.
 
     Timed between logging steps and excluding validation; the device is synchronised only
     at those steps, so the training step itself is untouched.
@@ -24,11 +92,18 @@ class TokensPerSecond(L.Callback):
         self._t0: float | None = None
         self._tokens = 0
         self._peak_flops: float | None = None
+        self.peak: str | None = None  # the peak used for train/mfu, described
         self._step = 0  # global_step at the previous batch: unchanged while gradients accumulate
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else torch.float32
-        self._peak_flops = get_available_flops(trainer.strategy.root_device, dtype)
+        device = trainer.strategy.root_device
+        peak = device_peak(device, str(trainer.precision))
+        self._peak_flops, self.peak = peak if peak else (None, None)
+        if peak:
+            rank_zero_info(f"[pelab] train/mfu peak: {self.peak}")
+        elif device.type == "cuda":
+            rank_zero_info(f"[pelab] train/mfu not logged: no peak known for {torch.cuda.get_device_name(device)} "
+                           f"at precision {trainer.precision} (pelab.callbacks.DENSE_PEAK_FLOPS)")
 
     def _sync(self, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":

@@ -201,17 +201,18 @@ def time_paths(model: dict, schemes: list[str], precision: str, compiles: list[b
 
 
 def peak_flops(device: str, precision: str) -> tuple[float, str]:
-    """The device's peak FLOP/s in the compute dtype: lightning's table on CUDA, else measured
-    here as the best of repeated 2048^3 matmuls (CPU MFU is relative to the achievable rate)."""
+    """The device's peak FLOP/s in the compute dtype: on CUDA the dense peak train/mfu uses
+    (pelab.callbacks.device_peak), else measured here as the best of repeated 2048^3 matmuls
+    (CPU MFU is relative to the achievable rate)."""
     import torch
 
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
     if device == "cuda":
-        from lightning.fabric.utilities.throughput import get_available_flops
+        from pelab.callbacks import device_peak
 
-        flops = get_available_flops(torch.device("cuda"), dtype)
-        if flops:
-            return float(flops), "lightning table of the device's peak"
+        peak = device_peak(torch.device("cuda"), precision)
+        if peak:
+            return peak
     n, trials = 2048, 12
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     (a @ b).sum().item()  # first call: kernel selection, page faults

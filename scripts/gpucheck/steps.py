@@ -1,0 +1,284 @@
+"""The acceptance run's steps: each a command with a timeout, and a parser that turns the finished
+process (exit code, log, files it wrote) into a status and its key numbers. What each asserts and
+why: docs/gpu.md."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+# one short trainer=gpu run per scheme: tiny model, bytes corpus, a validation after a sanity check
+# (num_sanity_val_steps builds flex's BlockMask under inference_mode before training uses it)
+TRAIN_OVERRIDES = ("model=tiny", "trainer.max_steps=20", "trainer.val_check_interval=10",
+                   "trainer.limit_val_batches=2", "trainer.num_sanity_val_steps=2", "trainer.log_every_n_steps=5",
+                   "trainer.enable_progress_bar=false", "logger=csv", "eval.extrapolation.enabled=false",
+                   "data.val_windows=64")
+# beside the per-scheme runs: the other routes a real run takes
+TRAIN_EXTRAS = {
+    "t5_compile": ("pe=t5", "compile=true"),  # flex inside the compiled model, through Lightning
+    "alibi_fp16": ("pe=alibi", "trainer.precision=16-mixed"),  # fp16: alibi on flex, GradScaler
+    "t5_dropout": ("pe=t5", "model.dropout=0.2"),  # attention dropout: t5 on math
+}
+BENCH_SCHEMES = ("learned", "rope", "alibi", "rope_alibi")
+BENCH_ARGS = (f"configs=gpt2-gpt2:{'+'.join(BENCH_SCHEMES)}", "compile=true", "rounds=3", "steps=3", "warmup=2",
+              "eval=false", "memory=false", "loop=false")
+
+
+@dataclass
+class Result:
+    """What a step left: exit code (None: timed out), seconds, its log and output folder."""
+
+    returncode: int | None
+    seconds: float
+    log: str
+    out: Path
+
+
+@dataclass
+class Step:
+    name: str
+    group: str
+    what: str
+    command: list[str]  # run in the repository root; [] for the in-process preflight
+    timeout_s: int
+    parse: Callable[[Result], tuple[str, str, dict]]  # -> (status, reason, key numbers)
+    gpus: int = 1  # GPUs it needs; fewer present: skipped with a note
+
+    def shown(self) -> str:
+        return " ".join("python" if c == PY else c for c in self.command) if self.command else "(in process)"
+
+
+def ok_exit(result: Result) -> tuple[str, str] | None:
+    """(fail, reason) for a timeout or a non-zero exit, else None."""
+    if result.returncode is None:
+        return "fail", f"timed out after {result.seconds:.0f} s"
+    if result.returncode != 0:
+        tail = [line for line in result.log.strip().splitlines() if line.strip()][-1:] or ["no output"]
+        return "fail", f"exit code {result.returncode}: {tail[0][:300]}"
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# cuda tests
+# --------------------------------------------------------------------------------------
+
+
+def parse_junit(path: Path) -> dict:
+    """Counts, seconds, failures (test id and first line of the message), the largest ratio of a
+    recorded error to its bound (``*_rel_err`` / ``*_bound`` properties) and the route of each test."""
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    cases = [c for c in suite.findall("testcase") if c.get("name")]  # an interrupted test leaves a nameless one
+    failures, routes, worst = [], {}, (0.0, None)
+    for case in cases:
+        test_id = f"{case.get('classname', '')}::{case.get('name', '')}".rsplit(".", 1)[-1]
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            failures.append({"test": test_id, "message": (problem.get("message") or "").splitlines()[0][:300]
+                             if problem.get("message") else ""})
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if "route" in props:
+            routes[test_id] = props["route"]
+        for key, value in props.items():
+            if key.endswith("_rel_err") and key.replace("_rel_err", "_bound") in props:
+                ratio = float(value) / max(float(props[key.replace("_rel_err", "_bound")]), 1e-30)
+                if ratio > worst[0]:
+                    worst = (ratio, f"{test_id} {key.removesuffix('_rel_err')}")
+    skipped = sum(1 for c in cases if c.find("skipped") is not None)
+    return {"tests": len(cases), "failed": len(failures), "skipped": skipped,
+            "passed": len(cases) - len(failures) - skipped, "seconds": round(float(suite.get("time", 0.0)), 1),
+            "worst_error_to_bound": round(worst[0], 3), "worst_at": worst[1], "failures": failures,
+            "routes": routes}
+
+
+def parse_cuda_tests(result: Result) -> tuple[str, str, dict]:
+    xml = result.out / "cuda-tests.xml"
+    if not xml.is_file():
+        bad = ok_exit(result) or ("fail", "pytest wrote no junit xml")
+        return bad[0], bad[1], {}
+    numbers = parse_junit(xml)
+    if result.returncode is None:  # interrupted: the xml holds the tests that finished
+        return "fail", (f"timed out after {result.seconds:.0f} s, with {numbers['passed']} passed and "
+                        f"{numbers['failed']} failed before"), numbers
+    if numbers["tests"] == 0:
+        return "fail", "no cuda test ran", numbers
+    if numbers["failed"]:
+        return "fail", f"{numbers['failed']} of {numbers['tests']} failed", numbers
+    if numbers["skipped"]:
+        return "fail", f"{numbers['skipped']} skipped on a GPU machine", numbers
+    return "pass", "", numbers
+
+
+def cuda_tests_step(out: Path) -> Step:
+    return Step("cuda_tests", "tests", "pytest -m cuda: every scheme x route x {bf16, fp16} x dropout {0, 0.2} "
+                "against math, flex gradients, compile graphs, flash-only sdpa_key, chunked loss",
+                [PY, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests/gpu",
+                 f"--junitxml={out / 'cuda-tests.xml'}", "-o", "junit_family=xunit1"],
+                600, parse_cuda_tests)
+
+
+# --------------------------------------------------------------------------------------
+# train.py runs
+# --------------------------------------------------------------------------------------
+
+
+def parse_train_log(log: str) -> dict:
+    """The backend train.py printed, the MFU peak it used, its final validation loss."""
+    numbers: dict = {}
+    if m := re.search(r"\[pelab\] attention: (\S+)", log):
+        numbers["attention"] = m.group(1)
+    if m := re.search(r"train/mfu peak: (.+)", log):
+        numbers["mfu_peak"] = m.group(1).strip()
+    elif "train/mfu not logged" in log:
+        numbers["mfu_peak"] = "none"
+    if m := re.search(r"\[pelab\] val loss (\S+)", log):
+        numbers["val_loss"] = float(m.group(1))
+    return numbers
+
+
+def last_logged(metrics_csv: Path, *keys: str) -> dict:
+    """The last non-empty value of each key in a CSVLogger metrics.csv."""
+    found: dict = {}
+    if not metrics_csv.is_file():
+        return found
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            for key in keys:
+                if row.get(key):
+                    found[key] = float(row[key])
+    return found
+
+
+def parse_train(result: Result) -> tuple[str, str, dict]:
+    numbers = parse_train_log(result.log)
+    numbers |= {k.split("/")[-1]: round(v, 4) for k, v in
+                last_logged(result.out / "csv" / "metrics.csv", "train/tokens_per_sec", "train/mfu").items()}
+    if bad := ok_exit(result):
+        return bad[0], bad[1], numbers
+    loss = numbers.get("val_loss")
+    if loss is None or not math.isfinite(loss):
+        return "fail", f"no finite validation loss printed (got {loss})", numbers
+    return "pass", "", numbers
+
+
+def train_steps(out: Path, schemes: list[str]) -> list[Step]:
+    runs = {s: (f"pe={s}",) for s in schemes} | TRAIN_EXTRAS
+    return [Step(f"train_{name}", "train", f"python train.py trainer=gpu {' '.join(extra)}: {TRAIN_OVERRIDES[1]}, "
+                 "sanity validation, finite val loss",
+                 [PY, "train.py", "trainer=gpu", *extra, *TRAIN_OVERRIDES, f"hydra.run.dir={out / 'train' / name}"],
+                 240 if "compile=true" in extra else 150, parse_train) for name, extra in runs.items()]
+
+
+def ddp_step(out: Path, gpus: int) -> Step:
+    devices = str(gpus) if gpus >= 2 else "N"  # every GPU present; with one, skipped
+    return Step("ddp", "ddp", "python train.py trainer=ddp on every GPU present, pe=t5 (a learned bias: its "
+                "gradients reduced over ranks)",
+                [PY, "train.py", "trainer=ddp", f"trainer.devices={devices}", "pe=t5", *TRAIN_OVERRIDES,
+                 f"hydra.run.dir={out / 'train' / 'ddp'}"], 300, parse_train, gpus=2)
+
+
+# --------------------------------------------------------------------------------------
+# t5 extrapolation sweep and sampling (workers.py)
+# --------------------------------------------------------------------------------------
+
+
+def parse_worker(result: Result) -> tuple[str, str, dict]:
+    path = result.out / "t5_timing.json"
+    numbers = json.loads(path.read_text()) if path.is_file() else {}
+    if bad := ok_exit(result):
+        return bad[0], bad[1], numbers
+    if not numbers:
+        return "fail", "the worker wrote no t5_timing.json", numbers
+    problems = numbers.get("problems", [])
+    return ("fail", "; ".join(problems), numbers) if problems else ("pass", "", numbers)
+
+
+def t5_step(out: Path) -> Step:
+    return Step("t5_timing", "timing", "t5 at gpt2 size (L=1024): the 16x extrapolation sweep (1k..16k, bf16) cold "
+                "and warm, and 100 sampled tokens with a KV cache, timed; graphs compiled counted",
+                [PY, "scripts/gpu_check.py", "worker=t5_timing", f"out={out}"], 420, parse_worker)
+
+
+# --------------------------------------------------------------------------------------
+# the bench
+# --------------------------------------------------------------------------------------
+
+
+def bench_numbers(rows: list[dict]) -> dict:
+    """Per scheme (pelab rows): step ms, tokens/s, MFU, compile s; the peak used; the step-time
+    ratios of alibi and rope_alibi to rope."""
+    numbers: dict = {"schemes": {}}
+    for row in rows:
+        if row.get("path") == "pelab":
+            numbers["schemes"][row["scheme"]] = {k: row.get(k) for k in ("step_ms", "tokens_per_s", "mfu", "compile_s")}
+        if row.get("peak_source"):
+            numbers["peak"] = f"{row.get('peak_tflops')} TFLOP/s ({row['peak_source']})"
+        if row.get("path") == "reference":
+            numbers["reference_step_ms"] = row.get("step_ms")
+    rope = numbers["schemes"].get("rope", {}).get("step_ms")
+    for scheme in ("alibi", "rope_alibi"):
+        mine = numbers["schemes"].get(scheme, {}).get("step_ms")
+        if rope and mine:
+            numbers[f"{scheme}_over_rope_step_time"] = round(mine / rope, 3)
+    return numbers
+
+
+def parse_bench(result: Result) -> tuple[str, str, dict]:
+    path = result.out / "bench.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    numbers = bench_numbers(rows)
+    if bad := ok_exit(result):
+        return bad[0], bad[1], numbers
+    missing = [s for s in BENCH_SCHEMES if s not in numbers["schemes"]]
+    if missing:
+        return "fail", f"no bench row for {missing}", numbers
+    if any(not (v.get("mfu") or 0) > 0 for v in numbers["schemes"].values()):
+        return "fail", "no MFU: no peak known for this device", numbers
+    return "pass", "", numbers
+
+
+def bench_step(out: Path) -> Step:
+    return Step("bench", "bench", "scripts/bench.py: gpt2 124M at context 1024, compiled, bf16: MFU, and alibi / "
+                "rope_alibi step times against rope",
+                [PY, "scripts/bench.py", *BENCH_ARGS, f"out={out / 'bench.jsonl'}"], 600, parse_bench)
+
+
+def fsdp_step(out: Path, gpus: int) -> Step:
+    devices = str(gpus) if gpus >= 2 else "N"
+    return Step("fsdp", "ddp", "python train.py trainer=fsdp on every GPU present, pe=kerple_log (parameters "
+                "projected after the optimizer step, position terms float32 under FSDP's bf16)",
+                [PY, "train.py", "trainer=fsdp", f"trainer.devices={devices}", "pe=kerple_log", *TRAIN_OVERRIDES,
+                 f"hydra.run.dir={out / 'train' / 'fsdp'}"], 300, parse_train, gpus=2)
+
+
+def all_steps(out: Path, schemes: list[str], gpus: int) -> list[Step]:
+    """Every step after the preflight, in the order they run (the most telling first, so that a
+    budget running out drops the least)."""
+    return [cuda_tests_step(out), *train_steps(out, schemes), t5_step(out), bench_step(out), ddp_step(out, gpus),
+            fsdp_step(out, gpus)]
+
+
+@dataclass
+class Outcome:
+    step: Step
+    status: str  # pass, fail, skip
+    reason: str = ""
+    seconds: float = 0.0
+    numbers: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"name": self.step.name, "group": self.step.group, "what": self.step.what,
+                "command": self.step.shown(), "timeout_s": self.step.timeout_s, "status": self.status,
+                "reason": self.reason, "seconds": round(self.seconds, 1), "numbers": self.numbers}

@@ -1,0 +1,247 @@
+"""scripts/gpu_check.py on a CPU machine (its plan, nothing run, exit 0) and the parts of the run
+that need no GPU: step selection, the runner (exit codes, timeouts that end the whole process
+group, the budget, GPU counts), the parsers of pytest's junit xml, train.py's output and the
+bench's rows, and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_check  # noqa: E402
+from gpucheck import runner, steps  # noqa: E402
+from model.pe import SCHEMES  # noqa: E402
+
+
+def test_without_cuda_it_prints_the_plan_runs_nothing_and_exits_0(tmp_path):
+    out = tmp_path / "report"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", f"out={out}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout
+    assert "no CUDA device here: nothing is run" in text
+    for step in steps.all_steps(out, sorted(SCHEMES), 0):  # every step, with the command it would run
+        assert f" {step.name} (" in text and step.shown() in text
+    assert "-m pytest -m cuda" in text and "scripts/bench.py configs=gpt2-gpt2:" in text
+    for scheme in SCHEMES:
+        assert f"train.py trainer=gpu pe={scheme} " in text
+    # what to install, and how, offline
+    assert "pip download --no-deps --only-binary=:all: --python-version 3.12" in text
+    assert "hydra-core==" in text and "omegaconf==" in text and "datasets==" in text
+    assert "pip wheel --no-deps -w .whl antlr4-python3-runtime==" in text
+    assert "pip install -q --no-index --no-deps" in text
+    assert not out.exists(), "the plan must not create the report folder"
+
+
+def test_no_process_is_started_without_cuda_nor_with_plan_true(tmp_path, monkeypatch, capsys):
+    import torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"started a process: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(gpu_check, "preflight", refuse)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([f"out={tmp_path / 'a'}"]) == 0
+    # a GPU machine asked for the plan only
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert gpu_check.main(["plan=true", f"out={tmp_path / 'b'}"]) == 0
+    assert "GPUs here: 1" in capsys.readouterr().out
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_steps_are_selected_by_name_or_group(tmp_path):
+    every = steps.all_steps(tmp_path, sorted(SCHEMES), 1)
+    train = gpu_check.select(every, "train")
+    assert {s.name for s in train} == {f"train_{s}" for s in SCHEMES} | {f"train_{e}" for e in steps.TRAIN_EXTRAS}
+    assert [s.name for s in gpu_check.select(every, "bench,cuda_tests")] == ["cuda_tests", "bench"]
+    with pytest.raises(SystemExit, match="unknown steps"):
+        gpu_check.select(every, "nonsense")
+
+
+def py_step(name: str, code: str, timeout_s: int = 60, gpus: int = 1) -> steps.Step:
+    def parse(result: steps.Result):
+        bad = steps.ok_exit(result)
+        return (*bad, {}) if bad else ("pass", "", {"log": result.log.strip().splitlines()[-1]})
+
+    return steps.Step(name, "test", "a test step", [sys.executable, "-c", textwrap.dedent(code)], timeout_s, parse,
+                      gpus)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan that no init process reaps stays one in a container)."""
+    for _ in range(50):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_runner_statuses_timeouts_budget_and_gpu_counts(tmp_path):
+    env = runner.child_env(tmp_path)
+    deadline = time.monotonic() + 600
+    ok = runner.run_step(py_step("ok", "print('done')"), tmp_path, env, deadline, gpus=1)
+    assert (ok.status, ok.numbers["log"]) == ("pass", "done")
+    assert (tmp_path / "logs" / "ok.log").read_text().startswith("$ python -c")
+    bad = runner.run_step(py_step("bad", "print('broken here'); raise SystemExit(3)"), tmp_path, env, deadline, 1)
+    assert bad.status == "fail" and bad.reason.startswith("exit code 3: broken here")
+    # a timeout ends the step's whole process group, children included
+    pid_file = tmp_path / "child.pid"
+    hang = py_step("hang", f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        time.sleep(600)
+    """, timeout_s=3)
+    t0 = time.monotonic()
+    hung = runner.run_step(hang, tmp_path, env, deadline, 1)
+    assert hung.status == "fail" and hung.reason.startswith("timed out") and time.monotonic() - t0 < 60
+    assert not running(int(pid_file.read_text())), "the step's child outlived its timeout"
+    late = runner.run_step(py_step("late", "print(1)"), tmp_path, env, time.monotonic() + runner.MIN_START_S - 1, 1)
+    assert late.status == "skip" and "budget" in late.reason
+    two = runner.run_step(py_step("two", "print(1)", gpus=2), tmp_path, env, deadline, 1)
+    assert two.status == "skip" and "needs 2 GPUs, 1 present" in two.reason
+
+
+def test_a_step_cut_by_the_budget_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_START_S", 1)
+    cut = runner.run_step(py_step("cut", "import time; time.sleep(600)", timeout_s=600), tmp_path,
+                          runner.child_env(tmp_path), time.monotonic() + 3, 1)
+    assert cut.status == "fail" and "budget ran out" in cut.reason and "steps=cut" in cut.reason
+
+
+def test_train_runs_after_the_first_go_three_at_a_time(tmp_path):
+    code = "import time; time.sleep(1.5); print('x')"
+    train = [steps.Step(f"t{i}", "train", "", [sys.executable, "-c", code], 60,
+                        lambda r: ("pass", "", {})) for i in range(4)]
+    t0 = time.monotonic()
+    outcomes = runner.run_all(train, tmp_path, runner.child_env(tmp_path), time.monotonic() + 600, 1,
+                              say=lambda line: None)
+    wall = time.monotonic() - t0
+    assert [o.step.name for o in outcomes] == ["t0", "t1", "t2", "t3"] and all(o.status == "pass" for o in outcomes)
+    assert wall < 4 * 1.5, f"{wall:.1f} s: the runs after the first did not overlap"  # 1 + 3 parallel: about 3 s
+
+
+def test_junit_xml_of_real_pytest_runs_is_read(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent("""
+        def test_good(record_property):
+            record_property("route", "flex")
+            record_property("grads_rel_err", "0.02")
+            record_property("grads_bound", "0.05")
+        def test_bad(record_property):
+            record_property("logits_rel_err", "0.3")
+            record_property("logits_bound", "0.1")
+            assert 1 == 2, "logits: relative error 0.3"
+    """))
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_sample.py"),
+                    f"--junitxml={xml}", "-o", "junit_family=xunit1"], cwd=tmp_path, capture_output=True, timeout=120)
+    numbers = steps.parse_junit(xml)
+    assert (numbers["tests"], numbers["passed"], numbers["failed"], numbers["skipped"]) == (2, 1, 1, 0)
+    assert numbers["failures"][0]["test"].endswith("test_bad") and "relative error 0.3" in numbers["failures"][0][
+        "message"]
+    assert numbers["routes"] == {next(k for k in numbers["routes"]): "flex"}
+    assert numbers["worst_error_to_bound"] == 3.0 and numbers["worst_at"].endswith("test_bad logits")
+    status, reason, _ = steps.parse_cuda_tests(steps.Result(1, 1.0, "", tmp_path.joinpath("x")))
+    assert status == "fail"
+
+
+def test_a_timed_out_pytest_still_reports_the_tests_that_finished(tmp_path):
+    """The runner interrupts a step with SIGINT first: pytest then writes the junit xml of the
+    tests that finished, which the report keeps."""
+    (tmp_path / "test_slow.py").write_text("import time\ndef test_quick(): pass\ndef test_bad(): assert 0\n"
+                                           "def test_slow(): time.sleep(600)\n")
+    step = steps.cuda_tests_step(tmp_path)
+    step.command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tmp_path / "test_slow.py"),
+                    f"--junitxml={tmp_path / 'cuda-tests.xml'}", "-o", "junit_family=xunit1"]
+    step.timeout_s = 8
+    outcome = runner.run_step(step, tmp_path, runner.child_env(tmp_path), time.monotonic() + 600, 1)
+    assert outcome.status == "fail" and outcome.reason.startswith("timed out after")
+    assert "1 passed and 1 failed before" in outcome.reason
+    assert outcome.numbers["tests"] == 2 and outcome.numbers["failures"][0]["test"].endswith("test_bad")
+
+
+def test_train_output_and_bench_rows_are_read(tmp_path):
+    # the lines train.py prints (their format strings are in pelab/lit.py and pelab/run.py)
+    assert '"[pelab] attention: ' in (ROOT / "pelab" / "lit.py").read_text().replace("f\"", "\"")
+    assert '"[pelab] val loss ' in (ROOT / "pelab" / "run.py").read_text().replace("f\"", "\"")
+    log = ("[pelab] attention: flex (model.attention=auto, pe=t5, cuda, bfloat16)\n"
+           "[pelab] train/mfu peak: 989.4 TFLOP/s: NVIDIA H100 80GB HBM3 as H100 SXM, dense bf16 (docs/gpu.md)\n"
+           "[pelab] val loss 3.1416 (ppl 23.14); unigram baseline 3.2213 (ppl 25.06)\n")
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "metrics.csv").write_text("step,train/tokens_per_sec,train/mfu,val/loss\n"
+                                                  "5,1000.0,0.01,\n10,2000.0,0.02,\n10,,,3.14\n")
+    status, _, numbers = steps.parse_train(steps.Result(0, 10.0, log, tmp_path))
+    assert status == "pass"
+    assert numbers == {"attention": "flex", "val_loss": 3.1416, "tokens_per_sec": 2000.0, "mfu": 0.02,
+                       "mfu_peak": "989.4 TFLOP/s: NVIDIA H100 80GB HBM3 as H100 SXM, dense bf16 (docs/gpu.md)"}
+    status, reason, _ = steps.parse_train(steps.Result(0, 10.0, "[pelab] val loss nan (ppl nan)", tmp_path))
+    assert status == "fail" and "finite" in reason
+    rows = [{"path": "reference", "scheme": "learned", "step_ms": 20.0},
+            {"path": "pelab", "scheme": "learned", "step_ms": 21.0, "mfu": 0.4, "peak_tflops": 989.4,
+             "peak_source": "dense bf16"},
+            {"path": "pelab", "scheme": "rope", "step_ms": 22.0, "mfu": 0.38},
+            {"path": "pelab", "scheme": "alibi", "step_ms": 24.2, "mfu": 0.35},
+            {"path": "pelab", "scheme": "rope_alibi", "step_ms": 26.4, "mfu": 0.33}]
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    status, _, numbers = steps.parse_bench(steps.Result(0, 100.0, "", tmp_path))
+    assert status == "pass"
+    assert numbers["alibi_over_rope_step_time"] == 1.1 and numbers["rope_alibi_over_rope_step_time"] == 1.2
+    assert numbers["reference_step_ms"] == 20.0 and numbers["peak"].startswith("989.4 TFLOP/s")
+
+
+def test_the_report_has_every_step(tmp_path):
+    outcomes = [steps.Outcome(py_step("one", ""), "pass", "", 1.0, {"passed": 3, "worst_error_to_bound": 0.5}),
+                steps.Outcome(py_step("two", ""), "fail", "exit code 1: boom", 2.0,
+                              {"failures": [{"test": "t::x", "message": "bad | worse"}]}),
+                steps.Outcome(py_step("three", ""), "skip", "needs 2 GPUs, 1 present")]
+    info = {"host": "h", "python": "3.12", "torch": "2.11", "cuda": "13.0", "lightning": "2.6.6", "started": "now",
+            "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "capability": "9.0",
+                      "multiprocessors": 132}]}
+    md = runner.write_report(tmp_path, info, outcomes, 1200, 3.0)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["summary"] == {"pass": 1, "fail": 1, "skip": 1}
+    assert [s["name"] for s in report["steps"]] == ["one", "two", "three"]
+    text = md.read_text()
+    assert "**1 passed, 1 failed, 1 skipped**" in text and "NVIDIA H100 80GB HBM3" in text
+    assert "| two | fail |" in text and "- `t::x`: bad | worse" in text
+
+
+def test_on_a_gpu_machine_it_runs_the_preflight_and_the_steps_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    """The driver end to end with CUDA faked and two stand-in steps (one passes, one fails)."""
+    import torch
+
+    from pelab import callbacks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(runner, "machine", lambda: {"host": "h", "python": "3.12", "torch": torch.__version__,
+                                                     "cuda": "13.0", "lightning": "2.6", "started": "now", "gpus": []})
+    stand_ins = [py_step("passes", "print('fine')"), py_step("fails", "raise SystemExit(2)")]
+    monkeypatch.setattr(steps, "all_steps", lambda out, schemes, gpus: stand_ins)
+    assert gpu_check.main([f"out={tmp_path}", "budget_s=600"]) == 1
+    printed = capsys.readouterr().out
+    assert "[gpu_check] preflight: pass" in printed and f"report: {tmp_path / 'gpu_check.md'}" in printed
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [("preflight", "pass"), ("passes", "pass"),
+                                                                   ("fails", "fail")]
+    assert report["steps"][0]["numbers"]["mfu_peak_bf16"] == callbacks.device_peak(torch.device("cuda"),
+                                                                                   "bf16-mixed")[1]
