@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from model.attention import AttentionBackend, AttentionRecorder, Terms, resolve
-from model.attention import BACKENDS
+from model.attention import BACKENDS, AttentionBackend, AttentionRecorder, Terms
 
 
 @dataclass
@@ -80,4 +79,4 @@ def resolve_positions(pe: Any, T: int, positions: Tensor | None, device: torch.d
     return positions
 
 
-__all__ = ["PositionContext", "layer_contexts", "position_context", "resolve", "resolve_positions"]
+__all__ = ["PositionContext", "layer_contexts", "position_context", "resolve_positions"]

@@ -58,16 +58,19 @@ class Flex(AttentionBackend):
         from torch.nn.attention.flex_attention import create_block_mask
 
         offset = Tk - Tq
-        if torch.compiler.is_compiling():
+
+        def build():
             return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset, None, None, Tq, Tk,
                                      device=device)
+
+        if torch.compiler.is_compiling():
+            return build()
         key = (Tq, Tk, str(device))
         if key not in self._block_masks:
             # normal tensors even when first asked for under inference_mode (Lightning's sanity
             # validation): inference tensors in the cache could not be saved for a later backward
             with torch.inference_mode(False):
-                self._block_masks[key] = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset,
-                                                           None, None, Tq, Tk, device=device)
+                self._block_masks[key] = build()
         return self._block_masks[key]
 
     def compiled(self, q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask) -> Tensor:
