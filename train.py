@@ -41,7 +41,9 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = checked.datamodule
     with open_dict(cfg):
         cfg.model.vocab_size = datamodule.vocab_size
-    module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile, position=checked.position)
+    documents = getattr(datamodule, "documents", None)  # packed documents (data/packing.py); none for synthetic tasks
+    module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile, position=checked.position,
+                    documents=vars(documents) if documents else None, eval_documents=cfg.eval.get("documents"))
     run_id = wandb_run_id(output_dir, resuming)
     loggers = build_loggers(cfg, identity, run_id)
     trainer = build("trainer", hydra.utils.instantiate, cfg.trainer, logger=loggers or False,

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from data.packing import DocumentOptions, check_document_options
 from data.tokenizers import TOKENIZERS, Tokenizer, cache_dir, get_tokenizer
 
 FORMAT_VERSION = 2  # 2: hashes in meta.json, bytes separator 0x1E
@@ -306,8 +307,12 @@ class TextDataModule(StreamDataModule):
         train_samples: int = 2**40,
         tokenize_num_proc: int | None = None,
         val_windows: int | None = 256,
+        document_positions: bool = False,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
+        check_document_options(document_positions, document_mask, corpus)
+        self.document_positions, self.document_mask = document_positions, document_mask
         for key, value, low in (("batch_size", batch_size, 1), ("val_batch_size", val_batch_size, 1),
                                 ("num_workers", num_workers, 0), ("tokenize_num_proc", tokenize_num_proc, 1)):
             if value is not None and value < low:
@@ -339,6 +344,13 @@ class TextDataModule(StreamDataModule):
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
+
+    @property
+    def documents(self) -> DocumentOptions:
+        """``data.document_positions`` / ``document_mask`` and the separator they read (data/packing.py)."""
+        separate = getattr(self.corpus, "rows_are_documents", True)
+        return DocumentOptions(self.document_positions, self.document_mask,
+                               self.tokenizer.eot_token if separate else None)
 
     def split_path(self, split: str) -> Path:
         return self.token_dir / f"{split}.bin"

@@ -73,7 +73,7 @@ def _layer_set(layers: Iterable[int] | None, n_layer: int) -> set[int]:
 
 class AttentionPass(NamedTuple):
     probs: dict[int, Tensor]  # layer -> (B, H, T, T) float32
-    positions: Tensor  # (T,) the positions used
+    positions: Tensor  # (T,) or (B, T) the positions used
     hidden: Tensor | None  # final normalised hidden states (B, T, C), when the pass ran to the end
 
 
@@ -83,6 +83,7 @@ def eager_attention_pass(
     positions: Tensor | None = None,
     layers: Iterable[int] | None = None,
     return_hidden: bool = False,
+    documents: Tensor | None = None,
 ) -> AttentionPass:
     """Run ``gpt``'s own forward (``GPT.hidden``) with the ``math`` attention backend,
     recording the attention probabilities of the requested layers.
@@ -91,13 +92,14 @@ def eager_attention_pass(
     mask (the scheme's bias and the causal -inf, or causal only on a NoPE layer of a
     schedule); everything else is the ordinary forward. Modules are used in whatever mode
     they are in (call under eval for dropout-free probabilities; ``attention_probs`` does).
+    ``documents``: (B, T) document ids of packed documents (keys of other documents get 0).
     """
     gpt = uncompiled(gpt)
     wanted = _layer_set(layers, len(gpt.blocks))
     positions = resolve_positions(gpt.pe, idx.shape[1], positions, idx.device)
     recorder = AttentionRecorder(wanted)
     with torch.no_grad():
-        hidden = gpt.hidden(idx, positions, attention="math", record=recorder)
+        hidden = gpt.hidden(idx, positions, attention="math", record=recorder, documents=documents)
     return AttentionPass(recorder.probs, positions, hidden if return_hidden else None)
 
 
@@ -336,9 +338,13 @@ class AttentionMaps(L.Callback):
         gpt = uncompiled(getattr(pl_module, "model", pl_module))
         idx = idx.to(pl_module.device)
         step = trainer.global_step
+        documents = getattr(pl_module, "val_documents", None)  # packed documents as validation reads them
+        positions, document_ids = documents.layout(idx) if documents is not None else (None, None)
         with eval_mode(pl_module):
-            result = eager_attention_pass(gpt, idx, layers=self.layers)
-        summaries = head_summaries(result.probs, result.positions)
+            result = eager_attention_pass(gpt, idx, positions, layers=self.layers, documents=document_ids)
+        # per-document positions: distances and axes in tokens (inside a document they are the same)
+        shown = result.positions if result.positions.dim() == 1 else None
+        summaries = head_summaries(result.probs, shown)
         self.last_metrics = summary_metrics(summaries)
 
         n_head = next(iter(result.probs.values())).shape[1]
@@ -346,7 +352,7 @@ class AttentionMaps(L.Callback):
         heads = heads[: self.max_heads_plotted]
         scheme = getattr(getattr(gpt, "pe", None), "name", "")
         title = " ".join(filter(None, ["attention", scheme, f"step {step}", f"(T={idx.shape[1]})"]))
-        fig = plot_attention_grid(result.probs, heads=heads, title=title, positions=result.positions)
+        fig = plot_attention_grid(result.probs, heads=heads, title=title, positions=shown)
         path = self.output_dir(trainer) / f"step{step:06d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100)

@@ -50,7 +50,8 @@ class EndOfTrainingEvaluation(L.Callback):
             train_length = pl_module.config.block_size
             log = print if trainer.is_global_zero else (lambda _: None)
             rows = evaluate_extrapolation(pl_module.model, tokens, train_length, config, log=log,
-                                          distributed=trainer.world_size > 1)
+                                          distributed=trainer.world_size > 1,
+                                          documents=getattr(pl_module, "documents", None))
             if trainer.is_global_zero:
                 paths = save_results(rows, output_dir / "extrapolation",
                                      title=f"pe={pl_module.pe_name}, trained at {train_length}")

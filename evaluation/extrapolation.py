@@ -26,6 +26,8 @@ from typing import ClassVar, Iterator, Sequence
 import numpy as np
 import torch
 
+from data.packing import MODES as DOCUMENT_MODES
+from data.packing import DocumentOptions
 from model.gpt import GPT, uncompiled
 from model.pe.rope_scaling import ROPE_SCALINGS
 from pelab.config import require
@@ -67,9 +69,12 @@ class ExtrapolationConfig(LengthSweepOptions):
     rope_scaling: Sequence[str | None] = (None,)  # None (plain) and/or linear, ntk, dynamic_ntk, yarn
     rope_scaling_factor: float | None = None  # None = eval length / train length (1 for dynamic_ntk)
     precision: str = "bf16-mixed"
+    documents: str | None = None  # packed documents (data/packing.py): None = as the run trained
 
     def __post_init__(self) -> None:
         key = "eval.extrapolation"
+        require(self.documents is None or self.documents in DOCUMENT_MODES, f"{key}.documents", self.documents,
+                f"null (as the run trained) or one of {', '.join(DOCUMENT_MODES)}")
         bad = [m for m in self.modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown extrapolation mode(s) {bad}; valid choices: {', '.join(MODES)}")
@@ -101,6 +106,7 @@ class ExtrapolationRow:
     ppl: float
     seconds: float
     status: str = "ok"  # "ok", "not applicable: ...", "skipped: ..."
+    documents: str = "none"  # what the windows read of packed documents: none, positions, mask, both
 
     @property
     def ok(self) -> bool:
@@ -174,11 +180,13 @@ def _batches(starts: range, size: int) -> Iterator[range]:
 @torch.no_grad()
 def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: int | None = None,
                  max_tokens: int | None = None, tokens_per_batch: int = 16384, q_chunk: int | None = 1024,
-                 precision: str = "bf16-mixed", distributed: bool = False) -> tuple[float, int, int]:
+                 precision: str = "bf16-mixed", distributed: bool = False,
+                 documents: DocumentOptions = DocumentOptions()) -> tuple[float, int, int]:
     """(summed NLL, tokens scored, stride) over the held-out ``tokens`` at one eval length, on
     the windows of ``scored_windows`` (spread over the whole text when ``max_tokens`` caps them).
     ``distributed``: every rank of the process group calls this, scores every world-th window
-    and gets the sums over all of them."""
+    and gets the sums over all of them. ``documents``: the packed-document layout each window
+    is scored with (positions restarting and/or attention kept inside documents)."""
     device = next(gpt.parameters()).device
     starts, step = scored_windows(len(tokens), length, mode, stride, max_tokens)
     rank, world = shard_of(distributed)
@@ -189,7 +197,8 @@ def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: i
         chunk = np.stack([tokens[s : s + length + 1] for s in group]).astype(np.int64)
         xy = torch.from_numpy(chunk).to(device)
         with _autocast(precision, device):
-            nll = gpt.token_nll(xy[:, :-1], xy[:, 1:], q_chunk=q_chunk)
+            positions, docs = documents.layout(xy[:, :-1])
+            nll = gpt.token_nll(xy[:, :-1], xy[:, 1:], positions, q_chunk=q_chunk, documents=docs)
         scored = nll[:, length - step :]  # the last `step` targets of every window
         total += scored.double().sum().item()
         count += scored.numel()
@@ -199,10 +208,14 @@ def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: i
 
 
 def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, config: ExtrapolationConfig,
-                           log=print, distributed: bool = False) -> list[ExtrapolationRow]:
+                           log=print, distributed: bool = False, documents: DocumentOptions | None = None
+                           ) -> list[ExtrapolationRow]:
     """Every (rope scaling, mode, length) row for one model on one held-out token stream.
     ``distributed``: called on every rank, which scores its share of the windows; every rank
-    gets the whole table (summed NLL and token counts are reduced across ranks)."""
+    gets the whole table (summed NLL and token counts are reduced across ranks).
+    ``documents``: how the run trained (``LitGPT.documents``); ``config.documents`` may
+    choose otherwise, and every row says what was used."""
+    documents = (documents or DocumentOptions()).resolve(config.documents)
     gpt = uncompiled(gpt)
     was_training = gpt.training
     gpt.eval()
@@ -212,10 +225,11 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
             for mode in config.modes:
                 for length in config.eval_lengths(train_length):
                     row = ExtrapolationRow(gpt.pe.name, scaling or "none", train_length, length, mode,
-                                           window_step(length, mode, config.stride), 0, math.nan, math.nan, 0.0)
+                                           window_step(length, mode, config.stride), 0, math.nan, math.nan, 0.0,
+                                           documents=documents.mode)
                     row.status = _why_not_scored(gpt.pe, row, len(tokens)) or "ok"
                     if row.ok:
-                        _score_row(gpt, tokens, row, config, distributed)
+                        _score_row(gpt, tokens, row, config, distributed, documents)
                     rows.append(row)
                     log(format_row(row))
     finally:
@@ -237,7 +251,7 @@ def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
 
 
 def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: ExtrapolationConfig,
-               distributed: bool = False) -> None:
+               distributed: bool = False, documents: DocumentOptions = DocumentOptions()) -> None:
     """Fill tokens, loss, ppl and seconds, with the row's RoPE scaling on for this length only."""
     scaling = None if row.rope_scaling == "none" else row.rope_scaling
     if scaling:
@@ -248,7 +262,8 @@ def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: Extr
     t0 = time.perf_counter()
     try:
         total, count, _ = score_length(gpt, tokens, row.eval_length, row.mode, config.stride, config.max_tokens,
-                                       config.tokens_per_batch, config.q_chunk, config.precision, distributed)
+                                       config.tokens_per_batch, config.q_chunk, config.precision, distributed,
+                                       documents)
     finally:
         if scaling:
             gpt.pe.set_scaling(None)
@@ -259,7 +274,7 @@ def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: Extr
 
 def format_row(row: ExtrapolationRow) -> str:
     head = (f"[extrapolation] pe={row.scheme} scaling={row.rope_scaling} mode={row.mode} "
-            f"train={row.train_length} eval={row.eval_length} stride={row.stride}")
+            f"train={row.train_length} eval={row.eval_length} stride={row.stride} documents={row.documents}")
     if not row.ok:
         return f"{head}: {row.status}"
     return f"{head}: ppl {row.ppl:.3f} (loss {row.loss:.4f}) over {row.tokens} tokens in {row.seconds:.1f}s"

@@ -44,9 +44,13 @@ class TaskEvalConfig(LengthSweepOptions):
     tokens_per_batch: int = 16384
     q_chunk: int = 1024  # attention query chunk for long sequences (memory bound)
     precision: str = "bf16-mixed"
+    # packed documents: a task sample is one document with no separator, so only "none" applies
+    documents: str | None = None
 
     def __post_init__(self) -> None:
         key = "eval.tasks"
+        require(self.documents in (None, "none"), f"{key}.documents", self.documents,
+                "null or none (a synthetic task sample is a single document, with no separator to pack by)")
         require(len(self.multipliers) + len(self.lengths) > 0, f"{key}.multipliers", list(self.multipliers),
                 "a non-empty list when eval.tasks.lengths is empty")
         require(all(m > 0 for m in self.multipliers), f"{key}.multipliers", list(self.multipliers), "positive numbers")
@@ -73,6 +77,7 @@ class TaskRow:
     token_accuracy: float  # answer tokens right, pooled over the samples
     seconds: float
     status: str = "ok"  # "ok", "not applicable: ...", "skipped: ..."
+    documents: str = "none"  # packed documents read: always none (one sample, one document)
 
     @property
     def ok(self) -> bool:

@@ -120,15 +120,20 @@ class GPT(nn.Module):
 
     def hidden(self, idx: Tensor, positions: Tensor | None = None, q_chunk: int | None = None,
                cache: KVCache | None = None, span: Tensor | None = None, attention: str | None = None,
-               record: AttentionRecorder | None = None) -> Tensor:
+               record: AttentionRecorder | None = None, documents: Tensor | None = None) -> Tensor:
         """Final normalised hidden states (B, T, C). ``q_chunk`` bounds attention memory for
         long evaluation sequences (attention in query chunks); training leaves it None. With
         ``cache`` the tokens continue the cached ones (positions default to the next ones) and
         their keys and values are appended to it. ``span``: every position of the attention
         context (default: the cache's, else these positions) for span-dependent schemes.
         ``attention``: a backend for this call instead of ``model.attention``; ``record``
-        collects the attention probabilities (``math`` backend)."""
+        collects the attention probabilities (``math`` backend). ``documents``: (B, T) document
+        ids of packed documents (data/packing.py): a token attends only to earlier tokens of
+        its own document (no cache)."""
         T = idx.shape[1]
+        if documents is not None and (cache is not None or documents.shape != idx.shape):
+            raise ValueError(f"documents must be (batch, T) = {tuple(idx.shape)} document ids, without a KV cache; "
+                             f"got {tuple(documents.shape)}{' with a cache' if cache is not None else ''}")
         past = 0 if cache is None else cache.length
         positions = resolve_positions(self.pe, T, positions, idx.device, start=past)
         k_positions = positions if cache is None else torch.cat((cache.positions, positions), dim=-1)
@@ -140,7 +145,7 @@ class GPT(nn.Module):
         contexts = layer_contexts(self.pe, len(self.blocks), positions, backend, k_positions, span, dtype,
                                   q_chunk if cache is None else None,
                                   always_mask=past > 0 and T > 1,  # several new tokens after a cache
-                                  nope_layers=self.nope_layers, record=record)
+                                  nope_layers=self.nope_layers, record=record, documents=documents)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)
@@ -155,16 +160,18 @@ class GPT(nn.Module):
         return logits
 
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, positions: Tensor | None = None
+        self, idx: Tensor, targets: Tensor | None = None, positions: Tensor | None = None,
+        documents: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """idx (B, T) token ids; positions (T,) or (B, T) integer positions, default 0..T-1.
+        """idx (B, T) token ids; positions (T,) or (B, T) integer positions, default 0..T-1;
+        documents (B, T) document ids (packed documents: attention stays inside each), or None.
 
         Returns logits (B, T, V) and, with targets, the mean cross-entropy (ignore_index -1).
         With targets and a large vocabulary (``use_chunked_loss``: gpt2's 50257) the LM head
         and the loss run in row chunks that never build the (B, T, V) logits, and the logits
         returned are None.
         """
-        h = self.hidden(idx, positions)
+        h = self.hidden(idx, positions, documents=documents)
         if targets is not None and use_chunked_loss(self.config.vocab_size):
             return None, chunked_cross_entropy(h, self.lm_head.weight, targets, vocab_size=self.config.vocab_size)
         logits = self.logits(h)
@@ -174,11 +181,12 @@ class GPT(nn.Module):
         return logits, loss
 
     def token_nll(
-        self, idx: Tensor, targets: Tensor, positions: Tensor | None = None, q_chunk: int | None = None
+        self, idx: Tensor, targets: Tensor, positions: Tensor | None = None, q_chunk: int | None = None,
+        documents: Tensor | None = None,
     ) -> Tensor:
         """Per-token negative log-likelihood (B, T) in float32, with the LM head applied in
         chunks so that (B, T, V) logits never exist at once."""
-        h = self.hidden(idx, positions, q_chunk)
+        h = self.hidden(idx, positions, q_chunk, documents=documents)
         step = q_chunk or h.shape[1]
         parts = [
             F.cross_entropy(self.logits(h[:, s : s + step]).float().transpose(1, 2), targets[:, s : s + step],

@@ -43,16 +43,19 @@ def position_context(pe: Any, positions: Tensor, mask: Tensor | None = None, spa
 def layer_contexts(pe: Any, n_layer: int, positions: Tensor, backend: AttentionBackend,
                    k_positions: Tensor | None = None, span: Tensor | None = None, dtype: torch.dtype = torch.float32,
                    q_chunk: int | None = None, always_mask: bool = False, nope_layers: frozenset[int] = frozenset(),
-                   record: AttentionRecorder | None = None) -> list[PositionContext]:
+                   record: AttentionRecorder | None = None, documents: Tensor | None = None
+                   ) -> list[PositionContext]:
     """One forward's per-layer contexts, built once: the scheme's (rotation tables and the
     backend's position terms) and, for the NoPE layers of a schedule, a causal-only one.
-    ``dtype``: the compute dtype; masks are float32 whatever it is."""
+    ``dtype``: the compute dtype; masks are float32 whatever it is. ``documents``: (B, T)
+    document ids of the tokens (queries and keys alike): attention stays inside each."""
     k_positions = positions if k_positions is None else k_positions
     chunk = q_chunk if q_chunk is not None and positions.shape[-1] > q_chunk else None
 
     def build(with_pe: bool) -> PositionContext:
         kind = backend if with_pe else BACKENDS[backend.plain]
-        terms = Terms(pe, positions, k_positions, bias=with_pe, dtype=dtype, explicit_mask=always_mask)
+        terms = Terms(pe, positions, k_positions, bias=with_pe, dtype=dtype, explicit_mask=always_mask,
+                      q_documents=documents, k_documents=documents)
         tables = None
         if with_pe and pe.uses_rotate:
             tables = pe.rotation_tables(positions, k_positions if span is None else span)

@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torchmetrics import MeanMetric
 
+from data.packing import DocumentOptions
 from model.config import GPTConfig
 from model.gpt import GPT, uncompiled
 from model.pe.schedule import check_nope_layers, check_randomize_to, nope_layers, random_positions, split_schedule
@@ -67,13 +68,21 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float
 class LitGPT(L.LightningModule):
     """Built from plain dicts (the Hydra groups ``model``, ``pe``, ``optim``) so that a
     checkpoint alone rebuilds the model: ``LitGPT.load_from_checkpoint(path)``. ``position``:
-    the ``pe`` config already built (train.py's validation builds it once), else built here."""
+    the ``pe`` config already built (train.py's validation builds it once), else built here.
+    ``documents``: what training reads of the packed documents (data/packing.py
+    ``DocumentOptions`` as a dict); ``eval_documents``: ``eval.documents`` for validation
+    (None: as training)."""
 
     def __init__(self, model: dict, pe: dict, optim: dict | None = None, compile: bool = False,
-                 position: Position | None = None) -> None:
+                 position: Position | None = None, documents: dict | None = None,
+                 eval_documents: str | None = None) -> None:
         super().__init__()
         model, pe, optim = plain(model), plain(pe), plain(optim) or {}
-        self.save_hyperparameters({"model": model, "pe": pe, "optim": optim, "compile": compile})
+        documents = plain(documents) or {}
+        self.save_hyperparameters({"model": model, "pe": pe, "optim": optim, "compile": compile,
+                                   "documents": documents})
+        self.documents = DocumentOptions(**documents)
+        self.val_documents = self.documents.resolve(eval_documents)
         self.config = model_config(model)
         self.optim = OptimConfig(**optim)
         position = position or build_position(pe, self.config)
@@ -116,7 +125,10 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        _, loss = self.model(x, y, self.training_positions(x, batch_idx))
+        positions, documents = self.documents.layout(x)
+        if self.randomize_to is not None:  # never with document positions (pelab/validate.py)
+            positions = self.training_positions(x, batch_idx)
+        _, loss = self.model(x, y, positions, documents)
         self.log("train/loss", loss, prog_bar=True)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False)
         return loss
@@ -132,7 +144,7 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        _, loss = self.model(x, y)
+        _, loss = self.model(x, y, *self.val_documents.layout(x))
         scored = (y >= 0).sum()  # scored targets only: ignored ones (-1) carry no loss
         # a batch of ignored windows only (the padding that evens out the ranks' batch counts):
         # weight 0, and 0, not the NaN of a mean over no target, so that it adds exactly nothing

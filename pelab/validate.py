@@ -18,6 +18,7 @@ import lightning as L
 from omegaconf import DictConfig
 
 from data.datamodule import build_datamodule
+from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.tasks import TaskEvalConfig
 from model.config import GPTConfig
@@ -53,6 +54,7 @@ def validate_config(cfg: DictConfig) -> Checked:
     pe = plain(cfg.pe)
     position_options(pe)  # the scheme is built last (seeded); its options are checked before any work
     datamodule = build_data(cfg, model)
+    check_documents(cfg, datamodule)
     check_trainer(plain(cfg.trainer), optim)
     check_evaluation(cfg, datamodule)
     callbacks = build_callbacks(cfg)
@@ -79,6 +81,23 @@ def build_data(cfg: DictConfig, model: GPTConfig) -> L.LightningDataModule:
         require(data["block_size"] == model.block_size, "data.block_size", data["block_size"],
                 f"model.block_size={model.block_size} (set model.block_size; data follows it)")
     return build("data", build_datamodule, data)  # reads nothing: the tokenizer loads on first use
+
+
+def check_documents(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:
+    """Packed documents (data/packing.py): per-document positions exclude randomized ones, and
+    ``eval.documents`` other than none needs document separators in the held-out text too."""
+    if getattr(datamodule, "document_positions", False) and (cfg.pe.get("randomize_to") is not None):
+        raise ConfigError(f"data.document_positions=true and pe.randomize_to={cfg.pe.randomize_to} both set the "
+                          f"training positions; keep one of them")
+    mode = (plain(cfg.get("eval")) or {}).get("documents")
+    require(mode is None or mode in DOCUMENT_MODES, "eval.documents", mode,
+            f"null (as the run trained) or one of {', '.join(DOCUMENT_MODES)}")
+    if mode not in (None, "none") and getattr(datamodule, "held_out_text", True):
+        corpus = getattr(datamodule, "corpus", None)
+        if not getattr(corpus, "rows_are_documents", True):
+            raise ConfigError(f"eval.documents={mode} needs documents separated in the token stream, and data corpus "
+                              f"{getattr(corpus, 'cache_name', corpus)} has none (rows_are_documents: false); "
+                              f"set eval.documents=none or null")
 
 
 def check_trainer(trainer: dict, optim: OptimConfig) -> None:

@@ -29,6 +29,7 @@ OPTIONS = {
     "rope_scaling": "linear, ntk, dynamic_ntk and/or yarn (evaluated next to the plain model)",
     "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
     "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "documents": "packed documents: none, positions, mask or both (default: as the run trained)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "output directory (default: RUN_DIR/extrapolation/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
@@ -61,6 +62,8 @@ def main(argv: list[str]) -> int:
             options[key] = None if args[key].lower() in ("null", "none") else cast(args[key])
     if "precision" in args:
         options["precision"] = args["precision"]
+    if "documents" in args:
+        options["documents"] = None if args["documents"].lower() in ("null", "train") else args["documents"]
     if "rope_scaling" in args:
         options["rope_scaling"] = [None] + [s for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
     try:
@@ -84,7 +87,8 @@ def main(argv: list[str]) -> int:
     train_length = module.config.block_size
 
     rows = evaluate_extrapolation(module.model.to(device), tokens, train_length, config,
-                                  log=print if rank_zero else (lambda _: None), distributed=distributed)
+                                  log=print if rank_zero else (lambda _: None), distributed=distributed,
+                                  documents=module.documents)
     if not rank_zero:
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from model.attention.masks import attention_mask, causal_future
+from model.attention.masks import attention_mask, causal_future, hidden_keys
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class Terms:
     bias: bool = True  # add the scheme's bias (False: a NoPE layer of a schedule, causal only)
     dtype: torch.dtype = torch.float32  # the compute dtype of q, k, v
     explicit_mask: bool = False  # an explicit causal mask even without a bias
+    q_documents: Tensor | None = None  # (B, Tq) document ids (packed documents); None: one document
+    k_documents: Tensor | None = None  # (B, Tk)
 
     @property
     def with_bias(self) -> bool:
@@ -30,22 +32,39 @@ class Terms:
     def rows(self, s: int, e: int) -> Terms:
         """Query rows [s, e) against the keys they see (a query chunk)."""
         ke = self.k_positions.shape[-1] - self.q_positions.shape[-1] + e
+        documents = {} if self.q_documents is None else {"q_documents": self.q_documents[:, s:e],
+                                                          "k_documents": self.k_documents[:, :ke]}
         return replace(self, q_positions=self.q_positions[..., s:e], k_positions=self.k_positions[..., :ke],
-                       explicit_mask=True)
+                       explicit_mask=True, **documents)
+
+    @property
+    def documents(self) -> bool:
+        """Packed documents: a token sees only its own document's earlier tokens."""
+        return self.q_documents is not None
 
     def mask(self, always: bool = False) -> Tensor | None:
         """The float32 mask (bias + causal -inf), or None for a plain causal layer."""
         return attention_mask(self.pe, self.q_positions, self.k_positions, torch.float32,
-                              always=always or self.explicit_mask, with_bias=self.bias)
+                              always=always or self.explicit_mask, with_bias=self.bias,
+                              q_documents=self.q_documents, k_documents=self.k_documents)
 
     def order_mask(self) -> Tensor | None:
         """SDPA's mask: the float32 one with a bias; else a boolean order mask (Tq, Tk) where
-        one is needed (bool is accepted by every SDPA kernel whatever q's dtype), or None."""
+        one is needed (bool is accepted by every SDPA kernel whatever q's dtype), or None.
+        Documents without a bias: (B, 1, Tq, Tk) bool, never a float per head."""
         if self.with_bias:
             return self.mask()
+        if self.documents:
+            return ~self.hidden()
         if not self.explicit_mask:
             return None
         return ~causal_future(self.q_positions.shape[-1], self.k_positions.shape[-1], self.q_positions.device)
+
+
+    def hidden(self) -> Tensor:
+        """(Tq, Tk) or, with documents, (B, 1, Tq, Tk) bool: True where a key is hidden."""
+        return hidden_keys(self.q_positions.shape[-1], self.k_positions.shape[-1], self.q_positions.device,
+                           self.q_documents, self.k_documents)
 
 
 class AttentionBackend:

@@ -16,6 +16,17 @@ def causal_future(Tq: int, Tk: int, device: torch.device | None = None) -> Tenso
     return torch.arange(Tk, device=device)[None, :] > q_index[:, None]
 
 
+def hidden_keys(Tq: int, Tk: int, device: torch.device | None = None, q_documents: Tensor | None = None,
+                k_documents: Tensor | None = None) -> Tensor:
+    """True where a query may not see a key: ``causal_future`` (Tq, Tk), or with (B, Tq) and
+    (B, Tk) document ids (packed documents, data/packing.py) also every key of another
+    document, (B, 1, Tq, Tk): one boolean for every head."""
+    future = causal_future(Tq, Tk, device)
+    if q_documents is None:
+        return future
+    return (future | (q_documents[:, :, None] != k_documents[:, None, :])).unsqueeze(1)
+
+
 def causal_pair(Tq: int, Tk: int, device: torch.device) -> tuple[Tensor | None, bool]:
     """(attn_mask, is_causal) for SDPA without position terms."""
     if Tq == Tk:
@@ -26,16 +37,20 @@ def causal_pair(Tq: int, Tk: int, device: torch.device) -> tuple[Tensor | None, 
 
 
 def attention_mask(pe: Any, q_positions: Tensor, k_positions: Tensor, dtype: torch.dtype, always: bool = False,
-                   with_bias: bool = True) -> Tensor | None:
+                   with_bias: bool = True, q_documents: Tensor | None = None,
+                   k_documents: Tensor | None = None) -> Tensor | None:
     """Float mask (1 or B, H, Tq, Tk): the scheme's bias plus -inf on keys after the query.
 
     None when the scheme has no bias (SDPA's is_causal is faster), unless ``always``.
     ``with_bias=False``: the causal part only (NoPE layers). The model asks float32, so the
     position terms keep float32 accuracy whatever the compute dtype (a bf16 mask would round a
-    bias of -16 to steps of 0.125)."""
-    future = causal_future(q_positions.shape[-1], k_positions.shape[-1], q_positions.device)
+    bias of -16 to steps of 0.125). With document ids the keys of other documents are -inf
+    too; without a bias that mask is (B, 1, Tq, Tk), one row set for every head."""
+    future = hidden_keys(q_positions.shape[-1], k_positions.shape[-1], q_positions.device, q_documents, k_documents)
     if pe.uses_bias and with_bias:
         bias = pe.bias(q_positions, k_positions)
+    elif always and q_documents is not None:
+        bias = torch.zeros((), device=future.device)
     elif always:
         bias = torch.zeros(future.shape, device=future.device).expand(pe.n_head, -1, -1)
     else:

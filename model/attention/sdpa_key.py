@@ -46,7 +46,10 @@ def key_features(slopes: Tensor, k_positions: Tensor, head_dim: int, dtype: torc
 
 
 class SDPAKey(AttentionBackend):
-    """The state is the key features of every key of the forward (chunks take a prefix)."""
+    """The state is the key features of every key of the forward (chunks take a prefix) and,
+    for packed documents, SDPA's (B, 1, Tq, Tk) boolean mask (else None: SDPA's causal kernel).
+    The form stays exact under a document mask: -m_h p_i is constant along each query's row
+    whichever keys of it are hidden, and p_j - p_ref is per sequence (per-document positions)."""
 
     name = "sdpa_key"
     dtypes = tuple(KEY_PIECES)  # fp16 has no exact pieces (its range ends at 65504)
@@ -54,14 +57,18 @@ class SDPAKey(AttentionBackend):
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return pe.key_only_slopes() is not None
 
-    def prepare(self, terms: Terms, chunked: bool = False) -> Tensor:
-        return key_features(terms.pe.key_only_slopes(), terms.k_positions, terms.pe.head_dim, terms.dtype)
+    def prepare(self, terms: Terms, chunked: bool = False) -> tuple[Tensor, Tensor | None]:
+        features = key_features(terms.pe.key_only_slopes(), terms.k_positions, terms.pe.head_dim, terms.dtype)
+        return features, (~terms.hidden() if terms.documents and not chunked else None)
 
-    def chunk(self, features: Tensor, terms: Terms, s: int, e: int) -> Tensor:
-        return features[..., : terms.rows(s, e).k_positions.shape[-1], :]
+    def chunk(self, state: tuple[Tensor, Tensor | None], terms: Terms, s: int, e: int) -> tuple[Tensor, Tensor | None]:
+        rows = terms.rows(s, e)
+        return state[0][..., : rows.k_positions.shape[-1], :], (~rows.hidden() if rows.documents else None)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, features: Tensor, dropout: float) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: tuple[Tensor, Tensor | None],
+                 dropout: float) -> Tensor:
         """[q, 1] . [k, features] with the original scale; v padded with zeros to the same dim."""
+        features, visible = state
         B, H, Tq, D = q.shape
         Tk, n = k.shape[2], features.shape[-1]
         pad = -(D + n) % KEY_PAD_MULTIPLE.get(q.device.type, 1)
@@ -71,5 +78,5 @@ class SDPAKey(AttentionBackend):
         if pad:
             q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
         v = F.pad(v, (0, n + pad))
-        mask, causal = causal_pair(Tq, Tk, q.device)
+        mask, causal = causal_pair(Tq, Tk, q.device) if visible is None else (visible, False)
         return sdpa(q, k, v, mask, dropout, causal, scale=1.0 / math.sqrt(D))[..., :D]
