@@ -59,7 +59,8 @@ def naive_bias64(name, opts, pe, params, qpos, kpos):
         r1, r2 = params["r1"][:, None, None], params["r2"][:, None, None]
         return -r1 * torch.log(1 + r2 * d) if name == "kerple_log" else -r1 * d ** r2
     if name == "fire":
-        c, L = params["c"], (params["threshold_multiplier"] * pe.init_threshold.double()).abs()
+        c = params["c"].reshape(())  # scalars, stored with shape (1,)
+        L = (params["threshold_multiplier"].reshape(()) * pe.init_threshold.double()).abs()
         psi = lambda x: torch.log(torch.abs(c * x) + 1)  # noqa: E731
         rows = []
         for i in qpos:
