@@ -91,7 +91,7 @@ def naive_kerple_bias(kind, r1, r2, qpos, kpos):
 
 def naive_fire_bias(p, qpos, kpos, eps=1e-6):
     """MLP(log(|c (i - j)| + 1) / (log(|c max(i, |m L0|)| + 1) + eps)) per (i, j); p: float64 params."""
-    c, threshold = p["c"], torch.abs(p["threshold_multiplier"] * p["init_threshold"])
+    c, threshold = p["c"].reshape(()), torch.abs(p["threshold_multiplier"].reshape(()) * p["init_threshold"])
     W1, b1, W2, b2 = p["mlp.0.weight"], p["mlp.0.bias"], p["mlp.2.weight"], p["mlp.2.bias"]
     H = W2.shape[0]
     out = [[[None] * len(kpos) for _ in qpos] for _ in range(H)]

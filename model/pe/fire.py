@@ -47,18 +47,26 @@ class FIRE(PositionEncoding, name="fire"):
             raise ValueError(f"pe.init_c, pe.init_threshold and pe.eps must be positive, got "
                              f"{init_c}, {init_threshold}, {eps}")
         self.mlp = nn.Sequential(nn.Linear(1, mlp_width), nn.ReLU(), nn.Linear(mlp_width, config.n_head))
-        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        # c and m are scalars stored with shape (1,): FSDP flattens parameters and refuses 0-dim ones
+        self.c = nn.Parameter(torch.tensor([float(init_c)]))
         self.register_buffer("init_threshold", torch.tensor(threshold))  # L0: fixed, saved with the model
-        self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
+        self.threshold_multiplier = nn.Parameter(torch.tensor([1.0]))
         self.eps = eps
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("c", "threshold_multiplier"):  # checkpoints before the (1,) shape held 0-dim tensors
+            key = prefix + name
+            if key in state_dict and state_dict[key].dim() == 0:
+                state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def threshold(self) -> Tensor:
-        return (self.threshold_multiplier * self.init_threshold).abs()
+        return (self.threshold_multiplier[0] * self.init_threshold).abs()
 
     def psi(self, x: Tensor) -> Tensor:
         """log(|c x| + 1) of a float32 tensor."""
-        return torch.log(torch.abs(self.c * x) + 1)
+        return torch.log(torch.abs(self.c[0] * x) + 1)
 
     def normalized_distance(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """(..., Tq, Tk) float32 psi(i - j) / psi(max(i, L))."""

@@ -20,10 +20,7 @@ from model.pe import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
-# FSDP refuses 0-dim parameters, and FIRE's c and threshold_multiplier are 0-dim (model/pe/fire.py)
-SCHEME_CASES = [pytest.param(name, marks=pytest.mark.xfail(
-    strict=True, reason="FSDP doesn't support scalar parameters: FIRE's c and threshold_multiplier")) if name == "fire"
-    else name for name in sorted(SCHEMES)]
+SCHEME_CASES = sorted(SCHEMES)
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def test_fire_sign_of_c_and_threshold_does_nothing():
     pe = SCHEMES["fire"](attention_config())
     positions = torch.tensor(POSITIONS["far"])
     opt = torch.optim.SGD([pe.c, pe.threshold_multiplier], lr=1.0)
-    (pe.c * 0.3 + pe.threshold_multiplier * 3.0).backward()  # c: 0.1 -> -0.2, m: 1 -> -2
+    (pe.c * 0.3 + pe.threshold_multiplier * 3.0).sum().backward()  # c: 0.1 -> -0.2, m: 1 -> -2
     opt.step()
     assert pe.c.item() == pytest.approx(-0.2) and pe.threshold_multiplier.item() == pytest.approx(-2.0)
     bias = pe.bias(positions, positions)
@@ -70,3 +70,17 @@ def test_fire_sign_of_c_and_threshold_does_nothing():
     p["c"], p["threshold_multiplier"] = p["c"].detach().abs(), p["threshold_multiplier"].detach().abs()
     ref = naive_fire_bias(p, positions.tolist(), positions.tolist()).detach()
     torch.testing.assert_close(bias.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fire_loads_checkpoints_with_scalar_parameters():
+    """c and the multiplier are stored with shape (1,) (FSDP refuses 0-dim parameters); a state
+    dict written when they were 0-dim loads, and its values give the reference bias."""
+    pe = SCHEMES["fire"](attention_config())
+    old = {k: v.clone() for k, v in pe.state_dict().items()}
+    old["c"], old["threshold_multiplier"] = torch.tensor(0.7), torch.tensor(0.5)  # the old 0-dim form
+    pe.load_state_dict(old)
+    assert pe.c.shape == (1,) and pe.c.item() == pytest.approx(0.7) and pe.threshold.item() == pytest.approx(0.5 * pe.init_threshold.item())
+    positions = torch.tensor(POSITIONS["far"])
+    p = leaf_params(pe)
+    ref = naive_fire_bias(p, positions.tolist(), positions.tolist()).detach()
+    torch.testing.assert_close(pe.bias(positions, positions).double(), ref, atol=1e-5, rtol=1e-5)
