@@ -29,6 +29,7 @@ class FlexState:
     q_positions: Tensor
     k_positions: Tensor
     offset: int | None = None  # query row i is token offset + i of the keys (None: the last Tq tokens)
+    documents: Any = None  # packed documents: this forward's (or chunk's) document BlockMask, else None
 
 
 class Flex(AttentionBackend):
@@ -51,12 +52,36 @@ class Flex(AttentionBackend):
         score = terms.pe.bias_score() if terms.with_bias else None
         if terms.with_bias and score is None:
             raise ValueError(f"model.attention=flex: pe={terms.pe.name} gives no elementwise bias (bias_score)")
-        return FlexState(score, terms.q_positions, terms.k_positions)
+        documents = None
+        if terms.documents and not chunked:  # built once per forward, shared by every layer
+            documents = self.document_mask(terms.q_documents, terms.k_documents, None)
+        return FlexState(score, terms.q_positions, terms.k_positions, documents=documents)
 
     def chunk(self, state: FlexState, terms: Terms, s: int, e: int) -> FlexState:
         """Rows [s, e) against all Tk keys: the BlockMask's offset hides the keys they do not see."""
         offset = terms.k_positions.shape[-1] - terms.q_positions.shape[-1] + s
-        return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset)
+        documents = None
+        if terms.documents:
+            documents = self.document_mask(terms.q_documents[:, s:e], terms.k_documents, offset)
+        return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset, documents)
+
+    @staticmethod
+    def document_mask(q_documents: Tensor, k_documents: Tensor, offset: int | None):
+        """The BlockMask of packed documents, (B, Tq) queries (tokens offset.., by default the
+        last Tq) against (B, Tk) keys: causal and inside the query's document. Blocks with no
+        pair of one document are skipped, so attention gets cheaper as documents get shorter."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        (B, Tq), Tk = q_documents.shape, k_documents.shape[-1]
+        shift = torch.tensor(Tk - Tq if offset is None else offset, device=q_documents.device)
+
+        def same_document(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + shift) & (q_documents[b, q_idx] == k_documents[b, kv_idx])
+
+        if torch.compiler.is_compiling():
+            return create_block_mask(same_document, B, None, Tq, Tk, device=q_documents.device)
+        with torch.inference_mode(False):  # as the causal masks: a later backward may save it
+            return create_block_mask(same_document, B, None, Tq, Tk, device=q_documents.device)
 
     def block_mask(self, Tq: int, Tk: int, device: torch.device, offset: int | None = None):
         """The causal BlockMask of Tq queries (tokens offset..offset+Tq-1, by default the last Tq)
@@ -104,7 +129,7 @@ class Flex(AttentionBackend):
             def score_mod(s, b, h, q_idx, kv_idx):
                 return s + score(qp[b, q_idx], kp[b, kv_idx], h)
 
-        block_mask = self.block_mask(Tq, Tk, q.device, state.offset)
+        block_mask = self.block_mask(Tq, Tk, q.device, state.offset) if state.documents is None else state.documents
         dtype = v.dtype
         with torch.autocast(v.device.type, enabled=False):
             if torch.compiler.is_compiling():  # inside the model's graph: traced, no warnings filter (a break)

@@ -191,3 +191,32 @@ def test_compiles_fullgraph_with_documents(name, attention):
             idx2 = windows(seed, ends=((3, 20), (9,)))
             compiled(idx2, targets, *document_layout(idx2, EOT))
     torch.testing.assert_close(loss, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "nope"])
+def test_flex_document_block_mask_compiles_fullgraph(name):
+    """The document BlockMask built inside the compiled graph (forward: CPU flex has no backward)."""
+    torch._dynamo.reset()
+    _, model, _ = build(name, attention="flex")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    idx = windows(11)
+    layout = document_layout(idx, EOT)
+    with torch.no_grad():
+        eager = model(idx, None, *layout)[0]
+        first = compiled(idx, None, *layout)[0]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            idx2 = windows(12, ends=((3, 20), (9,)))
+            compiled(idx2, None, *document_layout(idx2, EOT))
+    torch.testing.assert_close(first, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_document_block_mask_skips_blocks_of_other_documents():
+    """Two documents of 128 tokens (flex's block size): the block of document 1's queries
+    against document 0's keys is skipped, the causal mask keeps it."""
+    from model.attention.flex import Flex
+
+    documents = torch.arange(256).div(128, rounding_mode="floor")[None]
+    packed = Flex.document_mask(documents, documents, None)
+    causal = BACKENDS["flex"].block_mask(256, 256, torch.device("cpu"))
+    blocks = lambda m: int(m.kv_num_blocks.sum() + (0 if m.full_kv_num_blocks is None else m.full_kv_num_blocks.sum()))
+    assert (blocks(causal), blocks(packed)) == (3, 2)
