@@ -36,6 +36,9 @@ OPTIONS = {
     "memory": "peak training memory in a child process (default true)",
     "loop": "also time pelab's GPT (learned) in the reference's plain loop, path pelab-loop: splits "
             "pelab vs the reference into the model and the Lightning loop (default true)",
+    "documents": "none (default), mask or both: each scheme also timed on packed documents, document_mask "
+                 "(both: and document_positions); its row has step_ratio_vs_same_scheme",
+    "doc_length": "mean document length of those packed windows in tokens (default: a quarter of block_size)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "also write the JSON lines to this file",
     "smoke": "true: byte-tiny, learned+alibi, 2 steps, 1 round, eager, batch 4, eval at 2x (the test suite's run)",
@@ -89,6 +92,9 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[boo
     from benchkit.report import timing_rows
 
     model = model_config(cfg, opts["block_size"])
+    if opts["documents"] != "none":
+        opts["doc_length"] = opts["doc_length_arg"] or max(2, model["block_size"] // 4)
+        schemes = schemes + [f"{s}+{opts['documents']}" for s in schemes]
     paths, load_avg = time_paths(model, schemes, precision, compiles, opts, children)
     peak, peak_source = opts["peaks"][precision]
     rows = []
@@ -125,7 +131,11 @@ def main(argv: list[str]) -> int:
             "eval_factors": [int(f) for f in split_list(str(args.get("eval_factor", 16)))],
             "memory": truthy(args.get("memory", "true")),
             "loop": truthy(args.get("loop", "true")),
+            "documents": args.get("documents", "none"),
+            "doc_length_arg": int(args["doc_length"]) if "doc_length" in args else None,
             "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
+    if opts["documents"] not in ("none", "mask", "both"):
+        raise SystemExit(f"documents={opts['documents']!r}: expected none, mask or both")
     if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:
         raise SystemExit("rounds, steps and warmup must be >= 1")
     # the matmul peak is measured first, on a machine the bench has not loaded yet

@@ -44,7 +44,7 @@ class Terms:
 
     def mask(self, always: bool = False) -> Tensor | None:
         """The float32 mask (bias + causal -inf), or None for a plain causal layer."""
-        return attention_mask(self.pe, self.q_positions, self.k_positions, torch.float32,
+        return attention_mask(self.pe, *self.bias_positions(), torch.float32,
                               always=always or self.explicit_mask, with_bias=self.bias,
                               q_documents=self.q_documents, k_documents=self.k_documents)
 
@@ -60,6 +60,16 @@ class Terms:
             return None
         return ~causal_future(self.q_positions.shape[-1], self.k_positions.shape[-1], self.q_positions.device)
 
+
+    def bias_positions(self) -> tuple[Tensor, Tensor]:
+        """The positions the bias is computed at: these, or for a bias of the distance alone under
+        a document mask token order's (every visible pair is in one document, where p_i - p_j =
+        i - j whether positions restart or not): one (H, Tq, Tk) bias by strides, not a gather
+        per sequence, whose backward scatters (B, Tq, Tk) indices."""
+        if not (self.documents and self.pe.bias_of_distance):
+            return self.q_positions, self.k_positions
+        order = torch.arange(self.k_positions.shape[-1], device=self.k_positions.device)
+        return order[order.shape[0] - self.q_positions.shape[-1]:], order
 
     def hidden(self) -> Tensor:
         """(Tq, Tk) or, with documents, (B, 1, Tq, Tk) bool: True where a key is hidden."""

@@ -34,6 +34,7 @@ def linear_bias_score(slopes: Tensor):
 
 
 class ALiBi(PositionEncoding, name="alibi"):
+    bias_of_distance = True
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)

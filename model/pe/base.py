@@ -39,6 +39,9 @@ class PositionEncoding(nn.Module):
     name: ClassVar[str] = "none"
     # Rotary schemes accept evaluation-time RoPE scaling (model/pe/rope_scaling.py).
     supports_rope_scaling: ClassVar[bool] = False
+    # ``bias`` is a function of p_i - p_j alone: inside one document, positions that restart at
+    # its start give token order's distances, so a document-masked forward computes it from those.
+    bias_of_distance: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -36,6 +36,7 @@ EPS = 1e-2  # the reference's lower bound for every KERPLE parameter
 
 
 class _Kerple(PositionEncoding):
+    bias_of_distance = True
     r1_init_high: float
     r2_init_high: float
     r2_max: float | None = None

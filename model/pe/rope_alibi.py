@@ -17,6 +17,7 @@ from model.pe.rope import RoPE
 
 
 class RoPEALiBi(RoPE, name="rope_alibi"):
+    bias_of_distance = True
     def __init__(
         self,
         config: GPTConfig,

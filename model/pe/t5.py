@@ -45,6 +45,7 @@ def t5_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) 
 
 
 class T5RelativeBias(PositionEncoding, name="t5"):
+    bias_of_distance = True
     def __init__(self, config: GPTConfig, num_buckets: int = 32, max_distance: int = 128) -> None:
         super().__init__(config)
         if num_buckets < 2:

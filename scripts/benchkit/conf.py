@@ -94,10 +94,13 @@ def host_memory_setting() -> None:
         hydra.utils.instantiate(cfg["host_memory_reuse"]).setup(None, None, "fit")
 
 
-def lit_module(model: dict, scheme: str, compile_: bool, **pe_overrides):
-    """pelab's LightningModule as train.py builds it, seeded as the reference."""
+def lit_module(model: dict, scheme: str, compile_: bool, documents: dict | None = None, **pe_overrides):
+    """pelab's LightningModule as train.py builds it, seeded as the reference; ``documents``:
+    packed documents (data/packing.py DocumentOptions fields), only when given."""
     import torch
 
     lit_gpt = importlib.import_module(HARNESS).LitGPT
     torch.manual_seed(0)
-    return lit_gpt(model=model, pe=pe_config(scheme, **pe_overrides), optim=optim_config(), compile=compile_)
+    extra = {"documents": documents} if documents else {}
+    return lit_gpt(model=model, pe=pe_config(scheme, **pe_overrides), optim=optim_config(), compile=compile_,
+                   **extra)

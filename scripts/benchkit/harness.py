@@ -181,7 +181,7 @@ def time_paths(model: dict, schemes: list[str], precision: str, compiles: list[b
     try:
         for compile_ in compiles:
             job = {"model": model, "precision": precision, "compile": compile_, "device": device, "B": B,
-                   "nthreads": nthreads}
+                   "nthreads": nthreads, "doc_length": opts.get("doc_length")}
             for name in ["reference", *([PELAB_LOOP] if opts["loop"] else []), *schemes]:
                 paths[name, compile_] = TimedPath(f"{name}{'+compile' if compile_ else ''}", name, job, children)
         load_start = load1()

@@ -17,18 +17,29 @@ from benchkit import reference
 from benchkit.conf import host_memory_setting, lit_module, optim_config, timed_callbacks, trainer_defaults
 
 PELAB_LOOP = "pelab-loop"  # path name: pelab's GPT in the reference's loop
+DOCUMENT_EOT = 0  # the separator of the bench's packed documents (token 0 of the random windows)
+
+
+def documents_of(name: str) -> tuple[str, str | None]:
+    """(scheme, packed-document mode or None) of a path name ``SCHEME`` or ``SCHEME+MODE``
+    (mode ``mask``: data.document_mask; ``both``: with data.document_positions)."""
+    scheme, _, mode = name.partition("+")
+    return scheme, mode or None
 
 
 class Stop(Exception):
     """Raised from a Lightning callback to end ``trainer.fit`` when the clock says stop."""
 
 
-def batches(vocab_size: int, B: int, T: int, seed: int = 0):
-    """A DataLoader of endless (x, y) batches cycling over 64 fixed random windows."""
+def batches(vocab_size: int, B: int, T: int, seed: int = 0, doc_length: int | None = None):
+    """A DataLoader of endless (x, y) batches cycling over 64 fixed random windows; with
+    ``doc_length``, packed documents: a separator at each token with probability 1/doc_length."""
     from torch.utils.data import DataLoader, Dataset
 
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, vocab_size, (64, T + 1), generator=g)
+    data = torch.randint(1 if doc_length else 0, vocab_size, (64, T + 1), generator=g)
+    if doc_length:
+        data[torch.rand(data.shape, generator=g) < 1 / doc_length] = DOCUMENT_EOT
 
     class Windows(Dataset):
         def __len__(self) -> int:
@@ -100,11 +111,16 @@ def lightning_trainer(precision: str, device: str, callbacks: list, max_steps: i
                      default_root_dir="/tmp/pelab-bench", **trainer_defaults())
 
 
-def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device: str, B: int, nthreads: int):
-    """(body, flops per token) of ``LitGPT`` with ``scheme`` fitted by a Lightning Trainer."""
+def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device: str, B: int, nthreads: int,
+               doc_length: int | None = None):
+    """(body, flops per token) of ``LitGPT`` with ``scheme`` (``SCHEME+MODE``: packed documents
+    of ``doc_length`` tokens on average) fitted by a Lightning Trainer."""
     import lightning as L
 
-    lit = lit_module(model, scheme, compile_)
+    scheme, mode = documents_of(scheme)
+    documents = {"positions": mode == "both", "mask": True, "eot_token": DOCUMENT_EOT} if mode else None
+    lit = lit_module(model, scheme, compile_, documents)
+    doc_length = doc_length if mode else None
 
     class StepTimer(L.Callback):
         """Last in the list: a step ends after every other callback's on_train_batch_end."""
@@ -122,7 +138,7 @@ def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device:
     def body(clock) -> None:
         torch.set_num_threads(nthreads)
         trainer = lightning_trainer(precision, device, timed_callbacks() + [StepTimer(clock)])
-        trainer.fit(lit, train_dataloaders=batches(model["vocab_size"], B, model["block_size"]))
+        trainer.fit(lit, train_dataloaders=batches(model["vocab_size"], B, model["block_size"], doc_length=doc_length))
 
     return body, lit.flops_per_token
 
@@ -134,4 +150,4 @@ def path_body(scheme: str | None, job: dict):
         return plain_loop_body(job["model"], job["precision"], job["compile"], job["device"], job["B"],
                                job["nthreads"], pelab_model=scheme == PELAB_LOOP)
     return pelab_body(job["model"], scheme, job["precision"], job["compile"], job["device"], job["B"],
-                      job["nthreads"])
+                      job["nthreads"], job.get("doc_length"))

@@ -114,8 +114,10 @@ def add_memory_and_eval(rows: list[dict], cfg: str, model: dict, precision: str,
     nthreads = torch.get_num_threads()
     for row in rows:
         scheme = None if row["path"] == "reference" else row["scheme"]
+        if row.get("documents"):  # the packed-documents path of the scheme (benchkit/paths.py)
+            scheme = f"{scheme}+{row['documents']}"
         job = {"model": model, "scheme": scheme, "precision": precision, "compile": compile_, "device": device,
-               "B": B, "nthreads": nthreads}
+               "B": B, "nthreads": nthreads, "doc_length": opts.get("doc_length")}
         measured = opts["memory"] and row["path"] != PELAB_LOOP
         row["peak_mem_mb"] = round(children.run("memory", job)["peak_mem_mb"], 1) if measured else None
         row["peak_mem_method"] = ("cuda max_memory_allocated" if device == "cuda" else

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from benchkit.paths import PELAB_LOOP
+from benchkit.paths import PELAB_LOOP, documents_of
 from evaluation.stats import median_ci, paired_ratios
 
 
@@ -47,6 +47,14 @@ def timing_rows(cfg: str, model: dict, precision: str, compile_: bool, paths: di
             row[f"ratio_vs_{what}_ci95"] = ratio_ci95(ratios) if ratios and other is not p else None
         if name == "reference":
             row["ratio_vs_reference"] = 1.0
+        scheme, documents = documents_of(name)
+        if documents:  # packed documents: against the same scheme without them
+            row["scheme"], row["path"], row["documents"] = scheme, "pelab-documents", documents
+            row["doc_length"] = opts.get("doc_length")
+            # step time with documents / without (the CPU target: <= 1.10)
+            ratios = paired_ratios(p.rounds, paths[scheme].rounds) if scheme in paths else None
+            row["step_ratio_vs_same_scheme"] = round(statistics.median(ratios), 4) if ratios else None
+            row["step_ratio_vs_same_scheme_ci95"] = ratio_ci95(ratios) if ratios else None
         # the same from the process's CPU time per step: less sensitive to other processes
         row["cpu_ms"] = round(statistics.median(min(r) for r in p.cpu_rounds) * 1000, 2)
         row["ratio_vs_reference_cpu"] = (1.0 if name == "reference" else
@@ -110,3 +118,13 @@ def print_table(rows: list[dict]) -> None:
               f"| {fmt(r['peak_mem_mb'], '.0f')} "
               f"| {fmt(r['compile_s'], '.1f')} | {fmt(r['eval_s_16x'], '.2f')} "
               f"| {fmt(r['eval_peak_mem_mb_16x'], '.0f')} |", flush=True)
+    documents = [r for r in rows if r.get("documents")]
+    if documents:  # packed documents against the same scheme without them (step-time ratio)
+        print("\n| config | precision | compile | scheme | documents | doc length | ms/step | step vs same scheme |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in documents:
+            ci = r.get("step_ratio_vs_same_scheme_ci95")
+            print(f"| {r['config']} | {r['precision']} | {str(r['compile']).lower()} | {r['scheme']} "
+                  f"| {r['documents']} | {r['doc_length']} | {r['step_ms']:.1f} "
+                  f"| {fmt(r['step_ratio_vs_same_scheme'], '.3f')}{f' ({ci[0]:.3f}-{ci[1]:.3f})' if ci else ''} |",
+                  flush=True)
