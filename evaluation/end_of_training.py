@@ -55,7 +55,8 @@ class EndOfTrainingEvaluation(L.Callback):
             if trainer.is_global_zero:
                 paths = save_results(rows, output_dir / "extrapolation",
                                      title=f"pe={pl_module.pe_name}, trained at {train_length}")
-                metrics = {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl for r in rows if r.ok}
+                metrics = {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}"
+                           + ("" if r.documents == "none" else f"/documents={r.documents}"): r.ppl for r in rows if r.ok}
                 log_results(trainer.loggers, log_to_wandb, rows, paths["png"], metrics, step)
                 print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md)", flush=True)
         if not trainer.is_global_zero:

@@ -69,12 +69,17 @@ class ExtrapolationConfig(LengthSweepOptions):
     rope_scaling: Sequence[str | None] = (None,)  # None (plain) and/or linear, ntk, dynamic_ntk, yarn
     rope_scaling_factor: float | None = None  # None = eval length / train length (1 for dynamic_ntk)
     precision: str = "bf16-mixed"
-    documents: str | None = None  # packed documents (data/packing.py): None = as the run trained
+    # packed documents (data/packing.py): None = as the run trained, or a mode, or a list of
+    # them (every row once per mode, e.g. [none, both])
+    documents: str | Sequence[str | None] | None = None
 
     def __post_init__(self) -> None:
         key = "eval.extrapolation"
-        require(self.documents is None or self.documents in DOCUMENT_MODES, f"{key}.documents", self.documents,
-                f"null (as the run trained) or one of {', '.join(DOCUMENT_MODES)}")
+        given = self.documents
+        self.documents = list(given) if isinstance(given, (list, tuple)) else [given]
+        self.documents = [None if m in (None, "null") else m for m in self.documents] or [None]
+        require(all(m is None or m in DOCUMENT_MODES for m in self.documents), f"{key}.documents", given,
+                f"null (as the run trained), one of {', '.join(DOCUMENT_MODES)}, or a list of them")
         bad = [m for m in self.modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown extrapolation mode(s) {bad}; valid choices: {', '.join(MODES)}")
@@ -215,13 +220,13 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
     gets the whole table (summed NLL and token counts are reduced across ranks).
     ``documents``: how the run trained (``LitGPT.documents``); ``config.documents`` may
     choose otherwise, and every row says what was used."""
-    documents = (documents or DocumentOptions()).resolve(config.documents)
+    trained = documents or DocumentOptions()
     gpt = uncompiled(gpt)
     was_training = gpt.training
     gpt.eval()
     rows: list[ExtrapolationRow] = []
     try:
-        for scaling in config.rope_scaling:
+        for documents, scaling in ((trained.resolve(m), s) for m in config.documents for s in config.rope_scaling):
             for mode in config.modes:
                 for length in config.eval_lengths(train_length):
                     row = ExtrapolationRow(gpt.pe.name, scaling or "none", train_length, length, mode,
@@ -368,14 +373,16 @@ def save_results(rows: Sequence[ExtrapolationRow], out_dir: Path, title: str) ->
     """CSV + PNG (+ markdown) on disk, so nothing depends on W&B being reachable."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"csv": write_csv(rows, out_dir / "extrapolation.csv")}
-    fig = plot_rows(rows, title=title)
+    fig = plot_rows(rows, title=title, series_by=("mode", "rope_scaling", *(
+        ("documents",) if len({r.documents for r in rows}) > 1 else ())))
     paths["png"] = out_dir / "extrapolation.png"
     fig.savefig(paths["png"])
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     paths["md"] = out_dir / "extrapolation.md"
-    paths["md"].write_text(markdown_table(rows, row_by=("scheme", "mode", "rope_scaling")))
+    several = ("documents",) if len({r.documents for r in rows}) > 1 else ()  # several packed-document modes
+    paths["md"].write_text(markdown_table(rows, row_by=("scheme", "mode", "rope_scaling", *several)))
     return paths
 
 

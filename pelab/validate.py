@@ -89,10 +89,14 @@ def check_documents(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:
     if getattr(datamodule, "document_positions", False) and (cfg.pe.get("randomize_to") is not None):
         raise ConfigError(f"data.document_positions=true and pe.randomize_to={cfg.pe.randomize_to} both set the "
                           f"training positions; keep one of them")
-    mode = (plain(cfg.get("eval")) or {}).get("documents")
+    evaluation = plain(cfg.get("eval")) or {}
+    mode = evaluation.get("documents")
     require(mode is None or mode in DOCUMENT_MODES, "eval.documents", mode,
             f"null (as the run trained) or one of {', '.join(DOCUMENT_MODES)}")
-    if mode not in (None, "none") and getattr(datamodule, "held_out_text", True):
+    modes = (evaluation.get("extrapolation") or {}).get("documents")  # may list several
+    modes = [mode, *(modes if isinstance(modes, list) else [modes])]
+    mode = next((m for m in modes if m not in (None, "none")), None)
+    if mode is not None and getattr(datamodule, "held_out_text", True):
         corpus = getattr(datamodule, "corpus", None)
         if not getattr(corpus, "rows_are_documents", True):
             raise ConfigError(f"eval.documents={mode} needs documents separated in the token stream, and data corpus "

@@ -92,7 +92,9 @@ def collect_tasks(files: list[Path]) -> list[tuple[str, task_eval.TaskRow]]:
 
 def base_label(row) -> str:
     scaling = getattr(row, "rope_scaling", "none")
-    return row.scheme if scaling == "none" else f"{row.scheme}+{scaling}"
+    label = row.scheme if scaling == "none" else f"{row.scheme}+{scaling}"
+    documents = getattr(row, "documents", "none")  # packed documents read by the evaluation
+    return label if documents == "none" else f"{label} documents={documents}"
 
 
 def _order(label: str) -> tuple:

@@ -29,7 +29,8 @@ OPTIONS = {
     "rope_scaling": "linear, ntk, dynamic_ntk and/or yarn (evaluated next to the plain model)",
     "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
     "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
-    "documents": "packed documents: none, positions, mask or both (default: as the run trained)",
+    "documents": "packed documents: none, positions, mask, both or train, or several, e.g. none,both "
+                 "(default: as the run trained)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "output directory (default: RUN_DIR/extrapolation/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
     if "precision" in args:
         options["precision"] = args["precision"]
     if "documents" in args:
-        options["documents"] = None if args["documents"].lower() in ("null", "train") else args["documents"]
+        options["documents"] = [None if m.lower() in ("null", "train") else m for m in split_list(args["documents"])]
     if "rope_scaling" in args:
         options["rope_scaling"] = [None] + [s for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
     try:
