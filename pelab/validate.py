@@ -96,12 +96,13 @@ def check_documents(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:
     modes = (evaluation.get("extrapolation") or {}).get("documents")  # may list several
     modes = [mode, *(modes if isinstance(modes, list) else [modes])]
     mode = next((m for m in modes if m not in (None, "none")), None)
-    if mode is not None and getattr(datamodule, "held_out_text", True):
-        corpus = getattr(datamodule, "corpus", None)
-        if not getattr(corpus, "rows_are_documents", True):
-            raise ConfigError(f"eval.documents={mode} needs documents separated in the token stream, and data corpus "
-                              f"{getattr(corpus, 'cache_name', corpus)} has none (rows_are_documents: false); "
-                              f"set eval.documents=none or null")
+    corpus = getattr(datamodule, "corpus", None)
+    if mode is not None and not (getattr(datamodule, "held_out_text", True)
+                                 and getattr(corpus, "rows_are_documents", True)):
+        what = (f"data corpus {getattr(corpus, 'cache_name', corpus)} has none (rows_are_documents: false)"
+                if corpus is not None else f"data={cfg.data._target_} (a synthetic task) has none")
+        raise ConfigError(f"eval.documents={mode} needs documents separated in the token stream, and {what}; "
+                          f"set eval.documents=none or null")
 
 
 def check_trainer(trainer: dict, optim: OptimConfig) -> None:

@@ -62,6 +62,8 @@ def compose_config(overrides, tmp_path):
     (["data=wikitext103", "model=gpt2", "eval.documents=both"], r"eval\.documents=both needs documents .*wikitext"),
     (["data.document_positions=true", "+pe.randomize_to=64"],
      r"data\.document_positions=true and pe\.randomize_to=64"),
+    (["data=synthetic", "eval.extrapolation.enabled=false", "eval.documents=mask"],
+     r"eval\.documents=mask needs documents .*synthetic"),
     (["eval.documents=some"], r"eval\.documents .*none, positions, mask, both, got .some."),
 ])
 def test_bad_combinations_fail_before_data(overrides, message, tmp_path, monkeypatch):
@@ -97,3 +99,33 @@ def test_training_stream_is_unchanged_by_the_options(tmp_path):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert plain[0] != plain[2] and plain[0] != plain[4]  # offsets and ranks do draw other windows
     assert any((w == SEP).any() for w in plain[1])  # windows cross documents: there is something to pack
+
+
+def test_extrapolation_rows_say_which_documents_they_read():
+    """eval.extrapolation.documents: null follows training, a list gives rows per mode, and the
+    document-respecting rows score exactly the windows scored with the layout by hand."""
+    import math
+
+    import numpy as np
+
+    from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation
+    from tests.tiny import build
+
+    _, model, _ = build("alibi")
+    g = np.random.default_rng(0)
+    tokens = g.integers(1, 31, 16 * 33 + 1)
+    tokens[g.random(tokens.shape) < 0.1] = 0  # documents of ~10 tokens
+    trained = DocumentOptions(True, True, eot_token=0)
+    config = ExtrapolationConfig(multipliers=[1], documents=[None, "none"], precision="32", q_chunk=16)
+    rows = evaluate_extrapolation(model, tokens, 32, config, log=lambda _: None, documents=trained)
+    assert [r.documents for r in rows] == ["both", "none"]
+    assert rows[0].loss != rows[1].loss
+    x = torch.from_numpy(tokens[: 16 * 32 + 1].astype(np.int64))
+    xy = torch.stack([x[i * 32 : i * 32 + 33] for i in range(16)])
+    with torch.no_grad():
+        nll = model.token_nll(xy[:, :-1], xy[:, 1:], *trained.layout(xy[:, :-1])[:1],
+                              documents=trained.layout(xy[:, :-1])[1])
+    assert math.isclose(rows[0].loss, nll.double().mean().item(), rel_tol=1e-6)
+    plain = evaluate_extrapolation(model, tokens, 32, ExtrapolationConfig(multipliers=[1], precision="32"),
+                                   log=lambda _: None)
+    assert plain[0].documents == "none" and plain[0].loss == rows[1].loss
