@@ -230,3 +230,17 @@ def test_bias_of_distance_is_shift_invariant(name):
     p = torch.tensor([[0, 1, 2, 3, 0, 1], [3, 4, 0, 1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(model.pe.bias(p, p), model.pe.bias(p + 37, p + 37))
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "learned"])
+def test_attention_map_probe_keeps_documents_apart(name):
+    from evaluation.attention_maps import eager_attention_pass
+
+    _, model, _ = build(name)
+    idx = windows(13)
+    positions, documents = document_layout(idx, EOT)
+    probs = eager_attention_pass(model, idx, positions, documents=documents).probs
+    other = (documents[:, :, None] != documents[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
+    for p in probs.values():
+        assert torch.equal(p.masked_select(other.expand_as(p)), torch.zeros(int(other.expand_as(p).sum())))
+        torch.testing.assert_close(p.sum(-1), torch.ones_like(p.sum(-1)))
