@@ -60,13 +60,12 @@ class Terms:
             return None
         return ~causal_future(self.q_positions.shape[-1], self.k_positions.shape[-1], self.q_positions.device)
 
-
     def bias_positions(self) -> tuple[Tensor, Tensor]:
         """The positions the bias is computed at: these, or for a bias of the distance alone under
         a document mask token order's (every visible pair is in one document, where p_i - p_j =
         i - j whether positions restart or not): one (H, Tq, Tk) bias by strides, not a gather
         per sequence, whose backward scatters (B, Tq, Tk) indices."""
-        if not (self.documents and self.pe.bias_of_distance):
+        if not (self.documents and getattr(self.pe, "bias_of_distance", False)):
             return self.q_positions, self.k_positions
         order = torch.arange(self.k_positions.shape[-1], device=self.k_positions.device)
         return order[order.shape[0] - self.q_positions.shape[-1]:], order
