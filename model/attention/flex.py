@@ -54,7 +54,7 @@ class Flex(AttentionBackend):
             raise ValueError(f"model.attention=flex: pe={terms.pe.name} gives no elementwise bias (bias_score)")
         documents = None
         if terms.documents and not chunked:  # built once per forward, shared by every layer
-            documents = self.document_mask(terms.q_documents, terms.k_documents, None)
+            documents = self.document_mask(terms.k_documents, terms.q_positions.shape[-1], None)
         return FlexState(score, terms.q_positions, terms.k_positions, documents=documents)
 
     def chunk(self, state: FlexState, terms: Terms, s: int, e: int) -> FlexState:
@@ -62,26 +62,29 @@ class Flex(AttentionBackend):
         offset = terms.k_positions.shape[-1] - terms.q_positions.shape[-1] + s
         documents = None
         if terms.documents:
-            documents = self.document_mask(terms.q_documents[:, s:e], terms.k_documents, offset)
+            documents = self.document_mask(terms.k_documents, e - s, offset)
         return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset, documents)
 
     @staticmethod
-    def document_mask(q_documents: Tensor, k_documents: Tensor, offset: int | None):
-        """The BlockMask of packed documents, (B, Tq) queries (tokens offset.., by default the
-        last Tq) against (B, Tk) keys: causal and inside the query's document. Blocks with no
-        pair of one document are skipped, so attention gets cheaper as documents get shorter."""
+    def document_mask(documents: Tensor, Tq: int, offset: int | None):
+        """The BlockMask of packed documents: Tq queries (tokens offset.., by default the last
+        Tq) against the (B, Tk) document ids of the keys, causal and inside the query's
+        document. Blocks with no pair of one document are skipped, so attention gets cheaper as
+        documents get shorter. The queries' ids are read from the keys' (one captured tensor:
+        flex's compiled wrapper guards captured tensors against aliasing)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        (B, Tq), Tk = q_documents.shape, k_documents.shape[-1]
-        shift = torch.tensor(Tk - Tq if offset is None else offset, device=q_documents.device)
+        B, Tk = documents.shape
+        shift = torch.tensor(Tk - Tq if offset is None else offset, device=documents.device)
 
         def same_document(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx + shift) & (q_documents[b, q_idx] == k_documents[b, kv_idx])
+            token = q_idx + shift
+            return (kv_idx <= token) & (documents[b, token] == documents[b, kv_idx])
 
         if torch.compiler.is_compiling():
-            return create_block_mask(same_document, B, None, Tq, Tk, device=q_documents.device)
+            return create_block_mask(same_document, B, None, Tq, Tk, device=documents.device)
         with torch.inference_mode(False):  # as the causal masks: a later backward may save it
-            return create_block_mask(same_document, B, None, Tq, Tk, device=q_documents.device)
+            return create_block_mask(same_document, B, None, Tq, Tk, device=documents.device)
 
     def block_mask(self, Tq: int, Tk: int, device: torch.device, offset: int | None = None):
         """The causal BlockMask of Tq queries (tokens offset..offset+Tq-1, by default the last Tq)

@@ -216,7 +216,7 @@ def test_flex_document_block_mask_skips_blocks_of_other_documents():
     from model.attention.flex import Flex
 
     documents = torch.arange(256).div(128, rounding_mode="floor")[None]
-    packed = Flex.document_mask(documents, documents, None)
+    packed = Flex.document_mask(documents, 256, None)
     causal = BACKENDS["flex"].block_mask(256, 256, torch.device("cpu"))
     blocks = lambda m: int(m.kv_num_blocks.sum() + (0 if m.full_kv_num_blocks is None else m.full_kv_num_blocks.sum()))
     assert (blocks(causal), blocks(packed)) == (3, 2)
