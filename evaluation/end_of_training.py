@@ -49,14 +49,21 @@ class EndOfTrainingEvaluation(L.Callback):
             tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
             train_length = pl_module.config.block_size
             log = print if trainer.is_global_zero else (lambda _: None)
+            by_position: list = []
             rows = evaluate_extrapolation(pl_module.model, tokens, train_length, config, log=log,
-                                          distributed=trainer.world_size > 1)
+                                          distributed=trainer.world_size > 1, position_rows=by_position,
+                                          randomize_to=getattr(pl_module, "randomize_to", None))
             if trainer.is_global_zero:
-                paths = save_results(rows, output_dir / "extrapolation",
-                                     title=f"pe={pl_module.pe_name}, trained at {train_length}")
+                title = f"pe={pl_module.pe_name}, trained at {train_length}"
+                paths = save_results(rows, output_dir / "extrapolation", title=title)
                 metrics = {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl for r in rows if r.ok}
                 log_results(trainer.loggers, log_to_wandb, rows, paths["png"], metrics, step)
-                print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md)", flush=True)
+                if by_position:
+                    from evaluation import position_loss
+
+                    where = position_loss.save_results(by_position, output_dir / "extrapolation", title=title)
+                    log_results(trainer.loggers, position_loss.log_to_wandb, by_position, where["png"], {}, step)
+                print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md, position_loss.csv/.png)", flush=True)
         if not trainer.is_global_zero:
             return
         if tasks.get("enabled"):

@@ -21,7 +21,9 @@ run directory when two runs share a scheme. Task accuracy is the exact-match acc
 run averaged over its passkey depths.
 
 Writes comparison.{csv,md,png} (perplexity; markdown with every section) and, when there are
-task results, comparison_tasks.{csv,png}.
+task results, comparison_tasks.{csv,png}. Loss by token position (``position_loss.csv``) of
+every run at one eval length (``--position-length``, default the longest every run has) is
+overlaid in comparison_position_loss.{csv,png}.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from evaluation import tasks as task_eval
 from evaluation.stats import ALPHA, mean_ci, welch_test
 
 RESULT_FILES = {"extrapolation": "extrapolation.csv", "tasks": "tasks.csv"}
+POSITION_FILE = "position_loss.csv"  # written beside extrapolation.csv
 ORDER = {"learned": 0, "sinusoidal": 1, "rope": 2, "alibi": 3, "xpos": 4, "rope_alibi": 5}
 
 
@@ -52,7 +55,8 @@ def find_result_files(patterns: list[str], name: str = "extrapolation.csv") -> l
         for path in matches:
             if path.is_file() and path.name == name:
                 files.add(path.resolve())
-            elif path.is_file() and path.suffix == ".csv" and name == "extrapolation.csv" and path.name != "tasks.csv":
+            elif (path.is_file() and path.suffix == ".csv" and name == "extrapolation.csv"
+                  and path.name not in ("tasks.csv", POSITION_FILE)):
                 files.add(path.resolve())  # any other CSV given by name is read as an extrapolation table
             elif path.is_dir():
                 files.update(p.resolve() for p in path.rglob(name))
@@ -360,11 +364,39 @@ def single_seed_task_table(rows: list[task_eval.TaskRow], task: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def position_overlay(paths: list[str], out: Path, length: int | None) -> str | None:
+    """comparison_position_loss.{csv,png}: every run's loss by position at one eval length (default
+    the longest that every run has); returns the markdown section, None without position files."""
+    from evaluation import position_loss
+
+    files = find_result_files(paths, POSITION_FILE)
+    if not files:
+        return None
+    pairs = newest_series(files, position_loss.read_csv, lambda r: (r.scheme, r.mode, r.rope_scaling, r.positions))
+    runs = {run for run, _ in pairs}
+    common = set.intersection(*({r.eval_length for run2, r in pairs if run2 == run} for run in runs))
+    length = length or (max(common) if common else None)
+    rows = [r for r in label_rows([(run, r) for run, r in pairs if r.eval_length == length])]
+    if not rows:
+        print(f"[pelab] no loss-by-position rows at length {length} (have: "
+              f"{sorted({r.eval_length for _, r in pairs})})", file=sys.stderr)
+        return None
+    position_loss.write_csv(rows, out / "comparison_position_loss.csv")
+    train = sorted({r.train_length for r in rows})
+    _save(position_loss.plot_rows(rows, title=f"Loss by token position at eval length {length}",
+                                  by=position_loss.curve_keys(rows, always=("scheme",))),
+          out / "comparison_position_loss.png")
+    return (f"### loss by token position\n\nEval length {length} (training length {', '.join(map(str, train))}): "
+            f"comparison_position_loss.png / .csv, {len({r.scheme for r in rows})} line(s).\n")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="run directories, sweep directories, globs or CSV files")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the first path, if a directory)")
     parser.add_argument("--mode", default=None, help="only this mode (nonoverlapping or sliding)")
+    parser.add_argument("--position-length", type=int, default=None,
+                        help="eval length of the loss-by-position overlay (default: the longest every run has)")
     parser.add_argument("--wandb", action="store_true", help="also log table and plot to a W&B run")
     parser.add_argument("--project", default="pelab")
     parser.add_argument("--group", default=None, help="W&B group (default: the runs' group from their config)")
@@ -431,6 +463,9 @@ def main(argv: list[str]) -> int:
         _save(plot_bands(cells, "exact-match accuracy (%)", "Task accuracy vs evaluation length"),
               out / "comparison_tasks.png")
 
+    overlay = position_overlay(args.paths, out, args.position_length)
+    if overlay:
+        sections.append(overlay)
     (out / "comparison.md").write_text("\n".join(sections))
     print((out / "comparison.md").read_text())
     written = ", ".join(p.name for p in sorted(out.glob("comparison*.*")))

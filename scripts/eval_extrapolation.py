@@ -29,6 +29,7 @@ OPTIONS = {
     "rope_scaling": "linear, ntk, dynamic_ntk and/or yarn (evaluated next to the plain model)",
     "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
     "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "positions": "sequential (0..T-1, default) or randomized (a pe.randomize_to model, positions drawn as in training)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "output directory (default: RUN_DIR/extrapolation/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
@@ -61,6 +62,8 @@ def main(argv: list[str]) -> int:
             options[key] = None if args[key].lower() in ("null", "none") else cast(args[key])
     if "precision" in args:
         options["precision"] = args["precision"]
+    if "positions" in args:
+        options["positions"] = args["positions"]
     if "rope_scaling" in args:
         options["rope_scaling"] = [None] + [s for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
     try:
@@ -83,13 +86,19 @@ def main(argv: list[str]) -> int:
     tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
     train_length = module.config.block_size
 
+    by_position: list = []
     rows = evaluate_extrapolation(module.model.to(device), tokens, train_length, config,
-                                  log=print if rank_zero else (lambda _: None), distributed=distributed)
+                                  log=print if rank_zero else (lambda _: None), distributed=distributed,
+                                  position_rows=by_position, randomize_to=module.randomize_to)
     if not rank_zero:
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.get("out") or ckpt.parent.parent / "extrapolation" / f"eval-{ckpt.stem}-{stamp}")
     paths = save_results(rows, out, title=f"pe={module.pe_name}, trained at {train_length}")
+    if by_position:
+        from evaluation import position_loss
+
+        position_loss.save_results(by_position, out, title=f"pe={module.pe_name}, trained at {train_length}")
     print(paths["md"].read_text())
     print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
 

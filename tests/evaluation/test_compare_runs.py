@@ -153,3 +153,22 @@ def test_one_seed_per_scheme_with_tasks_keeps_the_single_run_table(tmp_path):
         "| scheme | 64 (train) |\n|---|---|\n| rope | 4.00 |\n| alibi | 4.50 |\n"
         "\n### passkey\n\nExact-match accuracy (%) by evaluation length (tokens), mean over depths.\n\n"
         "| scheme | 64 (train) | 128 |\n|---|---|---|\n| rope | 75.0 | 12.5 |\n| alibi | 100.0 | 75.0 |\n")
+
+
+def test_position_loss_overlay_at_one_length(tmp_path):
+    from evaluation.position_loss import PositionLossRow, read_csv, write_csv as write_positions
+
+    sweep = tmp_path / "multirun"
+    for name, scheme, rise in (("0-rope", "rope", 2.0), ("1-alibi", "alibi", 0.0)):
+        fake_run(sweep, name, scheme, {64: 20.0, 128: 30.0})
+        rows = [PositionLossRow(scheme, "none", "sequential", 64, n, "nonoverlapping", n, p, p + 1, 10,
+                                3.0 + (rise if p >= 64 else 0.0)) for n in (64, 128) for p in range(n)]
+        write_positions(rows, sweep / name / "extrapolation" / "position_loss.csv")
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    overlay = read_csv(tmp_path / "report" / "comparison_position_loss.csv")
+    assert {r.eval_length for r in overlay} == {128}  # the longest length both runs have
+    assert {r.scheme for r in overlay} == {"rope", "alibi"} and len(overlay) == 2 * 128
+    assert next(r.loss for r in overlay if r.scheme == "rope" and r.start == 100) == 5.0
+    assert (tmp_path / "report" / "comparison_position_loss.png").stat().st_size > 1000
+    assert "loss by token position" in (tmp_path / "report" / "comparison.md").read_text()
