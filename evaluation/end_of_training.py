@@ -38,6 +38,10 @@ class EndOfTrainingEvaluation(L.Callback):
         output_dir = Path(trainer.default_root_dir)
         step = trainer.global_step
         options, tasks = dict(self.extrapolation), dict(self.tasks)
+        # a synthetic task has no held-out text: its accuracy table replaces perplexity (eval.tasks.enabled=auto)
+        text = getattr(datamodule, "held_out_text", True)
+        options["enabled"] = bool(options.get("enabled")) and text
+        tasks["enabled"] = tasks.get("enabled", "auto") is True or (tasks.get("enabled", "auto") == "auto" and not text)
         if sharded_parameters(trainer) and (options.get("enabled") or tasks.get("enabled")):
             ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "RUN_DIR/checkpoints/last.ckpt"
             rank_zero_warn(f"end-of-training evaluation skipped under {type(trainer.strategy).__name__} (each rank holds "

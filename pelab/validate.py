@@ -109,15 +109,17 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
     enabled = extrapolation.pop("enabled", False)
     require(isinstance(enabled, bool), "eval.extrapolation.enabled", enabled, "true or false")
     held_out_text = getattr(datamodule, "held_out_text", True)
-    if enabled and not held_out_text:
-        raise ConfigError(f"eval.extrapolation.enabled=true needs held-out text, and data={cfg.data._target_} "
-                          f"(a synthetic task) has none: set eval.extrapolation.enabled=false (accuracy vs "
-                          f"length runs from eval.tasks)")
+    enabled = enabled and held_out_text  # a synthetic task has no text to score: task accuracy replaces it
     tasks = dict(evaluation.get("tasks") or {})
-    if tasks.pop("enabled", False):
-        if held_out_text:
-            raise ConfigError("eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=...")
+    tasks_on = tasks.pop("enabled", "auto")
+    require(tasks_on in (True, False, "auto"), "eval.tasks.enabled", tasks_on, "auto (on for data=synthetic), true or false")
+    if tasks_on is True and held_out_text:
+        raise ConfigError("eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=...")
+    if tasks_on and not held_out_text:
         build("eval.tasks", TaskEvalConfig.from_dict, {"precision": str(cfg.trainer.precision), **tasks})
+    if str(evaluation.get("positions", "sequential")) == "randomized" and (cfg.get("pe") or {}).get("randomize_to") is None:
+        raise ConfigError("eval.positions=randomized evaluates a model trained with pe.randomize_to=N (positions drawn "
+                          "from [0, N)), and pe.randomize_to is null: set it, or eval.positions=sequential")
     if enabled:
         # precision mirrors trainer.precision (checked with the trainer), which may be an int
         check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))

@@ -113,6 +113,8 @@ def label_rows(pairs: list[tuple[str, ExtrapolationRow]]) -> list[ExtrapolationR
         label = base_label(row)
         if len(runs_per_scheme[row.scheme]) > 1:
             label += f" ({Path(run).name})"
+        if getattr(row, "not_learned", False):  # a task run below the learned-at-L criterion
+            label += task_eval.NOT_LEARNED
         labelled.append(type(row)(**{**asdict(row), "scheme": label}))
     labelled.sort(key=lambda r: (*_order(r.scheme), getattr(r, "mode", getattr(r, "task", "")), r.eval_length))
     return labelled
@@ -350,6 +352,34 @@ def task_points(pairs, groups) -> dict[tuple, list[tuple]]:
     return points
 
 
+def not_learned_marks(task_pairs, groups) -> dict[str, str]:
+    """Group label -> " [k/n not learned at L]" for groups with runs below the learned criterion."""
+    runs: dict[str, dict[str, bool]] = {}
+    for run, r in task_pairs:
+        group = groups.get((base_label(r), run))
+        if group is not None:
+            runs.setdefault(group.label, {})[run] = runs.get(group.label, {}).get(run, False) or r.not_learned
+    return {label: f" [{sum(v.values())}/{len(v)} not learned at L]" for label, v in runs.items() if any(v.values())}
+
+
+def heatmap_rows(task_pairs, groups) -> list[task_eval.TaskRow]:
+    """Depth x length accuracy per group (the mean over its seeds), for the heatmap panels."""
+    marks = not_learned_marks(task_pairs, groups)
+    cells: dict[tuple, list] = {}
+    for run, r in task_pairs:
+        group = groups.get((base_label(r), run))
+        if group is not None and not math.isnan(r.depth):
+            cells.setdefault((r.task, group.label, r.train_length, r.eval_length, r.depth), []).append(r)
+    rows = []
+    for (task, label, train, length, depth), members in cells.items():
+        ok = [r for r in members if r.ok]
+        accuracy = sum(r.accuracy for r in ok) / len(ok) if ok else math.nan
+        rows.append(task_eval.TaskRow(task, label + marks.get(label, ""), train, length, depth,
+                                      sum(r.samples for r in ok), accuracy, math.nan, 0.0,
+                                      "ok" if ok else members[0].status))
+    return rows
+
+
 def single_seed_task_table(rows: list[task_eval.TaskRow], task: str) -> str:
     """One line per run: exact-match accuracy (%) averaged over depths."""
     merged = task_eval.mean_over_depths([r for r in rows if r.task == task])
@@ -456,6 +486,9 @@ def main(argv: list[str]) -> int:
               out / "comparison_tasks.png")
     elif task_pairs:
         cells = make_cells(task_points(task_pairs, groups), lower_is_better=False)
+        marks = not_learned_marks(task_pairs, groups)
+        for c in cells:
+            c.label += marks.get(c.label, "")
         write_stats_csv(cells, out / "comparison_tasks.csv", "task")
         for task in sorted({c.section for c in cells}):
             sections.append(f"### {task}\n\nExact-match accuracy (%) by evaluation length (tokens), mean over "
@@ -463,6 +496,14 @@ def main(argv: list[str]) -> int:
         _save(plot_bands(cells, "exact-match accuracy (%)", "Task accuracy vs evaluation length"),
               out / "comparison_tasks.png")
 
+    if task_pairs:
+        grid = heatmap_rows(task_pairs, groups)
+        if grid:
+            task_eval.write_heatmap_csv(grid, out / "comparison_heatmap.csv")
+            _save(task_eval.plot_heatmaps(grid, title="Exact match by depth and evaluation length (mean over seeds)"),
+                  out / "comparison_heatmap.png")
+        if any(r.not_learned for _, r in task_pairs):
+            sections.append(task_eval.LEARNED_NOTE)
     overlay = position_overlay(args.paths, out, args.position_length)
     if overlay:
         sections.append(overlay)
