@@ -29,9 +29,10 @@ class EndOfTrainingEvaluation(L.Callback):
     """``extrapolation`` / ``tasks``: the ``eval.extrapolation`` / ``eval.tasks`` options
     (conf/eval/default.yaml); each runs when its ``enabled`` is true."""
 
-    def __init__(self, extrapolation: dict | None = None, tasks: dict | None = None) -> None:
+    def __init__(self, extrapolation: dict | None = None, tasks: dict | None = None, probe: dict | None = None) -> None:
         self.extrapolation = dict(extrapolation or {})
         self.tasks = dict(tasks or {})
+        self.probe = dict(probe or {})
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
@@ -48,6 +49,7 @@ class EndOfTrainingEvaluation(L.Callback):
                            f"a shard of the weights): run scripts/eval_extrapolation.py ckpt={ckpt} (or "
                            f"scripts/eval_tasks.py) on the full checkpoint")
             options["enabled"] = tasks["enabled"] = False
+        probe_on = bool(self.probe.get("enabled")) and not sharded_parameters(trainer)
         if options.pop("enabled", False):
             config = ExtrapolationConfig.from_dict(options)
             tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
@@ -74,7 +76,25 @@ class EndOfTrainingEvaluation(L.Callback):
             from evaluation.tasks import run_task_evaluation
 
             run_task_evaluation(tasks, pl_module, datamodule, trainer.loggers, output_dir, step)
+        if probe_on:
+            self.run_probe(pl_module, datamodule, trainer.loggers, output_dir, step)
         baseline = datamodule.unigram_loss()
         trainer.callback_metrics["val/unigram_loss"] = torch.tensor(baseline)  # for the end-of-run summary
         for logger in trainer.loggers:
             logger.log_metrics({"val/unigram_loss": baseline}, step=step)
+
+    def run_probe(self, pl_module, datamodule, loggers, output_dir: Path, step: int) -> None:
+        """Attention entropy and distance per layer and head at every probe length (its own pass)."""
+        from evaluation.attention_maps import (ProbeConfig, evaluate_probe, log_probe_to_wandb, probe_metrics,
+                                               probe_windows, save_probe)
+
+        config = ProbeConfig.from_dict({k: v for k, v in self.probe.items() if k != "enabled"})
+        if getattr(datamodule, "held_out_text", True):
+            windows = probe_windows(load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"]))
+        else:
+            windows = probe_windows(task=datamodule.task, seed=datamodule.seed)
+        train_length = pl_module.config.block_size
+        rows = evaluate_probe(pl_module.model, windows, train_length, config)
+        paths = save_probe(rows, output_dir / "attention_probe", title=f"pe={pl_module.pe_name}, trained at {train_length}")
+        log_results(loggers, log_probe_to_wandb, rows, paths["png"], probe_metrics(rows), step)
+        print(f"[pelab] attention probe: {paths['csv']} (+ .png)", flush=True)

@@ -112,10 +112,25 @@ def curve_keys(rows: Sequence[PositionLossRow], always: Sequence[str] = ("eval_l
     return [*always, *extra]
 
 
+def smoothed(points: Sequence[PositionLossRow], per_octave: int = 8) -> tuple[list[float], list[float]]:
+    """(x, mean NLL) of one curve pooled into ``per_octave`` log-spaced groups by x: a single
+    position's mean over a few windows is too noisy to read (the CSV keeps the exact values)."""
+    groups: dict[int, list[PositionLossRow]] = {}
+    for r in points:
+        groups.setdefault(math.floor(math.log2(r.x) * per_octave), []).append(r)
+    xs, ys = [], []
+    for _, members in sorted(groups.items()):
+        n = sum(r.tokens for r in members)
+        xs.append(sum(r.x * r.tokens for r in members) / n)
+        ys.append(sum(r.loss * r.tokens for r in members) / n)
+    return xs, ys
+
+
 def plot_rows(rows: Sequence[PositionLossRow], title: str = "Loss by token position",
               by: Sequence[str] | None = None):
-    """Mean NLL against window position (log-x), one curve per ``by`` (default: eval length,
-    plus mode / scaling / scheme where several); the training length is a dotted line."""
+    """Mean NLL against window position (log-x, pooled by ``smoothed``), one curve per ``by``
+    (default: eval length, plus mode / scaling / scheme where several); the training length is
+    a dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +138,8 @@ def plot_rows(rows: Sequence[PositionLossRow], title: str = "Loss by token posit
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for label, points in _curves(rows, by or curve_keys(rows)).items():
-        ax.plot([r.x for r in points], [r.loss for r in points], label=label, linewidth=1.2)
+        xs, ys = smoothed(points)
+        ax.plot(xs, ys, label=label, linewidth=1.2)
     for train_length in sorted({r.train_length for r in rows}):
         ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)

@@ -120,6 +120,11 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
     if str(evaluation.get("positions", "sequential")) == "randomized" and (cfg.get("pe") or {}).get("randomize_to") is None:
         raise ConfigError("eval.positions=randomized evaluates a model trained with pe.randomize_to=N (positions drawn "
                           "from [0, N)), and pe.randomize_to is null: set it, or eval.positions=sequential")
+    probe = dict(evaluation.get("probe") or {})
+    if probe.pop("enabled", False):
+        from evaluation.attention_maps import ProbeConfig
+
+        build("eval.probe", ProbeConfig.from_dict, probe)
     if enabled:
         # precision mirrors trainer.precision (checked with the trainer), which may be an int
         check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))
