@@ -127,3 +127,64 @@ def test_wandb_payload_has_a_line_per_length(tokens, tmp_path):
     chart = run.payload["extrapolation/position_loss"]
     assert sorted(set(chart.table.get_column("lineKey"))) == ["16", "32"]
     assert {"extrapolation/position_loss_table", "extrapolation/position_loss_plot"} <= set(run.payload)
+
+
+# --- eval.positions=randomized (Ruoss et al. 2023: positions drawn at evaluation as in training) -----
+
+
+def test_randomized_positions_sorted_subsets_seeded_per_window():
+    a = ex.eval_positions("randomized", [0, 40, 80], 16, 64, seed=0, device=torch.device("cpu"))
+    b = ex.eval_positions("randomized", [80], 16, 64, seed=0, device=torch.device("cpu"))
+    assert a.shape == (3, 16) and a.dtype == torch.int64
+    for row in a:
+        assert (row[1:] > row[:-1]).all() and 0 <= row.min() and row.max() < 64  # sorted, distinct, in [0, N)
+    assert torch.equal(a[2], b[0])  # a window's draw does not depend on its batch
+    assert not torch.equal(a[0], a[1])  # fresh positions per window
+    assert not torch.equal(a[0], ex.eval_positions("randomized", [0], 16, 64, seed=1, device=torch.device("cpu"))[0])
+    assert ex.eval_positions("sequential", [0], 16, None, 0, torch.device("cpu")) is None
+
+
+def test_randomized_evaluation_scores_with_those_positions(tokens):
+    gpt, length, limit = toy("alibi"), 16, 64  # ALiBi: distances change the attention even untrained
+    total, count, _ = ex.score_length(gpt, tokens, length, "nonoverlapping", precision="32", tokens_per_batch=48,
+                                      positions="randomized", randomize_to=limit, seed=3)
+    ref, n = 0.0, 0
+    for s in range(0, len(tokens) - length, length):  # one window at a time, full logits in float64
+        window = torch.tensor(tokens[s : s + length + 1].astype(np.int64))[None]
+        where = ex.eval_positions("randomized", [s], length, limit, 3, torch.device("cpu"))
+        with torch.no_grad():
+            logits, _ = gpt(window[:, :-1], positions=where)
+        logp = F.log_softmax(logits.double(), -1)[0]
+        ref -= sum(logp[t, window[0, t + 1]].item() for t in range(length))
+        n += length
+    assert count == n and total / count == pytest.approx(ref / n, rel=1e-5)
+    plain, _, _ = ex.score_length(gpt, tokens, length, "nonoverlapping", precision="32")
+    assert plain != pytest.approx(total, rel=1e-5)  # the positions changed what the model saw (float32 noise: ~1e-7)
+
+
+def test_randomized_rows_say_so_and_lengths_past_n_are_not_applicable(tokens):
+    gpt = toy("rope")
+    config = ex.ExtrapolationConfig(multipliers=(1, 2, 4), precision="32", positions="randomized")
+    rows = ex.evaluate_extrapolation(gpt, tokens, 16, config, log=lambda _: None, randomize_to=32)
+    assert [(r.eval_length, r.positions, r.ok) for r in rows] == [(16, "randomized", True), (32, "randomized", True),
+                                                                  (64, "randomized", False)]
+    assert rows[2].status == "not applicable: 64 randomized positions do not fit in [0, pe.randomize_to=32)"
+    rows = ex.evaluate_extrapolation(gpt, tokens, 16, config, log=lambda _: None)
+    assert rows[0].status == "not applicable: eval.positions=randomized needs a model trained with pe.randomize_to"
+    default = ex.evaluate_extrapolation(gpt, tokens, 16, ex.ExtrapolationConfig(multipliers=(1,), precision="32"),
+                                        log=lambda _: None)
+    assert default[0].positions == "sequential"
+    with pytest.raises(Exception, match="eval.positions must be sequential or randomized, got 'shuffled'"):
+        ex.ExtrapolationConfig(positions="shuffled")
+
+
+def test_randomized_task_evaluation():
+    from data.synthetic import Task
+    from evaluation.tasks import TaskEvalConfig, evaluate_tasks
+
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    gpt = GPT(cfg, SCHEMES["rope"](cfg)).eval()
+    config = TaskEvalConfig(multipliers=(1, 2), depths=(0.5,), samples=3, precision="32", positions="randomized")
+    rows = evaluate_tasks(gpt, Task("passkey", key_length=2), 16, config, seed=0, log=lambda _: None, randomize_to=20)
+    assert [(r.eval_length, r.positions, r.ok) for r in rows] == [(16, "randomized", True), (32, "randomized", False)]
