@@ -228,16 +228,19 @@ class TaskSamples(Dataset):
     """Samples ``offset + i`` (i = 0..count-1) of one task's stream, as (inputs, targets) tensors."""
 
     def __init__(self, task: Task, length: int, count: int, seed: int, split: str, rank: int = 0,
-                 depth: float | None = None, offset: int = 0) -> None:
+                 depth: float | None = None, offset: int = 0, length_of=None) -> None:
         self.task, self.length, self.count = task, length, count
         self.seed, self.split, self.rank, self.depth = seed, split, rank, depth
         self.offset = offset  # samples already consumed (a resumed run continues the stream)
+        self.length_of = length_of  # sample index -> its length (a curriculum); None: always ``length``
 
     def __len__(self) -> int:
         return self.count - self.offset
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.task.sample(self.length, self.offset + i, self.seed, self.split, self.rank, self.depth)
+        j = self.offset + i
+        length = self.length if self.length_of is None else self.length_of(j)
+        x, y = self.task.sample(length, j, self.seed, self.split, self.rank, self.depth)
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -268,6 +271,8 @@ class SyntheticDataModule(StreamDataModule):
         num_pairs: int = 8,
         num_queries: int = 4,
         p_ignore: float = 0.8,
+        curriculum_batches: int = 0,
+        curriculum_start: int | None = None,
     ) -> None:
         super().__init__()
         self.task = Task(task, key_length=key_length, num_pairs=num_pairs, num_queries=num_queries, p_ignore=p_ignore)
@@ -283,6 +288,12 @@ class SyntheticDataModule(StreamDataModule):
                     f"null for data.task={task} (only {', '.join(DEPTH_TASKS)} have a depth)")
             require(isinstance(depth, (int, float)) and 0 <= depth <= 1, "data.depth", depth,
                     "a number in [0, 1] or null (a random depth per sample)")
+        require(isinstance(curriculum_batches, int) and curriculum_batches >= 0, "data.curriculum_batches",
+                curriculum_batches, "an integer >= 0 (0: every training sample is block_size long)")
+        start = curriculum_start if curriculum_start is not None else max(self.task.min_length, block_size // 8)
+        require(isinstance(start, int) and self.task.min_length <= start <= block_size, "data.curriculum_start",
+                curriculum_start, f"null or an integer in [{self.task.min_length}, data.block_size={block_size}]")
+        self.curriculum_batches, self.curriculum_start = curriculum_batches, start
         self.block_size, self.batch_size = block_size, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.val_samples, self.num_workers, self.seed = val_samples, num_workers, seed
@@ -295,6 +306,16 @@ class SyntheticDataModule(StreamDataModule):
     def vocab_size(self) -> int:
         return VOCAB_SIZE
 
+    def curriculum_length(self, index: int) -> int:
+        """Training length of sample ``index``: the same for a whole batch, growing linearly from
+        ``curriculum_start`` to ``block_size`` over the first ``curriculum_batches`` batches (per
+        rank; a resumed run continues it), then ``block_size``. Short samples first: the key is
+        near the question, so retrieval is learned at short range before it has to reach L."""
+        batch = index // self.batch_size
+        if batch >= self.curriculum_batches:
+            return self.block_size
+        return self.curriculum_start + (self.block_size - self.curriculum_start) * batch // self.curriculum_batches
+
     def split_path(self, split: str):
         raise ValueError(f"data.task={self.task.name} is synthetic: there is no {split} text to score perplexity "
                          "on (evaluation/tasks.py measures accuracy vs length and depth instead)")
@@ -302,7 +323,7 @@ class SyntheticDataModule(StreamDataModule):
     def setup(self, stage: str | None = None) -> None:
         rank = self.trainer.global_rank if self.trainer is not None else 0
         self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", rank,
-                                     self.depth)
+                                     self.depth, length_of=self.curriculum_length if self.curriculum_batches else None)
         self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", 0, self.depth)
 
     def unigram_loss(self, samples: int = 2048) -> float:

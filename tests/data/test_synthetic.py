@@ -274,3 +274,17 @@ def test_niah_haystack_is_real_text_held_out_outside_training():
     assert task.min_length == 64 and len(task.sample(64, 0)[0]) == 64
     with pytest.raises(ConfigError, match=r"length must be an integer >= 64"):
         task.sample(63, 0)
+
+
+def test_curriculum_grows_whole_batches_from_start_to_block_size():
+    dm = SyntheticDataModule("passkey", block_size=64, batch_size=4, key_length=3, curriculum_batches=4,
+                             curriculum_start=16)
+    dm.setup()
+    # batch b < 4: 16 + 48 * b // 4 = 16, 28, 40, 52; then 64
+    assert [dm.curriculum_length(i) for i in range(0, 24, 4)] == [16, 28, 40, 52, 64, 64]
+    assert [len(dm.train_set[i][0]) for i in range(8)] == [16] * 4 + [28] * 4  # one length per batch
+    assert len(next(iter(dm.train_dataloader()))[0][0]) == 16
+    assert SyntheticDataModule("passkey", block_size=256, key_length=3, curriculum_batches=1).curriculum_start == 32
+    with pytest.raises(ConfigError, match=r"data.curriculum_start must be null or an integer in \[7, "
+                                          r"data.block_size=64\], got 65"):
+        SyntheticDataModule("passkey", block_size=64, key_length=3, curriculum_batches=2, curriculum_start=65)
