@@ -43,7 +43,7 @@ class EndOfTrainingEvaluation(L.Callback):
         text = getattr(datamodule, "held_out_text", True)
         options["enabled"] = bool(options.get("enabled")) and text
         tasks["enabled"] = tasks.get("enabled", "auto") is True or (tasks.get("enabled", "auto") == "auto" and not text)
-        if sharded_parameters(trainer) and (options.get("enabled") or tasks.get("enabled")):
+        if sharded_parameters(trainer) and (options.get("enabled") or tasks.get("enabled") or self.probe.get("enabled")):
             ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "RUN_DIR/checkpoints/last.ckpt"
             rank_zero_warn(f"end-of-training evaluation skipped under {type(trainer.strategy).__name__} (each rank holds "
                            f"a shard of the weights): run scripts/eval_extrapolation.py ckpt={ckpt} (or "

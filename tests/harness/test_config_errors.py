@@ -59,7 +59,13 @@ CASES = [
     ("pe.nope_every=0", ["pe.nope_every must be null or an integer >= 1", "got 0"]),
     ("pe=t5 pe.nope_every=1", ["pe.nope_every=1 makes all 4 layers NoPE layers, so pe=t5's parameters would never "
                                "be used"]),
-    ("data=synthetic", ["eval.extrapolation.enabled=true needs held-out text", "eval.extrapolation.enabled=false"]),
+    ("data=synthetic eval.tasks.enabled=maybe", ["eval.tasks.enabled must be auto (on for data=synthetic), true or "
+                                                 "false, got 'maybe'"]),
+    ("eval.positions=randomized", ["eval.positions=randomized evaluates a model trained with pe.randomize_to=N",
+                                   "pe.randomize_to is null"]),
+    ("eval.probe.rows=0", ["eval.probe.rows must be an integer >= 1, got 0"]),
+    ("data=synthetic data.curriculum_batches=10 data.curriculum_start=4",
+     ["data.curriculum_start must be null or an integer in [11, data.block_size=256], got 4"]),
     ("data.tokens_per_step=1000", ["data.tokens_per_step=1000 is not a whole number of micro-batches",
                                    "= 4096 tokens; allowed: a multiple of 4096, e.g. 4096"]),
     ("data.tokens_per_step=8192 trainer.accumulate_grad_batches=2",
