@@ -422,7 +422,8 @@ def save_results(rows: Sequence[ExtrapolationRow], out_dir: Path, title: str) ->
 
     plt.close(fig)
     paths["md"] = out_dir / "extrapolation.md"
-    paths["md"].write_text(markdown_table(rows, row_by=("scheme", "mode", "rope_scaling")))
+    randomized = ("positions",) if any(r.positions != "sequential" for r in rows) else ()  # say which, when not 0..T-1
+    paths["md"].write_text(markdown_table(rows, row_by=("scheme", "mode", "rope_scaling", *randomized)))
     return paths
 
 
