@@ -26,7 +26,7 @@ from typing import ClassVar, Iterator, Sequence
 import numpy as np
 import torch
 
-from evaluation.position_loss import PositionLossRow, PositionSums, bin_rows
+from evaluation.position_loss import PositionSums, bin_rows
 from model.gpt import GPT, uncompiled
 from model.pe.rope_scaling import ROPE_SCALINGS
 from model.pe.schedule import random_positions

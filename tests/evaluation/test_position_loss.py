@@ -2,7 +2,6 @@
 NLL: per-position means against a float64 window-by-window loop, bins, query chunks, sliding
 windows, a 2-rank split reduced exactly, and the files a run writes."""
 
-import math
 
 import numpy as np
 import pytest
