@@ -34,6 +34,11 @@ class RoPEALiBi(RoPE, name="rope_alibi"):
         self.register_buffer("slopes", slopes, persistent=False)
         self.bias_heads, self.slope_multiplier = n_biased, slope_multiplier
 
+    def scale(self, scaling) -> None:
+        super().scale(scaling)
+        if scaling.kind == "linear":  # position interpolation moves the bias's distances too
+            self.slopes = self.slopes / scaling.factor
+
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))
         return -slopes * distance
