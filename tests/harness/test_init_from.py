@@ -125,3 +125,21 @@ def test_resumed_fine_tune_continues_the_fine_tune(tmp_path):
                tmp_path / "last.ckpt")
     resumed = run_config(tmp_path / "base.ckpt", *overrides, f"ckpt_path={tmp_path / 'last.ckpt'}")
     assert validate_config(resumed).init_state is None
+
+
+def test_context_extension_experiment_composes_every_method(tmp_path):
+    """experiment=context_extension with each conf/extension method validates from a base of
+    experiment=context_extension_base, original length 128, the method's options in place."""
+    cfg = compose_config(["experiment=context_extension_base"])
+    torch.manual_seed(0)
+    lit = LitGPT(model={**OmegaConf.to_container(cfg.model), "vocab_size": 256}, pe=OmegaConf.to_container(cfg.pe))
+    torch.save({"state_dict": lit.state_dict(), "hyper_parameters": dict(lit.hparams)}, tmp_path / "base.ckpt")
+    expected = {"plain": ("none", 10000.0), "linear": ("linear", 10000.0), "ntk": ("ntk", 10000.0),
+                "base_raise": ("none", 500000.0), "yarn": ("yarn", 10000.0), "llama3": ("llama3", 10000.0)}
+    for method, (kind, base) in expected.items():
+        run = compose_config(["experiment=context_extension", f"extension={method}", f"init_from={tmp_path / 'base.ckpt'}"])
+        checked = validate_config(run)
+        pe = checked.position.scheme
+        assert (run.model.block_size, pe.base) == (512, base), method
+        assert (pe.trained_scaling.kind, pe.trained_scaling.factor, pe.trained_scaling.original_length) == \
+            (kind, 4.0, 128) if kind != "none" else pe.trained_scaling is None, method
