@@ -2,7 +2,8 @@
 
 ``bias_heads`` picks how many heads (the first n) carry the bias; those heads get the
 standard ALiBi slope set for n heads, the rest are pure RoPE. ``slope_multiplier`` c
-scales every slope.
+scales every slope. ``pe.scaling.kind=linear`` interpolates both parts (angles of p/s, slopes
+m/s); the other kinds scale the rotation only.
 """
 
 from __future__ import annotations
