@@ -284,6 +284,8 @@ def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
     """The status of a row that cannot be measured honestly, or None when it can."""
     if row.rope_scaling != "none" and not pe.supports_rope_scaling:
         return f"not applicable: rope_scaling={row.rope_scaling} needs a rotary scheme"
+    if row.rope_scaling != "none" and pe.trained_scaling is not None:  # RoPE.set_scaling refuses it too
+        return f"not applicable: pe was trained with pe.scaling.kind={pe.trained_scaling.kind}, no scaling on top"
     if pe.max_positions is not None and row.eval_length > pe.max_positions:
         return f"not applicable: pe={pe.name} has {pe.max_positions} positions"
     if num_tokens < row.eval_length + 1:

@@ -65,6 +65,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> T
         ke = Tk - Tq + e  # rows [s, e) see keys [0, ke)
         if ctx.chunk is None:
             out = backend(q, k, v, ctx.state, dropout)
+        elif backend.full_keys:  # same K/V shape for every chunk: one compiled kernel per length
+            out = backend(q[:, :, s:e], k, v, backend.chunk(ctx.state, ctx.terms, s, e), dropout)
         else:
             out = backend(q[:, :, s:e], k[:, :, :ke], v[:, :, :ke], backend.chunk(ctx.state, ctx.terms, s, e), dropout)
         if backend.records:

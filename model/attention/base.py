@@ -62,6 +62,7 @@ class AttentionBackend:
     records: ClassVar[bool] = False  # returns (output, probabilities)
     fallback: ClassVar[tuple[str, ...]] = ("sdpa", "flex", "math")  # in order, where it does not apply
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
+    full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
 
     def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool) -> bool:
         return ((self.devices is None or device.type in self.devices)

@@ -1,7 +1,9 @@
 """``flex``: FlexAttention with the scheme's elementwise bias as ``score_mod`` and a causal BlockMask.
 
 Compiled on CUDA (one kernel per shape); eager elsewhere (on CPU, forward only). Float32
-throughout the scores, so position terms keep float32 accuracy. No attention dropout.
+throughout the scores, so position terms keep float32 accuracy. No attention dropout. Query
+chunks attend the full-length K/V with the chunk's offset in the BlockMask (fully masked key
+blocks are skipped), so every chunk of a length shares one compiled kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class FlexState:
     score: Callable | None  # the scheme's f(q_pos, k_pos, head) -> float32 bias, None: causal only
     q_positions: Tensor
     k_positions: Tensor
+    offset: int | None = None  # query row i is token offset + i of the keys (None: the last Tq tokens)
 
 
 class Flex(AttentionBackend):
@@ -33,6 +36,9 @@ class Flex(AttentionBackend):
     dropout = False
     fallback = ("math",)
     plain = "flex"
+    full_keys = True
+    compile_devices = ("cuda",)  # where flex_attention runs compiled (CPU flex runs eager)
+    compile_backend = "inductor"
 
     def __init__(self) -> None:
         self._compiled = None
@@ -48,24 +54,27 @@ class Flex(AttentionBackend):
         return FlexState(score, terms.q_positions, terms.k_positions)
 
     def chunk(self, state: FlexState, terms: Terms, s: int, e: int) -> FlexState:
-        rows = terms.rows(s, e)
-        return FlexState(state.score, rows.q_positions, rows.k_positions)
+        """Rows [s, e) against all Tk keys: the BlockMask's offset hides the keys they do not see."""
+        offset = terms.k_positions.shape[-1] - terms.q_positions.shape[-1] + s
+        return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset)
 
-    def block_mask(self, Tq: int, Tk: int, device: torch.device):
-        """The causal BlockMask of Tq queries (the last of Tk tokens) against Tk keys, built once
-        per shape in eager mode; a compiled graph builds its own (a cache mutated inside the
-        graph would recompile it)."""
+    def block_mask(self, Tq: int, Tk: int, device: torch.device, offset: int | None = None):
+        """The causal BlockMask of Tq queries (tokens offset..offset+Tq-1, by default the last Tq)
+        against Tk keys, built once per (shape, offset) in eager mode; a compiled graph builds its
+        own (a cache mutated inside the graph would recompile it)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        offset = Tk - Tq
+        offset = Tk - Tq if offset is None else offset
 
         def build():
-            return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset, None, None, Tq, Tk,
+            # the offset as a tensor, not a constant: masks at other offsets share one compiled kernel
+            shift = torch.tensor(offset, device=device)
+            return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + shift, None, None, Tq, Tk,
                                      device=device)
 
         if torch.compiler.is_compiling():
             return build()
-        key = (Tq, Tk, str(device))
+        key = (Tq, Tk, offset, str(device))
         if key not in self._block_masks:
             # normal tensors even when first asked for under inference_mode (Lightning's sanity
             # validation): inference tensors in the cache could not be saved for a later backward
@@ -78,7 +87,7 @@ class Flex(AttentionBackend):
         from torch.nn.attention.flex_attention import flex_attention
 
         if self._compiled is None:
-            self._compiled = torch.compile(flex_attention, dynamic=False)
+            self._compiled = torch.compile(flex_attention, dynamic=False, backend=self.compile_backend)
         with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
             return self._compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
@@ -95,12 +104,12 @@ class Flex(AttentionBackend):
             def score_mod(s, b, h, q_idx, kv_idx):
                 return s + score(qp[b, q_idx], kp[b, kv_idx], h)
 
-        block_mask = self.block_mask(Tq, Tk, q.device)
+        block_mask = self.block_mask(Tq, Tk, q.device, state.offset)
         dtype = v.dtype
         with torch.autocast(v.device.type, enabled=False):
             if torch.compiler.is_compiling():  # inside the model's graph: traced, no warnings filter (a break)
                 return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)
-            if v.device.type == "cuda":
+            if v.device.type in self.compile_devices:
                 return self.compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask)
             with warnings.catch_warnings():  # eager flex warns that it is not the fused kernel
                 warnings.simplefilter("ignore")

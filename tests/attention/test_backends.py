@@ -229,6 +229,32 @@ def test_compiled_flex_keeps_its_kernel_past_dynamos_recompile_limit():
     assert not unfused, unfused
 
 
+@pytest.mark.parametrize("name", ["alibi", "fire"])
+def test_chunked_flex_evaluation_compiles_one_kernel_per_length(monkeypatch, name):
+    """Query chunks attend the full-length K/V, their offset in the BlockMask: every chunk of
+    a length runs one compiled kernel (the CUDA path, compiled here on CPU by a counting
+    backend), where K/V cut at each chunk's end would compile one per chunk. The chunked NLL
+    equals the float64 model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    flex, counter = BACKEND_REGISTRY["flex"], CompileCounterWithBackend("eager")
+    monkeypatch.setattr(flex, "compile_devices", ("cpu",))
+    monkeypatch.setattr(flex, "compile_backend", counter)
+    monkeypatch.setattr(flex, "_compiled", None)
+    cfg, model, _ = backend_model(name, {}, "flex", seed=3)
+    for n, T in enumerate((16, 32), start=1):
+        idx = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(T))
+        targets = torch.roll(idx, -1, dims=1)
+        rows = [list(range(T))] * 2
+        ref = naive_logits64(model, name, {}, idx, rows)
+        ref_nll = torch.logsumexp(ref, -1) - ref.gather(-1, targets[..., None])[..., 0]
+        with torch.no_grad():
+            nll = model.token_nll(idx, targets, positions=torch.tensor(rows), q_chunk=4)
+        torch.testing.assert_close(nll.double(), ref_nll, atol=1e-5, rtol=1e-5)
+        assert counter.frame_count == n  # T / 4 chunks of this length, one kernel
+
+
 def test_flex_backend_refuses_a_bias_without_an_elementwise_form():
     cfg, model, _ = backend_model("alibi", {}, "flex")
     model.pe.bias_score = lambda: None
