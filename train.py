@@ -20,7 +20,7 @@ def train(cfg: DictConfig) -> float | None:
     import torch
 
     from pelab.batch import set_accumulation
-    from pelab.checkpoint import resume_from_run_dir
+    from pelab.checkpoint import load_init_weights, resume_from_run_dir
     from pelab.config import build
     from pelab.hydra_callbacks import check_writable_dir
     from pelab.lit import LitGPT
@@ -44,6 +44,8 @@ def train(cfg: DictConfig) -> float | None:
     documents = getattr(datamodule, "documents", None)  # packed documents (data/packing.py); none for synthetic tasks
     module = LitGPT(model=cfg.model, pe=cfg.pe, optim=cfg.optim, compile=cfg.compile, position=checked.position,
                     documents=vars(documents) if documents else None, eval_documents=cfg.eval.get("documents"))
+    if checked.init_state is not None:  # init_from: weights only; optimizer, schedule, step and data start fresh
+        load_init_weights(module.model, checked.init_state, cfg.init_from)
     run_id = wandb_run_id(output_dir, resuming)
     loggers = build_loggers(cfg, identity, run_id)
     trainer = build("trainer", hydra.utils.instantiate, cfg.trainer, logger=loggers or False,

@@ -26,6 +26,12 @@ the answers (so the last answer token is a target, never an input):
   with ``NEEDLE k1..kK`` inserted at ``depth`` (0 = first token, 1 = right before the
   question), then ``QUERY k1..kK``. Key: ``key_length`` random digits '0'-'9'. Answer: the K
   digits after QUERY. Depth None draws it uniformly in [0, 1] per sample.
+- ``niah`` (needle in a haystack over real text, after Kamradt's NIAH and the YaRN authors'
+  remark that filler passkey is much easier): an excerpt of the embedded Gutenberg corpus
+  (``haystack``: the training split for ``train`` samples, the held-out split for ``val`` and
+  ``test``), with the needle sentence `` The pass key is k1..kK.`` inserted at ``depth`` (at
+  the word break before it), then ``NIAH_QUESTION k1..kK``. Answer: the K digits. No marker
+  ids: the model has to find the sentence in prose.
 - ``copy``: ``[PAD] r1..rn SEP r1..rn``, n = length // 2, r uniform over 'a'-'z'.
   Answer: the second r1..rn.
 - ``assoc_recall`` (multi-query associative recall, Arora et al. 2023, "Zoology"):
@@ -46,6 +52,7 @@ stream.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,7 +70,10 @@ DIGITS, LOWER, UPPER = ord("0"), ord("a"), ord("A")
 FILLER = np.frombuffer(b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
                        dtype=np.uint8).astype(np.int64)
 WRITE, IGNORE, READ = ord("w"), ord("i"), ord("r")
-TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop"]
+NIAH_NEEDLE = b" The pass key is "  # + key + NIAH_END
+NIAH_END = b"."  # the haystack after it starts at a word break (a space)
+NIAH_QUESTION = b"\nWhat is the pass key? The pass key is "
+TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop", "niah"]
 TASKS: tuple[str, ...] = TaskName.__args__
 SPLITS = ("train", "val", "test")
 _TASK_CODE = {name: code for code, name in enumerate(TASKS, start=1)}  # fixed: changing one changes every sample
@@ -75,7 +85,7 @@ class Task:
     errors name the option as ``data.KEY``, the value and what is allowed."""
 
     name: str = "passkey"
-    key_length: int = 5  # passkey: digits in the key
+    key_length: int = 5  # passkey, niah: digits in the key
     num_pairs: int = 8  # assoc_recall: key-value pairs (<= 26 distinct keys)
     num_queries: int = 4  # assoc_recall: queried keys (<= num_pairs)
     p_ignore: float = 0.8  # flipflop: probability of an 'i' instruction (FFL(p))
@@ -95,8 +105,14 @@ class Task:
     @property
     def min_length(self) -> int:
         """The shortest input length whose layout fits."""
-        return {"passkey": 2 * self.key_length + 1, "copy": 2,
+        niah = len(NIAH_NEEDLE) + len(NIAH_END) + len(NIAH_QUESTION) + 2 * self.key_length - 1
+        return {"passkey": 2 * self.key_length + 1, "copy": 2, "niah": niah,
                 "assoc_recall": 2 * self.num_pairs + 2 * self.num_queries, "flipflop": 3}[self.name]
+
+    @property
+    def has_depth(self) -> bool:
+        """Retrieval tasks: the fact sits at a chosen depth (accuracy grids are depth x length)."""
+        return self.name in DEPTH_TASKS
 
     def sample(self, length: int, index: int, seed: int = 0, split: str = "train", rank: int = 0,
                depth: float | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -107,13 +123,17 @@ class Task:
         for key, value in (("seed", seed), ("rank", rank), ("index", index)):
             require(int(value) == value and value >= 0, key, value, "an integer >= 0")
         if depth is not None:
-            require(self.name == "passkey", "depth", depth, f"null for task={self.name} (only passkey has a depth)")
+            require(self.has_depth, "depth", depth, f"null for task={self.name} (only {', '.join(DEPTH_TASKS)} "
+                    "have a depth)")
             require(0 <= depth <= 1, "depth", depth, "a number in [0, 1] (0 = start, 1 = right before the question)")
         # Every stream its own generator: numpy hashes the whole tuple (SeedSequence), so
         # neighbouring seeds or indices give unrelated samples.
         rng = np.random.default_rng([_TASK_CODE[self.name], SPLITS.index(split), int(seed), int(rank), int(index),
                                      int(length)])
-        seq, answers = getattr(self, f"_{self.name}")(rng, int(length) + 1, depth)
+        if self.name == "niah":  # its haystack depends on the split (held-out text outside training)
+            seq, answers = self._niah(rng, int(length) + 1, depth, split)
+        else:
+            seq, answers = getattr(self, f"_{self.name}")(rng, int(length) + 1, depth)
         assert len(seq) == length + 1, (self.name, len(seq), length)
         targets = np.full(length, -1, dtype=np.int64)
         targets[answers - 1] = seq[answers]  # target t predicts seq[t + 1]
@@ -128,6 +148,23 @@ class Task:
         filler = FILLER[np.arange(n - 2 * (k + 1)) % len(FILLER)]
         at = int(round(depth * len(filler)))
         seq = np.concatenate([filler[:at], [NEEDLE], key, filler[at:], [QUERY], key])
+        return seq, np.arange(n - k, n)
+
+    def _niah(self, rng: np.random.Generator, n: int, depth: float | None, split: str):
+        k = self.key_length
+        key = rng.integers(0, 10, k) + DIGITS  # drawn first: a sample has the same key at every depth
+        depth = rng.random() if depth is None else depth
+        needle = np.concatenate([_ids(NIAH_NEEDLE), key, _ids(NIAH_END)])
+        question = _ids(NIAH_QUESTION)
+        text = haystack("train" if split == "train" else "val")
+        size = n - len(needle) - len(question) - k
+        start = int(rng.integers(0, len(text) - size))
+        hay = text[start : start + size]
+        at = int(round(depth * size))
+        if 0 < at < size:  # to the word break at or before it, so the needle never splits a word
+            spaces = np.flatnonzero(hay[:at] == ord(" "))
+            at = int(spaces[-1]) if len(spaces) else at
+        seq = np.concatenate([hay[:at], needle, hay[at:], question, key])
         return seq, np.arange(n - k, n)
 
     def _copy(self, rng: np.random.Generator, n: int, depth: None):
@@ -168,20 +205,42 @@ class Task:
         return seq, pad + 1 + 2 * np.flatnonzero(ops == READ)
 
 
+DEPTH_TASKS = ("passkey", "niah")
+
+
+def _ids(text: bytes) -> np.ndarray:
+    return np.frombuffer(text, dtype=np.uint8).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=2)
+def haystack(split: str) -> np.ndarray:
+    """The embedded Gutenberg corpus (data/corpus.py, held-out = the last 10% of every book) as
+    byte ids, ``train`` or ``val`` split; control bytes become spaces, so no text byte is one of
+    the structural ids above."""
+    from data.corpus import GutenbergCorpus
+
+    text = "\n\n".join(body for _, body in GutenbergCorpus(0.1).documents()[split])
+    ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    return np.where((ids < 0x20) & (ids != ord("\n")), ord(" "), ids)
+
+
 class TaskSamples(Dataset):
     """Samples ``offset + i`` (i = 0..count-1) of one task's stream, as (inputs, targets) tensors."""
 
     def __init__(self, task: Task, length: int, count: int, seed: int, split: str, rank: int = 0,
-                 depth: float | None = None, offset: int = 0) -> None:
+                 depth: float | None = None, offset: int = 0, length_of=None) -> None:
         self.task, self.length, self.count = task, length, count
         self.seed, self.split, self.rank, self.depth = seed, split, rank, depth
         self.offset = offset  # samples already consumed (a resumed run continues the stream)
+        self.length_of = length_of  # sample index -> its length (a curriculum); None: always ``length``
 
     def __len__(self) -> int:
         return self.count - self.offset
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.task.sample(self.length, self.offset + i, self.seed, self.split, self.rank, self.depth)
+        j = self.offset + i
+        length = self.length if self.length_of is None else self.length_of(j)
+        x, y = self.task.sample(length, j, self.seed, self.split, self.rank, self.depth)
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -189,9 +248,10 @@ class SyntheticDataModule(StreamDataModule):
     """Training samples of ``block_size`` from (seed, rank, i); ``val_samples`` fixed validation
     samples (the ``val`` stream, rank 0: the same in every run, resume and rank).
 
-    There is no held-out text: ``held_out_text`` is False and ``split_path`` refuses with a
-    message, so perplexity extrapolation must be off (``eval.extrapolation.enabled=false``);
-    ``evaluation/tasks.py`` measures accuracy against length instead. ``unigram_loss`` is the
+    There is no held-out text to score perplexity on (niah's haystack is the corpus, but its
+    score is retrieval): ``held_out_text`` is False, ``split_path`` refuses with a message, and
+    the end of training skips perplexity; ``evaluation/tasks.py`` measures accuracy against
+    length (and depth) instead. ``unigram_loss`` is the
     answer-token baseline (see there), so the end-of-run report needs no special case."""
 
     held_out_text = False
@@ -211,6 +271,8 @@ class SyntheticDataModule(StreamDataModule):
         num_pairs: int = 8,
         num_queries: int = 4,
         p_ignore: float = 0.8,
+        curriculum_batches: int = 0,
+        curriculum_start: int | None = None,
     ) -> None:
         super().__init__()
         self.task = Task(task, key_length=key_length, num_pairs=num_pairs, num_queries=num_queries, p_ignore=p_ignore)
@@ -222,9 +284,16 @@ class SyntheticDataModule(StreamDataModule):
         require(val_batch_size is None or (isinstance(val_batch_size, int) and val_batch_size >= 1),
                 "data.val_batch_size", val_batch_size, "an integer >= 1 or null (= data.batch_size)")
         if depth is not None:
-            require(task == "passkey", "data.depth", depth, f"null for data.task={task} (only passkey has a depth)")
+            require(self.task.has_depth, "data.depth", depth,
+                    f"null for data.task={task} (only {', '.join(DEPTH_TASKS)} have a depth)")
             require(isinstance(depth, (int, float)) and 0 <= depth <= 1, "data.depth", depth,
                     "a number in [0, 1] or null (a random depth per sample)")
+        require(isinstance(curriculum_batches, int) and curriculum_batches >= 0, "data.curriculum_batches",
+                curriculum_batches, "an integer >= 0 (0: every training sample is block_size long)")
+        start = curriculum_start if curriculum_start is not None else max(self.task.min_length, block_size // 8)
+        require(isinstance(start, int) and self.task.min_length <= start <= block_size, "data.curriculum_start",
+                curriculum_start, f"null or an integer in [{self.task.min_length}, data.block_size={block_size}]")
+        self.curriculum_batches, self.curriculum_start = curriculum_batches, start
         self.block_size, self.batch_size = block_size, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.val_samples, self.num_workers, self.seed = val_samples, num_workers, seed
@@ -237,14 +306,24 @@ class SyntheticDataModule(StreamDataModule):
     def vocab_size(self) -> int:
         return VOCAB_SIZE
 
+    def curriculum_length(self, index: int) -> int:
+        """Training length of sample ``index``: the same for a whole batch, growing linearly from
+        ``curriculum_start`` to ``block_size`` over the first ``curriculum_batches`` batches (per
+        rank; a resumed run continues it), then ``block_size``. Short samples first: the key is
+        near the question, so retrieval is learned at short range before it has to reach L."""
+        batch = index // self.batch_size
+        if batch >= self.curriculum_batches:
+            return self.block_size
+        return self.curriculum_start + (self.block_size - self.curriculum_start) * batch // self.curriculum_batches
+
     def split_path(self, split: str):
         raise ValueError(f"data.task={self.task.name} is synthetic: there is no {split} text to score perplexity "
-                         "on; set eval.extrapolation.enabled=false (evaluation/tasks.py measures accuracy vs length)")
+                         "on (evaluation/tasks.py measures accuracy vs length and depth instead)")
 
     def setup(self, stage: str | None = None) -> None:
         rank = self.trainer.global_rank if self.trainer is not None else 0
         self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", rank,
-                                     self.depth)
+                                     self.depth, length_of=self.curriculum_length if self.curriculum_batches else None)
         self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", 0, self.depth)
 
     def unigram_loss(self, samples: int = 2048) -> float:

@@ -28,11 +28,16 @@ import torch
 
 from data.packing import MODES as DOCUMENT_MODES
 from data.packing import DocumentOptions
+from evaluation.position_loss import PositionSums, bin_rows
 from model.gpt import GPT, uncompiled
 from model.pe.rope_scaling import ROPE_SCALINGS
+from model.pe.schedule import random_positions
 from pelab.config import require
 
 MODES = ("nonoverlapping", "sliding")
+#: Positions the model sees at evaluation: 0..T-1, or (a ``pe.randomize_to=N`` model) a sorted
+#: random subset of [0, N) per sequence as in training (Ruoss et al. 2023), seeded per window.
+POSITION_MODES = ("sequential", "randomized")
 
 
 class LengthSweepOptions:
@@ -69,12 +74,18 @@ class ExtrapolationConfig(LengthSweepOptions):
     rope_scaling: Sequence[str | None] = (None,)  # None (plain) and/or linear, ntk, dynamic_ntk, yarn
     rope_scaling_factor: float | None = None  # None = eval length / train length (1 for dynamic_ntk)
     precision: str = "bf16-mixed"
+    positions: str = "sequential"  # POSITION_MODES (eval.positions)
+    positions_seed: int = 0  # randomized positions: the draws depend on (seed, length, window start)
+    position_bins_per_octave: int = 4  # loss by position: log-spaced bins past 2 L
     # packed documents (data/packing.py): None = as the run trained, or a mode, or a list of
     # them (every row once per mode, e.g. [none, both])
     documents: str | Sequence[str | None] | None = None
 
     def __post_init__(self) -> None:
         key = "eval.extrapolation"
+        require(self.positions in POSITION_MODES, "eval.positions", self.positions, " or ".join(POSITION_MODES))
+        require(self.position_bins_per_octave >= 1, f"{key}.position_bins_per_octave", self.position_bins_per_octave,
+                ">= 1")
         given = self.documents
         self.documents = list(given) if isinstance(given, (list, tuple)) else [given]
         self.documents = [None if m in (None, "null") else m for m in self.documents] or [None]
@@ -111,11 +122,26 @@ class ExtrapolationRow:
     ppl: float
     seconds: float
     status: str = "ok"  # "ok", "not applicable: ...", "skipped: ..."
+    positions: str = "sequential"  # POSITION_MODES: what the model saw
     documents: str = "none"  # what the windows read of packed documents: none, positions, mask, both
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+def eval_positions(mode: str, starts: Sequence[int], length: int, randomize_to: int | None, seed: int,
+                   device: torch.device) -> torch.Tensor | None:
+    """None (0..T-1) for ``sequential``; for ``randomized`` (len(starts), length) positions, each
+    row a sorted random subset of [0, randomize_to) drawn from (seed, length, window start), so
+    the draws do not depend on batching or on the rank that scores the window."""
+    if mode == "sequential":
+        return None
+    rows = []
+    for s in starts:
+        generator = torch.Generator().manual_seed(hash((int(seed), int(length), int(s))) & (2**63 - 1))
+        rows.append(random_positions(1, length, randomize_to, generator))
+    return torch.cat(rows).to(device)
 
 
 def window_starts(num_tokens: int, length: int, stride: int) -> range:
@@ -185,42 +211,59 @@ def _batches(starts: range, size: int) -> Iterator[range]:
 @torch.no_grad()
 def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: int | None = None,
                  max_tokens: int | None = None, tokens_per_batch: int = 16384, q_chunk: int | None = 1024,
-                 precision: str = "bf16-mixed", distributed: bool = False,
+                 precision: str = "bf16-mixed", distributed: bool = False, by_position: PositionSums | None = None,
+                 positions: str = "sequential", randomize_to: int | None = None, seed: int = 0,
                  documents: DocumentOptions = DocumentOptions()) -> tuple[float, int, int]:
     """(summed NLL, tokens scored, stride) over the held-out ``tokens`` at one eval length, on
     the windows of ``scored_windows`` (spread over the whole text when ``max_tokens`` caps them).
     ``distributed``: every rank of the process group calls this, scores every world-th window
-    and gets the sums over all of them. ``documents``: the packed-document layout each window
-    is scored with (positions restarting and/or attention kept inside documents)."""
+    and gets the sums over all of them. ``by_position``: also filled with the same NLL summed
+    per position in the window (reduced across ranks with the totals). ``positions``: the
+    positions the model sees (``POSITION_MODES``); ``randomized`` draws from [0, ``randomize_to``).
+    ``documents``: the packed-document layout each window is scored with (its per-document
+    positions replace ``positions``'; attention kept inside documents)."""
     device = next(gpt.parameters()).device
     starts, step = scored_windows(len(tokens), length, mode, stride, max_tokens)
     rank, world = shard_of(distributed)
     starts = starts[rank::world]
     batch = max(1, tokens_per_batch // length)
     total, count = 0.0, 0
+    sums = torch.zeros(step, dtype=torch.float64)  # per scored position: windows' NLL, same numbers as total
     for group in _batches(starts, batch):
         chunk = np.stack([tokens[s : s + length + 1] for s in group]).astype(np.int64)
         xy = torch.from_numpy(chunk).to(device)
+        where = eval_positions(positions, group, length, randomize_to, seed, device)
         with _autocast(precision, device):
-            positions, docs = documents.layout(xy[:, :-1])
-            nll = gpt.token_nll(xy[:, :-1], xy[:, 1:], positions, q_chunk=q_chunk, documents=docs)
-        scored = nll[:, length - step :]  # the last `step` targets of every window
-        total += scored.double().sum().item()
+            restarted, docs = documents.layout(xy[:, :-1])
+            nll = gpt.token_nll(xy[:, :-1], xy[:, 1:], where if restarted is None else restarted, q_chunk=q_chunk,
+                                documents=docs)
+        scored = nll[:, length - step :].double()  # the last `step` targets of every window
+        total += scored.sum().item()
         count += scored.numel()
+        sums += scored.sum(0).cpu()
+    counts = len(starts)  # every scored window adds one target at each scored position
     if world > 1:
-        total, count = distributed_sum([total, float(count)])
+        reduced = distributed_sum([total, float(count), float(counts), *sums.tolist()])
+        total, count, counts, sums = reduced[0], reduced[1], int(reduced[2]), torch.tensor(reduced[3:])
+    if by_position is not None:
+        by_position.add(length - step, sums.numpy(), counts)
     return total, int(count), step
 
 
 def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, config: ExtrapolationConfig,
-                           log=print, distributed: bool = False, documents: DocumentOptions | None = None
+                           log=print, distributed: bool = False, position_rows: list | None = None,
+                           randomize_to: int | None = None, documents: DocumentOptions | None = None
                            ) -> list[ExtrapolationRow]:
     """Every (rope scaling, mode, length) row for one model on one held-out token stream.
     ``distributed``: called on every rank, which scores its share of the windows; every rank
     gets the whole table (summed NLL and token counts are reduced across ranks).
+    ``position_rows``: a list that receives the loss-by-position rows (evaluation/position_loss.py)
+    of every scored row (of the first ``config.documents`` mode only: their rows carry no mode).
+    ``randomize_to``: the model's ``pe.randomize_to`` (for ``config.positions == "randomized"``).
     ``documents``: how the run trained (``LitGPT.documents``); ``config.documents`` may
     choose otherwise, and every row says what was used."""
     trained = documents or DocumentOptions()
+    first_documents = trained.resolve(config.documents[0]).mode
     gpt = uncompiled(gpt)
     was_training = gpt.training
     gpt.eval()
@@ -231,10 +274,15 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
                 for length in config.eval_lengths(train_length):
                     row = ExtrapolationRow(gpt.pe.name, scaling or "none", train_length, length, mode,
                                            window_step(length, mode, config.stride), 0, math.nan, math.nan, 0.0,
-                                           documents=documents.mode)
-                    row.status = _why_not_scored(gpt.pe, row, len(tokens)) or "ok"
+                                           positions=config.positions, documents=documents.mode)
+                    row.status = (_why_not_randomized(config.positions, randomize_to, length)
+                                  or _why_not_scored(gpt.pe, row, len(tokens)) or "ok")
                     if row.ok:
-                        _score_row(gpt, tokens, row, config, distributed, documents)
+                        sums = _score_row(gpt, tokens, row, config, distributed, randomize_to, documents)
+                        if position_rows is not None and row.documents == first_documents:
+                            head = {k: getattr(row, k) for k in ("scheme", "rope_scaling", "positions", "train_length",
+                                                                 "eval_length", "mode", "stride")}
+                            position_rows.extend(bin_rows(sums, head, config.position_bins_per_octave))
                     rows.append(row)
                     log(format_row(row))
     finally:
@@ -242,10 +290,22 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
     return rows
 
 
+def _why_not_randomized(positions: str, randomize_to: int | None, length: int) -> str | None:
+    if positions != "randomized":
+        return None
+    if randomize_to is None:
+        return "not applicable: eval.positions=randomized needs a model trained with pe.randomize_to"
+    if length > randomize_to:
+        return f"not applicable: {length} randomized positions do not fit in [0, pe.randomize_to={randomize_to})"
+    return None
+
+
 def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
     """The status of a row that cannot be measured honestly, or None when it can."""
     if row.rope_scaling != "none" and not pe.supports_rope_scaling:
         return f"not applicable: rope_scaling={row.rope_scaling} needs a rotary scheme"
+    if row.rope_scaling != "none" and pe.trained_scaling is not None:  # RoPE.set_scaling refuses it too
+        return f"not applicable: pe was trained with pe.scaling.kind={pe.trained_scaling.kind}, no scaling on top"
     if pe.max_positions is not None and row.eval_length > pe.max_positions:
         return f"not applicable: pe={pe.name} has {pe.max_positions} positions"
     if num_tokens < row.eval_length + 1:
@@ -256,8 +316,10 @@ def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
 
 
 def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: ExtrapolationConfig,
-               distributed: bool = False, documents: DocumentOptions = DocumentOptions()) -> None:
-    """Fill tokens, loss, ppl and seconds, with the row's RoPE scaling on for this length only."""
+               distributed: bool = False, randomize_to: int | None = None,
+               documents: DocumentOptions = DocumentOptions()) -> PositionSums:
+    """Fill tokens, loss, ppl and seconds, with the row's RoPE scaling on for this length only;
+    the same NLL summed by window position is returned."""
     scaling = None if row.rope_scaling == "none" else row.rope_scaling
     if scaling:
         from model.pe.rope_scaling import RopeScaling, default_factor
@@ -265,21 +327,25 @@ def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: Extr
         factor = config.rope_scaling_factor or default_factor(scaling, row.eval_length, row.train_length)
         gpt.pe.set_scaling(RopeScaling(scaling, factor, row.train_length))
     t0 = time.perf_counter()
+    sums = PositionSums(row.eval_length)
     try:
         total, count, _ = score_length(gpt, tokens, row.eval_length, row.mode, config.stride, config.max_tokens,
                                        config.tokens_per_batch, config.q_chunk, config.precision, distributed,
-                                       documents)
+                                       sums, config.positions, randomize_to, config.positions_seed, documents)
     finally:
         if scaling:
             gpt.pe.set_scaling(None)
     row.seconds = time.perf_counter() - t0
     row.tokens, row.loss = count, total / count
     row.ppl = math.exp(row.loss)
+    return sums
 
 
 def format_row(row: ExtrapolationRow) -> str:
     head = (f"[extrapolation] pe={row.scheme} scaling={row.rope_scaling} mode={row.mode} "
-            f"train={row.train_length} eval={row.eval_length} stride={row.stride} documents={row.documents}")
+            f"train={row.train_length} eval={row.eval_length} stride={row.stride}"
+            + ("" if row.positions == "sequential" else f" positions={row.positions}")
+            + ("" if row.documents == "none" else f" documents={row.documents}"))
     if not row.ok:
         return f"{head}: {row.status}"
     return f"{head}: ppl {row.ppl:.3f} (loss {row.loss:.4f}) over {row.tokens} tokens in {row.seconds:.1f}s"
@@ -381,8 +447,9 @@ def save_results(rows: Sequence[ExtrapolationRow], out_dir: Path, title: str) ->
 
     plt.close(fig)
     paths["md"] = out_dir / "extrapolation.md"
+    randomized = ("positions",) if any(r.positions != "sequential" for r in rows) else ()  # say which, when not 0..T-1
     several = ("documents",) if len({r.documents for r in rows}) > 1 else ()  # several packed-document modes
-    paths["md"].write_text(markdown_table(rows, row_by=("scheme", "mode", "rope_scaling", *several)))
+    paths["md"].write_text(markdown_table(rows, row_by=("scheme", "mode", "rope_scaling", *randomized, *several)))
     return paths
 
 

@@ -27,11 +27,15 @@ import numpy as np
 import torch
 
 from data.synthetic import Task
-from evaluation.extrapolation import LengthSweepOptions, _autocast, read_rows, write_rows
+from evaluation.extrapolation import (POSITION_MODES, LengthSweepOptions, _autocast, _why_not_randomized,
+                                      eval_positions, read_rows, write_rows)
 from model.gpt import GPT, uncompiled
 from pelab.config import require
 
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: A run learned its task when the exact match at the training length, over held-out samples
+#: (the ``test`` stream) and every depth, reaches this; rows of runs that did not say so.
+LEARNED_THRESHOLD = 0.9
 
 
 @dataclass
@@ -39,16 +43,19 @@ class TaskEvalConfig(LengthSweepOptions):
     section: ClassVar[str] = "eval.tasks"
     multipliers: Sequence[float] = (1, 2, 4, 8)  # eval lengths as multiples of the train length
     lengths: Sequence[int] = ()  # absolute eval lengths, added to the multiples
-    depths: Sequence[float] = PASSKEY_DEPTHS  # passkey only: key depth, 0 = first token, 1 = before the question
+    depths: Sequence[float] = PASSKEY_DEPTHS  # passkey/niah only: key depth, 0 = first token, 1 = before the question
     samples: int = 100  # per (length, depth)
     tokens_per_batch: int = 16384
     q_chunk: int = 1024  # attention query chunk for long sequences (memory bound)
     precision: str = "bf16-mixed"
+    positions: str = "sequential"  # POSITION_MODES (eval.positions)
+    positions_seed: int = 0
     # packed documents: a task sample is one document with no separator, so only "none" applies
     documents: str | None = None
 
     def __post_init__(self) -> None:
         key = "eval.tasks"
+        require(self.positions in POSITION_MODES, "eval.positions", self.positions, " or ".join(POSITION_MODES))
         require(self.documents in (None, "none"), f"{key}.documents", self.documents,
                 "null or none (a synthetic task sample is a single document, with no separator to pack by)")
         require(len(self.multipliers) + len(self.lengths) > 0, f"{key}.multipliers", list(self.multipliers),
@@ -77,11 +84,17 @@ class TaskRow:
     token_accuracy: float  # answer tokens right, pooled over the samples
     seconds: float
     status: str = "ok"  # "ok", "not applicable: ...", "skipped: ..."
+    positions: str = "sequential"  # POSITION_MODES: what the model saw
+    learned: str = ""  # "yes" / "no": the run's exact match at its training length >= LEARNED_THRESHOLD; "" unknown
     documents: str = "none"  # packed documents read: always none (one sample, one document)
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def not_learned(self) -> bool:
+        return self.learned == "no"
 
 
 COLUMNS = [f.name for f in fields(TaskRow)]
@@ -96,14 +109,14 @@ def task_batch(task: Task, length: int, indices: Sequence[int], seed: int, depth
 
 @torch.no_grad()
 def score_batch(gpt: GPT, inputs: torch.Tensor, targets: torch.Tensor, q_chunk: int | None = 1024,
-                precision: str = "bf16-mixed") -> tuple[torch.Tensor, int, int]:
+                precision: str = "bf16-mixed", positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """(per-sample exact match (B,) bool, answer tokens right, answer tokens) of one batch;
-    targets are -1 except at the answers."""
+    targets are -1 except at the answers. ``positions``: (B, T), default 0..T-1."""
     device = next(gpt.parameters()).device
     inputs, targets = inputs.to(device), targets.to(device)
     answer = targets >= 0
     with _autocast(precision, device):
-        h = gpt.hidden(inputs, q_chunk=q_chunk)
+        h = gpt.hidden(inputs, positions, q_chunk=q_chunk)
         predicted = gpt.logits(h[answer]).argmax(dim=-1)  # only the answer positions reach the LM head
     right = predicted == targets[answer]
     wrong = torch.zeros_like(answer)
@@ -112,25 +125,40 @@ def score_batch(gpt: GPT, inputs: torch.Tensor, targets: torch.Tensor, q_chunk: 
 
 
 def evaluate_tasks(gpt: GPT, task: Task, train_length: int, config: TaskEvalConfig, seed: int,
-                   log=print) -> list[TaskRow]:
-    """Every (length, depth) row for one model on one task."""
+                   log=print, randomize_to: int | None = None) -> list[TaskRow]:
+    """Every (length, depth) row for one model on one task, each marked with whether the model
+    learned the task at ``train_length`` (``mark_learned``). ``randomize_to``: the model's
+    ``pe.randomize_to`` (for ``config.positions == "randomized"``)."""
     gpt = uncompiled(gpt)
     was_training = gpt.training
     gpt.eval()
-    depths = [float(d) for d in config.depths] if task.name == "passkey" else [math.nan]
+    depths = [float(d) for d in config.depths] if task.has_depth else [math.nan]
     rows: list[TaskRow] = []
     try:
         for length in config.eval_lengths(train_length):
             for depth in depths:
-                row = TaskRow(task.name, gpt.pe.name, train_length, length, depth, 0, math.nan, math.nan, 0.0)
-                row.status = _why_not_scored(gpt.pe, task, length) or "ok"
+                row = TaskRow(task.name, gpt.pe.name, train_length, length, depth, 0, math.nan, math.nan, 0.0,
+                              positions=config.positions)
+                row.status = (_why_not_randomized(config.positions, randomize_to, length)
+                              or _why_not_scored(gpt.pe, task, length) or "ok")
                 if row.ok:
-                    _score_row(gpt, task, row, config, seed)
+                    _score_row(gpt, task, row, config, seed, randomize_to)
                 rows.append(row)
                 log(format_row(row))
     finally:
         gpt.train(was_training)
+    mark_learned(rows)
     return rows
+
+
+def mark_learned(rows: Sequence[TaskRow], threshold: float = LEARNED_THRESHOLD) -> str:
+    """Set ``learned`` on every row of one run: "yes" when the sample-weighted exact match at the
+    training length (over its depths) is >= ``threshold``, "no" below, "" when not measured there."""
+    at_train = [r for r in mean_over_depths(rows) if r.ok and r.eval_length == r.train_length]
+    verdict = "" if not at_train else ("yes" if at_train[0].accuracy >= threshold else "no")
+    for r in rows:
+        r.learned = verdict
+    return verdict
 
 
 def _why_not_scored(pe, task: Task, length: int) -> str | None:
@@ -141,7 +169,8 @@ def _why_not_scored(pe, task: Task, length: int) -> str | None:
     return None
 
 
-def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed: int) -> None:
+def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed: int,
+               randomize_to: int | None = None) -> None:
     t0 = time.perf_counter()
     depth = None if math.isnan(row.depth) else row.depth
     batch = max(1, config.tokens_per_batch // row.eval_length)
@@ -149,7 +178,9 @@ def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed:
     for start in range(0, config.samples, batch):
         indices = range(start, min(config.samples, start + batch))
         inputs, targets = task_batch(task, row.eval_length, indices, seed, depth)
-        ok, r, n = score_batch(gpt, inputs, targets, config.q_chunk, config.precision)
+        where = eval_positions(config.positions, indices, row.eval_length, randomize_to, config.positions_seed,
+                               next(gpt.parameters()).device)
+        ok, r, n = score_batch(gpt, inputs, targets, config.q_chunk, config.precision, where)
         exact, right, total = exact + int(ok.sum()), right + r, total + n
     row.seconds = time.perf_counter() - t0
     row.samples, row.accuracy, row.token_accuracy = config.samples, exact / config.samples, right / total
@@ -157,7 +188,8 @@ def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed:
 
 def format_row(row: TaskRow) -> str:
     depth = "" if math.isnan(row.depth) else f" depth={row.depth:g}"
-    head = f"[tasks] task={row.task} pe={row.scheme} train={row.train_length} eval={row.eval_length}{depth}"
+    head = (f"[tasks] task={row.task} pe={row.scheme} train={row.train_length} eval={row.eval_length}{depth}"
+            + ("" if row.positions == "sequential" else f" positions={row.positions}"))
     if not row.ok:
         return f"{head}: {row.status}"
     return (f"{head}: accuracy {row.accuracy:.3f} (tokens {row.token_accuracy:.3f}) over {row.samples} samples "
@@ -193,8 +225,19 @@ def mean_over_depths(rows: Sequence[TaskRow]) -> list[TaskRow]:
         merged.append(TaskRow(task, scheme, train, length, math.nan, n,
                               sum(r.accuracy * r.samples for r in members) / n,
                               sum(r.token_accuracy * r.samples for r in members) / n,  # equal answers per sample
-                              sum(r.seconds for r in members)))
+                              sum(r.seconds for r in members), positions=members[0].positions,
+                              learned=members[0].learned))
     return merged
+
+
+NOT_LEARNED = " [not learned at L]"
+LEARNED_NOTE = (f"[not learned at L]: exact match below {100 * LEARNED_THRESHOLD:g}% on held-out samples at the "
+                "training length (mean over depths), so its longer lengths say nothing about extrapolation.\n")
+
+
+def scheme_label(r: TaskRow) -> str:
+    """The scheme, marked when its run did not learn the task at the training length."""
+    return r.scheme + (NOT_LEARNED if r.not_learned else "")
 
 
 def _series(rows: Sequence[TaskRow]) -> dict[str, list[TaskRow]]:
@@ -203,12 +246,12 @@ def _series(rows: Sequence[TaskRow]) -> dict[str, list[TaskRow]]:
     several = len({r.depth for r in rows if not math.isnan(r.depth)}) > 1
     for r in rows:
         if r.ok:
-            label = r.scheme if math.isnan(r.depth) else f"{r.scheme} depth={r.depth:g}"
+            label = scheme_label(r) if math.isnan(r.depth) else f"{scheme_label(r)} depth={r.depth:g}"
             series.setdefault(label, []).append(r)
     if several:
         for r in mean_over_depths(rows):
             if r.ok:
-                series.setdefault(f"{r.scheme} mean", []).append(r)
+                series.setdefault(f"{scheme_label(r)} mean", []).append(r)
     return series
 
 
@@ -250,10 +293,10 @@ def markdown_table(rows: Sequence[TaskRow]) -> str:
     lines_of: dict[tuple, dict[int, str]] = {}
     several = len({r.depth for r in rows if not math.isnan(r.depth)}) > 1
     for r in rows:
-        lines_of.setdefault((r.task, r.scheme, depth_label(r.depth)), {})[r.eval_length] = _cell(r)
+        lines_of.setdefault((r.task, scheme_label(r), depth_label(r.depth)), {})[r.eval_length] = _cell(r)
     if several:
         for r in mean_over_depths(rows):
-            lines_of.setdefault((r.task, r.scheme, "mean"), {})[r.eval_length] = _cell(r)
+            lines_of.setdefault((r.task, scheme_label(r), "mean"), {})[r.eval_length] = _cell(r)
     train = sorted({r.train_length for r in rows})
     header = "| task | scheme | depth | " + " | ".join(
         f"{n}" + (" (train)" if n in train else "") for n in lengths) + " |"
@@ -272,8 +315,90 @@ def save_results(rows: Sequence[TaskRow], out_dir: Path, title: str) -> dict[str
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    paths["md"].write_text("Exact-match accuracy (%) by evaluation length (tokens).\n\n" + markdown_table(rows))
+    text = "Exact-match accuracy (%) by evaluation length (tokens).\n\n" + markdown_table(rows)
+    paths["md"].write_text(text + (f"\n{LEARNED_NOTE}" if any(r.not_learned for r in rows) else ""))
+    if any(r.ok and not math.isnan(r.depth) for r in rows):
+        paths["heatmap_csv"] = write_heatmap_csv(rows, out_dir / "heatmap.csv")
+        paths["heatmap"] = out_dir / "heatmap.png"
+        fig = plot_heatmaps(rows, title=title)
+        fig.savefig(paths["heatmap"])
+        plt.close(fig)
     return paths
+
+
+def depth_length_grid(rows: Sequence[TaskRow]) -> tuple[list[float], list[int], np.ndarray]:
+    """(depths, lengths, accuracy[depth, length]) of one run's rows (NaN where not scored)."""
+    scored = [r for r in rows if not math.isnan(r.depth)]
+    depths = sorted({r.depth for r in scored})
+    lengths = sorted({r.eval_length for r in scored})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for r in scored:
+        if r.ok:
+            grid[depths.index(r.depth), lengths.index(r.eval_length)] = r.accuracy
+    return depths, lengths, grid
+
+
+def write_heatmap_csv(rows: Sequence[TaskRow], path: Path) -> Path:
+    """One line per (scheme, depth), one column per eval length: exact-match accuracy (empty: not scored)."""
+    import csv
+
+    lengths = sorted({r.eval_length for r in rows if not math.isnan(r.depth)})
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task", "scheme", "learned", "depth", *lengths])
+        for (task, scheme), members in _by_run(rows).items():
+            depths, cols, grid = depth_length_grid(members)
+            for i, depth in enumerate(depths):
+                cells = {n: grid[i, j] for j, n in enumerate(cols)}
+                writer.writerow([task, scheme, members[0].learned, f"{depth:g}",
+                                 *("" if math.isnan(cells.get(n, math.nan)) else f"{cells[n]:.4f}" for n in lengths)])
+    return path
+
+
+def _by_run(rows: Sequence[TaskRow]) -> dict[tuple[str, str], list[TaskRow]]:
+    out: dict[tuple[str, str], list[TaskRow]] = {}
+    for r in rows:
+        if not math.isnan(r.depth):
+            out.setdefault((r.task, r.scheme), []).append(r)
+    return out
+
+
+def plot_heatmaps(rows: Sequence[TaskRow], title: str = "Retrieval accuracy"):
+    """The depth x length grid of exact-match accuracy, one panel per (task, scheme): depth down
+    (0 = start of the context), eval length across, the training length's column outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _by_run(rows)
+    n = max(1, len(panels))
+    cols = min(n, 4)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(3.2 * cols + 0.8, 2.8 * ((n + cols - 1) // cols)),
+                             dpi=120, squeeze=False)
+    image = None
+    for ax, ((task, scheme), members) in zip(axes.ravel(), panels.items()):
+        depths, lengths, grid = depth_length_grid(members)
+        image = ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                text = "—" if math.isnan(grid[i, j]) else f"{100 * grid[i, j]:.0f}"
+                ax.text(j, i, text, ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        train = members[0].train_length
+        if train in lengths:
+            j = lengths.index(train)
+            ax.add_patch(plt.Rectangle((j - 0.5, -0.5), 1, len(depths), fill=False, linestyle=":", linewidth=1.5))
+        ax.set_title(f"{task} {scheme_label(members[0])}", fontsize=8)
+        ax.set_xlabel("eval length (dotted: training)", fontsize=7)
+        ax.set_ylabel("depth", fontsize=7)
+    for ax in axes.ravel()[len(panels):]:
+        ax.axis("off")
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="exact match")
+    fig.suptitle(title, fontsize=9)
+    return fig
 
 
 def summary_metrics(rows: Sequence[TaskRow], prefix: str = "tasks") -> dict[str, float]:
@@ -306,9 +431,14 @@ def log_to_wandb(rows: Sequence[TaskRow], run, png: Path | None = None, prefix: 
             title="exact-match accuracy vs eval length", xname="log2(eval length)")
     if png is not None and Path(png).exists():
         payload[f"{prefix}/plot"] = wandb.Image(str(png))
+        heatmap = Path(png).with_name("heatmap.png")
+        if heatmap.exists():
+            payload[f"{prefix}/heatmap"] = wandb.Image(str(heatmap))
     run.log(payload)
     for key, value in summary_metrics(rows, prefix).items():
         run.summary[key] = value
+    if rows and rows[0].learned:
+        run.summary[f"{prefix}/{rows[0].task}/learned_at_train_length"] = rows[0].learned == "yes"
 
 
 def run_task_evaluation(options: dict, module, datamodule, loggers: list, output_dir: Path, step: int
@@ -323,9 +453,13 @@ def run_task_evaluation(options: dict, module, datamodule, loggers: list, output
         return []
     config = TaskEvalConfig.from_dict(options)
     train_length = module.config.block_size
-    rows = evaluate_tasks(module.model, datamodule.task, train_length, config, seed=datamodule.seed)
+    rows = evaluate_tasks(module.model, datamodule.task, train_length, config, seed=datamodule.seed,
+                          randomize_to=getattr(module, "randomize_to", None))
     paths = save_results(rows, output_dir / "tasks",
                          title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")
     log_results(loggers, log_to_wandb, rows, paths["png"], summary_metrics(rows), step)
-    print(f"[pelab] task accuracy table: {paths['csv']} (+ .png, .md)", flush=True)
+    verdict = {"yes": "learned", "no": "NOT learned", "": "not measured"}[rows[0].learned if rows else ""]
+    print(f"[pelab] task accuracy table: {paths['csv']} (+ .png, .md{', heatmap.png/.csv' if 'heatmap' in paths else ''}); "
+          f"task {verdict} at the training length (criterion: exact match >= {100 * LEARNED_THRESHOLD:g}% on "
+          f"held-out samples)", flush=True)
     return rows

@@ -28,6 +28,11 @@ class GPTConfig:
     pad_vocab_multiple: int = 1
     # Attention backend (model/attention/): auto or a name of model.attention.BACKENDS.
     attention: str = "auto"
+    # Attention temperature (model/temperature.py): none, log_length or llama4, and their options.
+    attn_temperature: str = "none"
+    attn_temperature_length: int | None = None  # log_length's L; None = block_size
+    attn_temperature_floor: int = 8192  # llama4's floor_scale
+    attn_temperature_scale: float = 0.1  # llama4's attn_scale
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
@@ -39,6 +44,15 @@ class GPTConfig:
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "in [0, 1)")
         require(self.attention in CHOICES, "model.attention", self.attention,
                 "one of " + ", ".join(map(repr, CHOICES)))
+        require(self.attn_temperature in ("none", "log_length", "llama4"), "model.attn_temperature",
+                self.attn_temperature, "one of 'none', 'log_length', 'llama4'")
+        require(self.attn_temperature_length is None or self.attn_temperature_length >= 2,
+                "model.attn_temperature_length", self.attn_temperature_length, "null or an integer >= 2 (ln L > 0)")
+        require(self.attn_temperature_floor >= 1, "model.attn_temperature_floor", self.attn_temperature_floor,
+                "a positive integer")
+        require(self.attn_temperature_scale >= 0, "model.attn_temperature_scale", self.attn_temperature_scale, ">= 0")
+        require(self.attn_temperature != "log_length" or self.attn_temperature_length is not None
+                or self.block_size >= 2, "model.block_size", self.block_size, ">= 2 with log_length")
         require(not (self.attention == "flex" and self.dropout > 0), "model.attention", self.attention,
                 "not flex when model.dropout > 0 (FlexAttention has no attention dropout)")
 

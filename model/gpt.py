@@ -19,6 +19,7 @@ from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.pe.base import PositionEncoding
 from model.pe.schedule import check_nope_layers
 from model.positions import PositionContext, layer_contexts, resolve_positions
+from model.temperature import check_temperature, query_scales
 
 
 class CausalSelfAttention(nn.Module):
@@ -37,6 +38,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
         if ctx.tables is not None:
             q, k = ctx.pe.apply_rotation(q, k, ctx.tables)
+        if ctx.q_scale is not None:  # attention temperature, before any backend (model/temperature.py)
+            q = q * ctx.q_scale
         return q, k, v
 
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
@@ -80,6 +83,7 @@ class GPT(nn.Module):
         self.config = config
         self.nope_layers = frozenset(nope_layers)  # layers that attend with no position information
         check_nope_layers(self.nope_layers, config.n_layer, pe)
+        check_temperature(config, pe, self.nope_layers)
         self.pe = pe  # shared by all layers; its tables are computed once per forward
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -145,7 +149,8 @@ class GPT(nn.Module):
         contexts = layer_contexts(self.pe, len(self.blocks), positions, backend, k_positions, span, dtype,
                                   q_chunk if cache is None else None,
                                   always_mask=past > 0 and T > 1,  # several new tokens after a cache
-                                  nope_layers=self.nope_layers, record=record, documents=documents)
+                                  nope_layers=self.nope_layers, record=record,
+                                  q_scales=query_scales(self.config, self.pe, positions, dtype), documents=documents)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)

@@ -26,6 +26,7 @@ class PositionContext:
     tables: Any = None  # the scheme's rotation tables; None: no rotation in this layer
     chunk: int | None = None  # attend in query chunks of this size (long evaluations)
     record: AttentionRecorder | None = None  # collects the probabilities (math backend)
+    q_scale: Tensor | None = None  # attention temperature: q times this per query (model/temperature.py)
 
     @property
     def positions(self) -> Tensor:
@@ -43,12 +44,14 @@ def position_context(pe: Any, positions: Tensor, mask: Tensor | None = None, spa
 def layer_contexts(pe: Any, n_layer: int, positions: Tensor, backend: AttentionBackend,
                    k_positions: Tensor | None = None, span: Tensor | None = None, dtype: torch.dtype = torch.float32,
                    q_chunk: int | None = None, always_mask: bool = False, nope_layers: frozenset[int] = frozenset(),
-                   record: AttentionRecorder | None = None, documents: Tensor | None = None
-                   ) -> list[PositionContext]:
+                   record: AttentionRecorder | None = None,
+                   q_scales: tuple[Tensor | None, Tensor | None] = (None, None),
+                   documents: Tensor | None = None) -> list[PositionContext]:
     """One forward's per-layer contexts, built once: the scheme's (rotation tables and the
     backend's position terms) and, for the NoPE layers of a schedule, a causal-only one.
-    ``dtype``: the compute dtype; masks are float32 whatever it is. ``documents``: (B, T)
-    document ids of the tokens (queries and keys alike): attention stays inside each."""
+    ``dtype``: the compute dtype; masks are float32 whatever it is. ``q_scales``: the attention
+    temperature of the scheme's layers and of the NoPE layers (``query_scales``). ``documents``:
+    (B, T) document ids of the tokens (queries and keys alike): attention stays inside each."""
     k_positions = positions if k_positions is None else k_positions
     chunk = q_chunk if q_chunk is not None and positions.shape[-1] > q_chunk else None
 
@@ -60,7 +63,7 @@ def layer_contexts(pe: Any, n_layer: int, positions: Tensor, backend: AttentionB
         if with_pe and pe.uses_rotate:
             tables = pe.rotation_tables(positions, k_positions if span is None else span)
         return PositionContext(pe, terms, kind, kind.prepare(terms, chunked=chunk is not None), tables, chunk,
-                               record)
+                               record, q_scales[0] if with_pe else q_scales[1])
 
     scheme = build(True)
     plain = build(False) if nope_layers else scheme

@@ -7,6 +7,9 @@
   memory-mapped, so it is cheap) or raises ``CheckpointError`` naming the file and what is wrong.
 - ``check_resume``: the above plus a comparison of the checkpoint's position scheme and model
   shape with the run's config, for ``train.py ckpt_path=...`` before any data or compute.
+- ``check_init_from`` / ``init_state``: ``train.py init_from=...``, a run that starts from another
+  run's weights (fresh optimizer, schedule, step and data): the file, its architecture against the
+  run's, and its weights made to fit the run's scheme, all before any data or compute.
 - ``load_lit_gpt``: checked, ``weights_only=True`` ``LitGPT.load_from_checkpoint`` for the scripts.
 - ``resume_from_run_dir``: ``resume=auto``, the newest checkpoint of the run dir.
 """
@@ -193,15 +196,27 @@ def config_mismatches(saved: dict, run: dict) -> list[tuple[str, Any, Any]]:
     from model.config import GPTConfig
 
     def diff(group: str, defaults: dict) -> list[tuple[str, Any, Any]]:
-        ours, theirs = {**defaults, **saved[group]}, {**defaults, **run[group]}
+        defaults = _flat(defaults)  # nested blocks (pe.scaling) compared key by key
+        ours, theirs = {**defaults, **_flat(saved[group])}, {**defaults, **_flat(run[group])}
         if group == "model" and theirs.get("vocab_size") is None:
             ours.pop("vocab_size", None)
         return [(f"{group}.{k}", ours.get(k), theirs.get(k)) for k in sorted(set(ours) | set(theirs))
                 if ours.get(k) != theirs.get(k)]
 
+    from model.pe.scaling import SCALING_DEFAULTS
+
     target = saved["pe"].get("_target_")
-    pe = [("pe", saved["pe"], run["pe"])] if target != run["pe"].get("_target_") else diff("pe", _defaults(target))
+    pe_defaults = {"scaling": SCALING_DEFAULTS, **_defaults(target)}  # a checkpoint from before pe.scaling
+    pe = [("pe", saved["pe"], run["pe"])] if target != run["pe"].get("_target_") else diff("pe", pe_defaults)
     return pe + diff("model", _defaults(GPTConfig))
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    """{"scaling": {"kind": ...}} as {"scaling.kind": ...}."""
+    out = {}
+    for k, v in values.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _describe(key: str, value: Any) -> str:
@@ -228,6 +243,62 @@ def check_resume(ckpt_path, cfg) -> dict[str, Any]:
             f"this run has {', '.join(_describe(k, r) for k, _, r in diffs)}; "
             f"resume with {fixes} or start a new run")
     return ckpt
+
+
+# What init_from may change: the training length, regularisation, the attention backend and
+# temperature, every pe option but the scheme itself (base, scaling, ...), optim and data.
+INIT_FREE = ("model.block_size", "model.dropout", "model.attention", "model.attn_temperature",
+             "model.attn_temperature_length", "model.attn_temperature_floor", "model.attn_temperature_scale")
+
+
+def check_init_from(path, cfg) -> dict[str, Any]:
+    """``train.py init_from=...``: a readable pelab checkpoint (weights only is enough) of the
+    run's architecture; every differing key is listed."""
+    from omegaconf import OmegaConf
+
+    ckpt = read_checkpoint(path, "init_from")
+    run = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("pe", "model")}
+    diffs = [(k, s, r) for k, s, r in config_mismatches(ckpt["hyper_parameters"], run)
+             if k == "pe" or k.startswith("model.") and k not in INIT_FREE]
+    if diffs:
+        raise CheckpointError(
+            f"init_from={path} has another architecture: it was trained with "
+            f"{', '.join(_describe(k, s) for k, s, _ in diffs)}, this run has "
+            f"{', '.join(_describe(k, r) for k, _, r in diffs)}; a run started from it may change only "
+            f"{', '.join(INIT_FREE)}, the pe options (not the scheme), optim and data")
+    return ckpt
+
+
+def init_state(ckpt: dict[str, Any], scheme, path) -> dict[str, Any]:
+    """The GPT's state dict of an ``init_from`` checkpoint, its scheme tensors made to fit
+    ``scheme`` (``resized_state``: a learned table of another length) and checked against it."""
+    state = {}
+    for key, value in ckpt["state_dict"].items():
+        key = key.replace("_orig_mod.", "")  # saved from a torch.compile'd model
+        if key.startswith("model."):
+            state[key.removeprefix("model.")] = value
+    pe = scheme.resized_state({k.removeprefix("pe."): v for k, v in state.items() if k.startswith("pe.")})
+    want = scheme.state_dict()
+    wrong = sorted(set(want) ^ set(pe)) + sorted(k for k in set(want) & set(pe) if want[k].shape != pe[k].shape)
+    if wrong:
+        shapes = ", ".join(f"pe.{k}: {tuple(pe[k].shape) if k in pe else 'absent'} in the checkpoint, "
+                           f"{tuple(want[k].shape) if k in want else 'absent'} in this run" for k in wrong)
+        raise CheckpointError(f"init_from={path}: its pe={scheme.name} weights do not fit this run's: {shapes}")
+    return {**{k: v for k, v in state.items() if not k.startswith("pe.")}, **{f"pe.{k}": v for k, v in pe.items()}}
+
+
+def load_init_weights(gpt, state: dict[str, Any], path) -> None:
+    """Copy ``init_state``'s weights into ``gpt`` (a GPT), naming any tensor of another shape
+    (the vocabulary comes from the data, known only once the tokenizer is loaded)."""
+    own = gpt.state_dict()
+    wrong = [k for k in own if k in state and own[k].shape != state[k].shape]
+    if wrong:
+        raise CheckpointError(
+            f"init_from={path} does not fit this run's model: "
+            + ", ".join(f"{k} {tuple(state[k].shape)} in the checkpoint, {tuple(own[k].shape)} here" for k in wrong)
+            + " (a different tokenizer or data.vocab?)")
+    gpt.load_state_dict(state)
+    print(f"[pelab] init_from: weights of {path} (optimizer, schedule, step and data start fresh)", flush=True)
 
 
 def load_lit_gpt(path, map_location=None, key: str = "ckpt"):

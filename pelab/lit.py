@@ -14,6 +14,8 @@ from torchmetrics import MeanMetric
 from data.packing import DocumentOptions
 from model.config import GPTConfig
 from model.gpt import GPT, uncompiled
+from model.pe.scaling import apply_scaling, split_scaling
+from model.temperature import check_temperature
 from model.pe.schedule import check_nope_layers, check_randomize_to, nope_layers, random_positions, split_schedule
 from pelab.config import ConfigError, build, check_options, plain, target_class
 from pelab.optim import OptimConfig, adamw, cosine_schedule, decay_rule
@@ -36,9 +38,10 @@ class Position:
 
 
 def position_options(pe: dict) -> tuple[dict, dict]:
-    """(the scheme's options, the schedule options) of a ``pe`` config dict; the scheme's are
-    checked against its class's signature."""
+    """(the scheme's options, the schedule options and ``scaling``) of a ``pe`` config dict; the
+    scheme's are checked against its class's signature."""
     options, schedule = split_schedule(pe)
+    options, schedule["scaling"] = split_scaling(options)  # model/pe/scaling.py, applied once built
     check_options("pe", options, target_class("pe", options), ignore=("config",))
     return options, schedule
 
@@ -49,6 +52,7 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     global RNG: the run's seed must be set before."""
     options, schedule = position_options(pe)
     scheme = build("pe", hydra.utils.instantiate(options, _partial_=True), config)
+    build("pe.scaling", apply_scaling, scheme, schedule["scaling"], config.block_size)
     randomize_to = build("pe", check_randomize_to, schedule.get("randomize_to"), config.block_size,
                          scheme.max_positions)
     layers = build("pe", nope_layers, config.n_layer, schedule.get("nope_every"))
@@ -56,6 +60,7 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
         raise ConfigError(f"pe.nope_every={schedule['nope_every']} needs a scheme that acts inside attention "
                           f"(rotation or bias); pe={scheme.name} only adds to the embeddings")
     build("pe", check_nope_layers, layers, config.n_layer, scheme)
+    build("model.attn_temperature", check_temperature, config, scheme, layers)
     if scheme.max_positions is not None and config.block_size > scheme.max_positions:
         raise ConfigError(f"model.block_size={config.block_size} exceeds the {scheme.max_positions} positions of "
                           f"pe={scheme.name}; raise pe.max_positions or lower model.block_size")

@@ -15,20 +15,20 @@ from dataclasses import dataclass
 
 import hydra
 import lightning as L
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from data.datamodule import build_datamodule
 from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.tasks import TaskEvalConfig
 from model.config import GPTConfig
-from pelab.checkpoint import check_resume
+from pelab.checkpoint import check_init_from, check_resume, init_state
 from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
                           target_class)
 from pelab.lit import Position, build_position, model_config, position_options
 from pelab.optim import OptimConfig
 
-TOP_LEVEL = {"seed": int, "compile": bool, "project": str, "run_name": str | None, "group": str | None,
+TOP_LEVEL = {"seed": int, "compile": bool, "init_from": str | None, "project": str, "run_name": str | None, "group": str | None,
              "tags": list[str]}
 DEVICE_IDS = re.compile(r"auto|-1|\d+|(\d+,)+\d*")  # Lightning's string forms: 'auto', '-1', '2', '0,1'
 
@@ -40,6 +40,7 @@ class Checked:
     datamodule: L.LightningDataModule
     position: Position
     callbacks: list
+    init_state: dict | None = None  # init_from's weights (None: none, or a resumed run's own checkpoint)
 
 
 def validate_config(cfg: DictConfig) -> Checked:
@@ -48,6 +49,8 @@ def validate_config(cfg: DictConfig) -> Checked:
             fail(key, plain(cfg.get(key)), describe(hint))
     # vocab_size comes from the tokenizer, loaded once the config has passed; no check depends on it
     model = model_config({"vocab_size": 1, **plain(cfg.model)})
+    init = build("init_from", check_init_from, cfg.init_from, cfg) if cfg.get("init_from") else None
+    resolve_original_length(cfg, init["hyper_parameters"]["model"]["block_size"] if init else model.block_size)
     optim_values = plain(cfg.optim)
     check_options("optim", optim_values, OptimConfig)
     optim = OptimConfig(**optim_values)
@@ -64,7 +67,19 @@ def validate_config(cfg: DictConfig) -> Checked:
     if cfg.ckpt_path:  # readable, a pelab checkpoint, of this run's scheme and model
         build("ckpt_path", check_resume, cfg.ckpt_path, cfg)
     L.seed_everything(cfg.seed, workers=True)  # the scheme below takes its initial weights from the seed
-    return Checked(datamodule, build_position(pe, model), callbacks)
+    position = build_position(pe, model)
+    # a resumed fine-tune (resume=auto) restores its own checkpoint, not the weights it started from
+    state = build("init_from", init_state, init, position.scheme, cfg.init_from) if init and not cfg.ckpt_path else None
+    return Checked(datamodule, position, callbacks, state)
+
+
+def resolve_original_length(cfg: DictConfig, source_length: int) -> None:
+    """``pe.scaling.original_length`` null = the length the weights were trained at (init_from's
+    model.block_size, else this run's), written into the config so the checkpoint records it."""
+    scaling = cfg.pe.get("scaling")
+    if scaling is not None and scaling.get("kind", "none") != "none" and scaling.get("original_length") is None:
+        with open_dict(cfg):
+            cfg.pe.scaling.original_length = source_length
 
 
 def build_data(cfg: DictConfig, model: GPTConfig) -> L.LightningDataModule:
@@ -133,15 +148,27 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
     enabled = extrapolation.pop("enabled", False)
     require(isinstance(enabled, bool), "eval.extrapolation.enabled", enabled, "true or false")
     held_out_text = getattr(datamodule, "held_out_text", True)
-    if enabled and not held_out_text:
-        raise ConfigError(f"eval.extrapolation.enabled=true needs held-out text, and data={cfg.data._target_} "
-                          f"(a synthetic task) has none: set eval.extrapolation.enabled=false (accuracy vs "
-                          f"length runs from eval.tasks)")
+    enabled = enabled and held_out_text  # a synthetic task has no text to score: task accuracy replaces it
     tasks = dict(evaluation.get("tasks") or {})
-    if tasks.pop("enabled", False):
-        if held_out_text:
-            raise ConfigError("eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=...")
+    tasks_on = tasks.pop("enabled", "auto")
+    require(tasks_on in (True, False, "auto"), "eval.tasks.enabled", tasks_on, "auto (on for data=synthetic), true or false")
+    if tasks_on is True and held_out_text:
+        raise ConfigError("eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=...")
+    if tasks_on and not held_out_text:
         build("eval.tasks", TaskEvalConfig.from_dict, {"precision": str(cfg.trainer.precision), **tasks})
+    if str(evaluation.get("positions", "sequential")) == "randomized" and (cfg.get("pe") or {}).get("randomize_to") is None:
+        raise ConfigError("eval.positions=randomized evaluates a model trained with pe.randomize_to=N (positions drawn "
+                          "from [0, N)), and pe.randomize_to is null: set it, or eval.positions=sequential")
+    probe = dict(evaluation.get("probe") or {})
+    if probe.pop("enabled", False):
+        from evaluation.attention_maps import ProbeConfig
+
+        build("eval.probe", ProbeConfig.from_dict, probe)
+    trained = ((plain(cfg.pe) or {}).get("scaling") or {}).get("kind", "none")
+    if enabled and trained != "none" and any(s not in (None, "none") for s in extrapolation.get("rope_scaling") or []):
+        fail("eval.extrapolation.rope_scaling", extrapolation["rope_scaling"],
+             f"[null] when pe.scaling.kind={trained}: the trained scaling applies to every evaluation, and "
+             f"another one on top is refused")
     if enabled:
         # precision mirrors trainer.precision (checked with the trainer), which may be an int
         check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))

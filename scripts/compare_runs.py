@@ -21,7 +21,9 @@ run directory when two runs share a scheme. Task accuracy is the exact-match acc
 run averaged over its passkey depths.
 
 Writes comparison.{csv,md,png} (perplexity; markdown with every section) and, when there are
-task results, comparison_tasks.{csv,png}.
+task results, comparison_tasks.{csv,png}. Loss by token position (``position_loss.csv``) of
+every run at one eval length (``--position-length``, default the longest every run has) is
+overlaid in comparison_position_loss.{csv,png}.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from evaluation import tasks as task_eval
 from evaluation.stats import ALPHA, mean_ci, welch_test
 
 RESULT_FILES = {"extrapolation": "extrapolation.csv", "tasks": "tasks.csv"}
+POSITION_FILE = "position_loss.csv"  # written beside extrapolation.csv
 ORDER = {"learned": 0, "sinusoidal": 1, "rope": 2, "alibi": 3, "xpos": 4, "rope_alibi": 5}
 
 
@@ -52,7 +55,8 @@ def find_result_files(patterns: list[str], name: str = "extrapolation.csv") -> l
         for path in matches:
             if path.is_file() and path.name == name:
                 files.add(path.resolve())
-            elif path.is_file() and path.suffix == ".csv" and name == "extrapolation.csv" and path.name != "tasks.csv":
+            elif (path.is_file() and path.suffix == ".csv" and name == "extrapolation.csv"
+                  and path.name not in ("tasks.csv", POSITION_FILE)):
                 files.add(path.resolve())  # any other CSV given by name is read as an extrapolation table
             elif path.is_dir():
                 files.update(p.resolve() for p in path.rglob(name))
@@ -111,6 +115,8 @@ def label_rows(pairs: list[tuple[str, ExtrapolationRow]]) -> list[ExtrapolationR
         label = base_label(row)
         if len(runs_per_scheme[row.scheme]) > 1:
             label += f" ({Path(run).name})"
+        if getattr(row, "not_learned", False):  # a task run below the learned-at-L criterion
+            label += task_eval.NOT_LEARNED
         labelled.append(type(row)(**{**asdict(row), "scheme": label}))
     labelled.sort(key=lambda r: (*_order(r.scheme), getattr(r, "mode", getattr(r, "task", "")), r.eval_length))
     return labelled
@@ -348,6 +354,34 @@ def task_points(pairs, groups) -> dict[tuple, list[tuple]]:
     return points
 
 
+def not_learned_marks(task_pairs, groups) -> dict[str, str]:
+    """Group label -> " [k/n not learned at L]" for groups with runs below the learned criterion."""
+    runs: dict[str, dict[str, bool]] = {}
+    for run, r in task_pairs:
+        group = groups.get((base_label(r), run))
+        if group is not None:
+            runs.setdefault(group.label, {})[run] = runs.get(group.label, {}).get(run, False) or r.not_learned
+    return {label: f" [{sum(v.values())}/{len(v)} not learned at L]" for label, v in runs.items() if any(v.values())}
+
+
+def heatmap_rows(task_pairs, groups) -> list[task_eval.TaskRow]:
+    """Depth x length accuracy per group (the mean over its seeds), for the heatmap panels."""
+    marks = not_learned_marks(task_pairs, groups)
+    cells: dict[tuple, list] = {}
+    for run, r in task_pairs:
+        group = groups.get((base_label(r), run))
+        if group is not None and not math.isnan(r.depth):
+            cells.setdefault((r.task, group.label, r.train_length, r.eval_length, r.depth), []).append(r)
+    rows = []
+    for (task, label, train, length, depth), members in cells.items():
+        ok = [r for r in members if r.ok]
+        accuracy = sum(r.accuracy for r in ok) / len(ok) if ok else math.nan
+        rows.append(task_eval.TaskRow(task, label + marks.get(label, ""), train, length, depth,
+                                      sum(r.samples for r in ok), accuracy, math.nan, 0.0,
+                                      "ok" if ok else members[0].status))
+    return rows
+
+
 def single_seed_task_table(rows: list[task_eval.TaskRow], task: str) -> str:
     """One line per run: exact-match accuracy (%) averaged over depths."""
     merged = task_eval.mean_over_depths([r for r in rows if r.task == task])
@@ -362,11 +396,39 @@ def single_seed_task_table(rows: list[task_eval.TaskRow], task: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def position_overlay(paths: list[str], out: Path, length: int | None) -> str | None:
+    """comparison_position_loss.{csv,png}: every run's loss by position at one eval length (default
+    the longest that every run has); returns the markdown section, None without position files."""
+    from evaluation import position_loss
+
+    files = find_result_files(paths, POSITION_FILE)
+    if not files:
+        return None
+    pairs = newest_series(files, position_loss.read_csv, lambda r: (r.scheme, r.mode, r.rope_scaling, r.positions))
+    runs = {run for run, _ in pairs}
+    common = set.intersection(*({r.eval_length for run2, r in pairs if run2 == run} for run in runs))
+    length = length or (max(common) if common else None)
+    rows = [r for r in label_rows([(run, r) for run, r in pairs if r.eval_length == length])]
+    if not rows:
+        print(f"[pelab] no loss-by-position rows at length {length} (have: "
+              f"{sorted({r.eval_length for _, r in pairs})})", file=sys.stderr)
+        return None
+    position_loss.write_csv(rows, out / "comparison_position_loss.csv")
+    train = sorted({r.train_length for r in rows})
+    _save(position_loss.plot_rows(rows, title=f"Loss by token position at eval length {length}",
+                                  by=position_loss.curve_keys(rows, always=("scheme",))),
+          out / "comparison_position_loss.png")
+    return (f"### loss by token position\n\nEval length {length} (training length {', '.join(map(str, train))}): "
+            f"comparison_position_loss.png / .csv, {len({r.scheme for r in rows})} line(s).\n")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="run directories, sweep directories, globs or CSV files")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the first path, if a directory)")
     parser.add_argument("--mode", default=None, help="only this mode (nonoverlapping or sliding)")
+    parser.add_argument("--position-length", type=int, default=None,
+                        help="eval length of the loss-by-position overlay (default: the longest every run has)")
     parser.add_argument("--wandb", action="store_true", help="also log table and plot to a W&B run")
     parser.add_argument("--project", default="pelab")
     parser.add_argument("--group", default=None, help="W&B group (default: the runs' group from their config)")
@@ -426,6 +488,9 @@ def main(argv: list[str]) -> int:
               out / "comparison_tasks.png")
     elif task_pairs:
         cells = make_cells(task_points(task_pairs, groups), lower_is_better=False)
+        marks = not_learned_marks(task_pairs, groups)
+        for c in cells:
+            c.label += marks.get(c.label, "")
         write_stats_csv(cells, out / "comparison_tasks.csv", "task")
         for task in sorted({c.section for c in cells}):
             sections.append(f"### {task}\n\nExact-match accuracy (%) by evaluation length (tokens), mean over "
@@ -433,6 +498,17 @@ def main(argv: list[str]) -> int:
         _save(plot_bands(cells, "exact-match accuracy (%)", "Task accuracy vs evaluation length"),
               out / "comparison_tasks.png")
 
+    if task_pairs:
+        grid = heatmap_rows(task_pairs, groups)
+        if grid:
+            task_eval.write_heatmap_csv(grid, out / "comparison_heatmap.csv")
+            _save(task_eval.plot_heatmaps(grid, title="Exact match by depth and evaluation length (mean over seeds)"),
+                  out / "comparison_heatmap.png")
+        if any(r.not_learned for _, r in task_pairs):
+            sections.append(task_eval.LEARNED_NOTE)
+    overlay = position_overlay(args.paths, out, args.position_length)
+    if overlay:
+        sections.append(overlay)
     (out / "comparison.md").write_text("\n".join(sections))
     print((out / "comparison.md").read_text())
     written = ", ".join(p.name for p in sorted(out.glob("comparison*.*")))

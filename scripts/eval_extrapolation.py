@@ -26,9 +26,10 @@ OPTIONS = {
     "mode": "nonoverlapping and/or sliding, e.g. nonoverlapping,sliding",
     "stride": "sliding stride (default: half the eval length)",
     "max_tokens": "scored tokens per length (default: the run's setting; 'null' = all held-out text)",
-    "rope_scaling": "linear, ntk, dynamic_ntk and/or yarn (evaluated next to the plain model)",
+    "rope_scaling": "linear, ntk, dynamic_ntk, yarn and/or llama3 (evaluated next to the plain model; refused for a model trained with pe.scaling)",
     "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
     "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "positions": "sequential (0..T-1, default) or randomized (a pe.randomize_to model, positions drawn as in training)",
     "documents": "packed documents: none, positions, mask, both or train, or several, e.g. none,both "
                  "(default: as the run trained)",
     "device": "cpu or cuda (default: cuda when available)",
@@ -63,6 +64,8 @@ def main(argv: list[str]) -> int:
             options[key] = None if args[key].lower() in ("null", "none") else cast(args[key])
     if "precision" in args:
         options["precision"] = args["precision"]
+    if "positions" in args:
+        options["positions"] = args["positions"]
     if "documents" in args:
         options["documents"] = [None if m.lower() in ("null", "train") else m for m in split_list(args["documents"])]
     if "rope_scaling" in args:
@@ -87,14 +90,20 @@ def main(argv: list[str]) -> int:
     tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
     train_length = module.config.block_size
 
+    by_position: list = []
     rows = evaluate_extrapolation(module.model.to(device), tokens, train_length, config,
                                   log=print if rank_zero else (lambda _: None), distributed=distributed,
+                                  position_rows=by_position, randomize_to=module.randomize_to,
                                   documents=module.documents)
     if not rank_zero:
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.get("out") or ckpt.parent.parent / "extrapolation" / f"eval-{ckpt.stem}-{stamp}")
     paths = save_results(rows, out, title=f"pe={module.pe_name}, trained at {train_length}")
+    if by_position:
+        from evaluation import position_loss
+
+        position_loss.save_results(by_position, out, title=f"pe={module.pe_name}, trained at {train_length}")
     print(paths["md"].read_text())
     print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
 

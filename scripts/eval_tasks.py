@@ -22,12 +22,13 @@ OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py on data=synthetic (required)",
     "multipliers": "eval lengths as multiples of the training length, e.g. 1,2,4,8",
     "lengths": "absolute eval lengths, e.g. 300,1000",
-    "depths": "passkey key depths in [0, 1], e.g. 0,0.25,0.5,0.75,1",
+    "depths": "passkey / niah key depths in [0, 1], e.g. 0,0.25,0.5,0.75,1",
     "samples": "samples per length (and depth), default 100",
     "seed": "seed of the test samples (default: the run's data.seed, the same for every scheme)",
     "tokens_per_batch": "tokens per forward pass (default 16384)",
     "q_chunk": "attention query chunk for long sequences (default 1024)",
     "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "positions": "sequential (0..T-1, default) or randomized (a pe.randomize_to model, positions drawn as in training)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "output directory (default: RUN_DIR/tasks/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
@@ -72,6 +73,8 @@ def main(argv: list[str]) -> int:
             options[key] = _number(key, args[key], int)
     if "precision" in args:
         options["precision"] = args["precision"]
+    if "positions" in args:
+        options["positions"] = args["positions"]
     try:
         config = TaskEvalConfig.from_dict(options)
         datamodule = build_datamodule(cfg.data)  # builds the task; reads nothing
@@ -82,7 +85,8 @@ def main(argv: list[str]) -> int:
     device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     module = load_lit_gpt(ckpt, map_location=device)
     train_length = module.config.block_size
-    rows = evaluate_tasks(module.model.to(device), datamodule.task, train_length, config, seed=seed)
+    rows = evaluate_tasks(module.model.to(device), datamodule.task, train_length, config, seed=seed,
+                          randomize_to=module.randomize_to)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.get("out") or ckpt.parent.parent / "tasks" / f"eval-{ckpt.stem}-{stamp}")
     paths = save_results(rows, out, title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")

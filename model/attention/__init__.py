@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
@@ -61,7 +60,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> T
     the (H, T, T) terms never exist at once)."""
     backend, Tq, Tk = ctx.backend, q.shape[2], k.shape[2]
     spans = [(0, Tq)] if ctx.chunk is None else [(s, min(Tq, s + ctx.chunk)) for s in range(0, Tq, ctx.chunk)]
-    parts, probs = [], []
+    parts = []
     for s, e in spans:
         ke = Tk - Tq + e  # rows [s, e) see keys [0, ke)
         if ctx.chunk is None:
@@ -72,10 +71,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> T
             out = backend(q[:, :, s:e], k[:, :, :ke], v[:, :, :ke], backend.chunk(ctx.state, ctx.terms, s, e), dropout)
         if backend.records:
             out, p = out
-            probs.append(F.pad(p, (0, Tk - ke)))
+            if ctx.record is not None:
+                ctx.record.add_chunk(p, s, Tk)
         parts.append(out)
-    if ctx.record is not None and probs:
-        ctx.record.add(torch.cat(probs, dim=2))
+    if ctx.record is not None and backend.records:
+        ctx.record.end_layer()
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 

@@ -23,6 +23,16 @@ class AttentionRecorder:
             self.probs[self.calls] = probs.detach()
         self.calls += 1
 
+    def add_chunk(self, probs: Tensor, first_row: int, keys: int) -> None:
+        """Rows ``first_row..`` of the current layer, (B, H, rows, keys seen); ``keys``: the layer's Tk.
+        A subclass may reduce each chunk as it comes (evaluation/attention_maps.py's probe) instead."""
+        self._chunks = [*getattr(self, "_chunks", []), F.pad(probs, (0, keys - probs.shape[-1]))]
+
+    def end_layer(self) -> None:
+        """The current layer's chunks are all in: record them as one (B, H, Tq, Tk) tensor."""
+        chunks, self._chunks = getattr(self, "_chunks", []), []
+        self.add(torch.cat(chunks, dim=2))
+
 
 class Math(AttentionBackend):
     """The state is the float32 mask, always explicit (causal part included)."""

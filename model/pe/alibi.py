@@ -34,10 +34,17 @@ def linear_bias_score(slopes: Tensor):
 
 
 class ALiBi(PositionEncoding, name="alibi"):
+    scaling_kinds = ("linear",)  # pe.scaling: distances divided by the factor
     bias_of_distance = True
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
+
+    def scale(self, scaling) -> None:
+        # -m (i - j) / s = -(m / s)(i - j): every form of the bias (flex, key-only) reads the slopes
+        self.slopes = self.slopes / scaling.factor
+        self.trained_scaling = scaling
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))

@@ -42,6 +42,9 @@ class PositionEncoding(nn.Module):
     # ``bias`` is a function of p_i - p_j alone: inside one document, positions that restart at
     # its start give token order's distances, so a document-masked forward computes it from those.
     bias_of_distance: ClassVar[bool] = False
+    # The pe.scaling kinds the scheme takes in training (model/pe/scaling.py), and the one it has.
+    scaling_kinds: ClassVar[tuple[str, ...]] = ()
+    trained_scaling: Any = None
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -87,6 +90,16 @@ class PositionEncoding(nn.Module):
         of the key alone, which the ``sdpa_key`` attention path appends to k (with constant
         features on q) so that SDPA's causal kernel computes it inside q.k."""
         return None
+
+    def scale(self, scaling: Any) -> None:
+        """Scale positions from now on (``pe.scaling``, a RopeScaling of a kind in
+        ``scaling_kinds``); called once, right after construction."""
+        raise ValueError(f"pe.scaling.kind={scaling.kind} does not apply to pe={self.name}")
+
+    def resized_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The scheme's saved tensors (``init_from``, keys relative to the scheme) made to fit
+        this instance (a learned table of another length); default: as they are."""
+        return state
 
     def project(self) -> None:
         """Bring constrained parameters back into their range; called after every optimizer

@@ -2,7 +2,8 @@
 
 ``bias_heads`` picks how many heads (the first n) carry the bias; those heads get the
 standard ALiBi slope set for n heads, the rest are pure RoPE. ``slope_multiplier`` c
-scales every slope.
+scales every slope. ``pe.scaling.kind=linear`` interpolates both parts (angles of p/s, slopes
+m/s); the other kinds scale the rotation only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class RoPEALiBi(RoPE, name="rope_alibi"):
         slopes[:n_biased] = alibi_slopes(n_biased) * slope_multiplier
         self.register_buffer("slopes", slopes, persistent=False)
         self.bias_heads, self.slope_multiplier = n_biased, slope_multiplier
+
+    def scale(self, scaling) -> None:
+        super().scale(scaling)
+        if scaling.kind == "linear":  # position interpolation moves the bias's distances too
+            self.slopes = self.slopes / scaling.factor
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))

@@ -143,7 +143,7 @@ def test_random_parts_have_the_stated_distributions():
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: Task("pasky"), "data.task must be one of passkey, copy, assoc_recall, flipflop, got 'pasky'"),
+    (lambda: Task("pasky"), "data.task must be one of passkey, copy, assoc_recall, flipflop, niah, got 'pasky'"),
     (lambda: Task("assoc_recall", num_pairs=4, num_queries=5), "data.num_queries must be <= data.num_pairs=4"),
     (lambda: Task("assoc_recall", num_pairs=27), "data.num_pairs must be <= 26"),
     (lambda: Task("flipflop", p_ignore=1.0), "data.p_ignore must be a number in [0, 1), got 1.0"),
@@ -194,7 +194,7 @@ def test_no_held_out_text_is_said_plainly():
     dm = SyntheticDataModule()
     assert dm.held_out_text is False and dm.meta is None
     with pytest.raises(ValueError, match=r"data.task=passkey is synthetic: there is no val text.*"
-                                         r"eval.extrapolation.enabled=false"):
+                                         r"evaluation/tasks.py measures accuracy"):
         dm.split_path("val")
 
 
@@ -227,9 +227,64 @@ def test_configs_compose_validate_and_build():
     assert dm.task.name == "copy" and dm.block_size == cfg.model.block_size == 256
     cfg = compose(["experiment=task_ablation", "pe=alibi"])
     validate_config(cfg)
-    assert cfg.data.task == "passkey" and cfg.model.block_size == 128 and not cfg.eval.extrapolation.enabled
+    assert cfg.data.task == "passkey" and cfg.model.block_size == 128
     assert TaskEvalConfig.from_dict({k: v for k, v in cfg.eval.tasks.items() if k != "enabled"}).eval_lengths(128) \
         == [128, 256, 512, 1024]
     with pytest.raises(ConfigError, match=r"data.task must be one of 'passkey', 'copy', 'assoc_recall', "
-                                          r"'flipflop', got 'pasky'"):
+                                          r"'flipflop', 'niah', got 'pasky'"):
         validate_config(compose(["data=synthetic", "data.task=pasky", "eval.extrapolation.enabled=false"]))
+
+
+def test_synthetic_data_as_typed_replaces_perplexity_with_task_accuracy():
+    """``python train.py data=synthetic data.task=passkey`` validates as typed; tasks.enabled=true on text data
+    and a bad value are refused, naming the key."""
+    from pelab.validate import validate_config
+
+    for task in ("passkey", "niah"):
+        validate_config(compose(["data=synthetic", f"data.task={task}"]))
+    with pytest.raises(ConfigError, match=r"eval.tasks.enabled=true needs a synthetic task"):
+        validate_config(compose(["eval.tasks.enabled=true"]))
+    with pytest.raises(ConfigError, match=r"eval.tasks.enabled must be auto \(on for data=synthetic\), true or false, "
+                                          r"got 'sometimes'"):
+        validate_config(compose(["data=synthetic", "eval.tasks.enabled=sometimes"]))
+    with pytest.raises(ConfigError, match=r"eval.positions=randomized .* pe.randomize_to is null"):
+        validate_config(compose(["eval.positions=randomized"]))
+
+
+def test_niah_haystack_is_real_text_held_out_outside_training():
+    from data.synthetic import NIAH_NEEDLE, NIAH_QUESTION, haystack
+
+    task = Task("niah", key_length=4)
+    train, held_out = bytes(haystack("train").tolist()), bytes(haystack("val").tolist())
+    for split, text in (("train", train), ("test", held_out), ("val", held_out)):
+        for depth in (0.0, 0.5, 1.0):
+            x, y = task.sample(256, 3, 7, split, 0, depth)
+            seq = bytes(np.append(x, y[-1]).tolist())
+            key = bytes(y[y >= 0].tolist())
+            assert len(x) == 256 and len(key) == 4 and key.isdigit() and (y >= 0).sum() == 4
+            assert seq.endswith(NIAH_QUESTION + key)
+            needle = NIAH_NEEDLE + key + b"."
+            at = seq.index(needle)
+            assert abs(at - depth * (256 + 1 - len(needle) - len(NIAH_QUESTION) - 4)) <= 40  # at a word break near it
+            hay = seq[:at] + seq[at + len(needle): -len(NIAH_QUESTION) - 4]
+            assert hay in text and (hay not in held_out if split == "train" else True)  # a real excerpt of its split
+    a, b = task.sample(256, 3, 7, "test", 0, 0.0), task.sample(256, 3, 7, "test", 0, 1.0)
+    assert (a[1] == b[1]).all()  # the same key at every depth
+    # 17 (" The pass key is ") + 4 + 1 (".") + 39 ("\nWhat is the pass key? The pass key is ") + 4 = 65 ids
+    assert task.min_length == 64 and len(task.sample(64, 0)[0]) == 64
+    with pytest.raises(ConfigError, match=r"length must be an integer >= 64"):
+        task.sample(63, 0)
+
+
+def test_curriculum_grows_whole_batches_from_start_to_block_size():
+    dm = SyntheticDataModule("passkey", block_size=64, batch_size=4, key_length=3, curriculum_batches=4,
+                             curriculum_start=16)
+    dm.setup()
+    # batch b < 4: 16 + 48 * b // 4 = 16, 28, 40, 52; then 64
+    assert [dm.curriculum_length(i) for i in range(0, 24, 4)] == [16, 28, 40, 52, 64, 64]
+    assert [len(dm.train_set[i][0]) for i in range(8)] == [16] * 4 + [28] * 4  # one length per batch
+    assert len(next(iter(dm.train_dataloader()))[0][0]) == 16
+    assert SyntheticDataModule("passkey", block_size=256, key_length=3, curriculum_batches=1).curriculum_start == 32
+    with pytest.raises(ConfigError, match=r"data.curriculum_start must be null or an integer in \[7, "
+                                          r"data.block_size=64\], got 65"):
+        SyntheticDataModule("passkey", block_size=64, key_length=3, curriculum_batches=2, curriculum_start=65)

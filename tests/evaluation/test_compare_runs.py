@@ -65,7 +65,7 @@ def test_compare_without_results_fails_clearly(tmp_path):
 # --- several seeds per scheme -----------------------------------------------------------------
 
 def seed_run(sweep: Path, name: str, scheme: str, seed: int, ppls: dict, accuracies: dict | None = None,
-             base: int | None = None) -> Path:
+             base: int | None = None, learned: str = "") -> Path:
     """A run dir as train.py leaves it: checkpoints/config.yaml (seed, scheme, settings, and
     per-run paths that must not split a group), extrapolation.csv and optionally tasks.csv
     (passkey, two depths: accuracies[length] = (at depth 0, at depth 1))."""
@@ -82,7 +82,7 @@ def seed_run(sweep: Path, name: str, scheme: str, seed: int, ppls: dict, accurac
     (run / "checkpoints" / "config.yaml").write_text(yaml.safe_dump(config))
     fake_run(sweep, name, scheme, ppls)
     if accuracies:
-        write_tasks([TaskRow("passkey", scheme, 64, n, d, 10, acc, acc, 0.1)
+        write_tasks([TaskRow("passkey", scheme, 64, n, d, 10, acc, acc, 0.1, learned=learned)
                      for n, pair in accuracies.items() for d, acc in zip((0.0, 1.0), pair)],
                     run / "tasks" / "tasks.csv")
     return run
@@ -153,3 +153,41 @@ def test_one_seed_per_scheme_with_tasks_keeps_the_single_run_table(tmp_path):
         "| scheme | 64 (train) |\n|---|---|\n| rope | 4.00 |\n| alibi | 4.50 |\n"
         "\n### passkey\n\nExact-match accuracy (%) by evaluation length (tokens), mean over depths.\n\n"
         "| scheme | 64 (train) | 128 |\n|---|---|---|\n| rope | 75.0 | 12.5 |\n| alibi | 100.0 | 75.0 |\n")
+
+
+def test_position_loss_overlay_at_one_length(tmp_path):
+    from evaluation.position_loss import PositionLossRow, read_csv, write_csv as write_positions
+
+    sweep = tmp_path / "multirun"
+    for name, scheme, rise in (("0-rope", "rope", 2.0), ("1-alibi", "alibi", 0.0)):
+        fake_run(sweep, name, scheme, {64: 20.0, 128: 30.0})
+        rows = [PositionLossRow(scheme, "none", "sequential", 64, n, "nonoverlapping", n, p, p + 1, 10,
+                                3.0 + (rise if p >= 64 else 0.0)) for n in (64, 128) for p in range(n)]
+        write_positions(rows, sweep / name / "extrapolation" / "position_loss.csv")
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    overlay = read_csv(tmp_path / "report" / "comparison_position_loss.csv")
+    assert {r.eval_length for r in overlay} == {128}  # the longest length both runs have
+    assert {r.scheme for r in overlay} == {"rope", "alibi"} and len(overlay) == 2 * 128
+    assert next(r.loss for r in overlay if r.scheme == "rope" and r.start == 100) == 5.0
+    assert (tmp_path / "report" / "comparison_position_loss.png").stat().st_size > 1000
+    assert "loss by token position" in (tmp_path / "report" / "comparison.md").read_text()
+
+
+def test_runs_that_did_not_learn_are_marked_and_heatmaps_average_seeds(tmp_path):
+    sweep = tmp_path / "multirun"
+    seed_run(sweep, "0-rope", "rope", 1, {64: 4.0}, {64: (1.0, 1.0), 128: (0.5, 0.0)}, learned="yes")
+    seed_run(sweep, "1-rope", "rope", 2, {64: 4.0}, {64: (0.5, 0.7), 128: (0.3, 0.2)}, learned="no")
+    seed_run(sweep, "2-alibi", "alibi", 1, {64: 4.5}, {64: (1.0, 1.0), 128: (0.9, 1.0)}, learned="yes")
+    seed_run(sweep, "3-alibi", "alibi", 2, {64: 4.5}, {64: (1.0, 0.9), 128: (0.7, 1.0)}, learned="yes")
+    out = tmp_path / "report"
+    proc = compare_runs(str(sweep), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    md = (out / "comparison.md").read_text()
+    assert "| rope [1/2 not learned at L] (2) |" in md and "| alibi (2) |" in md
+    assert "below 90% on held-out samples at the training length" in md
+    lines = (out / "comparison_heatmap.csv").read_text().splitlines()
+    assert lines[0] == "task,scheme,learned,depth,64,128"
+    assert "passkey,rope [1/2 not learned at L],,0,0.7500,0.4000" in lines  # (1.0 + 0.5) / 2, (0.5 + 0.3) / 2
+    assert "passkey,alibi,,1,0.9500,1.0000" in lines
+    assert (out / "comparison_heatmap.png").stat().st_size > 1000

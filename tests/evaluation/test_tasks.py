@@ -181,3 +181,44 @@ def test_train_then_eval_tasks_script(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/eval_tasks.py", f"ckpt={ckpt}", "samples=many"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "samples='many' is not valid" in bad.stderr
+
+
+def test_depth_by_length_heatmap_and_learned_mark(tmp_path):
+    from evaluation.tasks import mark_learned
+
+    def run(scheme, accuracies):  # {(length, depth): accuracy}, 10 samples each
+        return [TaskRow("niah", scheme, 16, n, d, 10, a, a, 0.1) for (n, d), a in accuracies.items()]
+
+    good = run("alibi", {(16, 0.0): 1.0, (16, 1.0): 0.8, (32, 0.0): 0.5, (32, 1.0): 0.2})
+    bad = run("rope", {(16, 0.0): 0.9, (16, 1.0): 0.8, (32, 0.0): 0.0, (32, 1.0): 0.1})
+    assert mark_learned(good) == "yes"  # (1.0 + 0.8) / 2 = 0.9 >= 0.9
+    assert mark_learned(bad) == "no"  # 0.85
+    paths = save_results(good + bad, tmp_path, title="t")
+    assert (tmp_path / "heatmap.csv").read_text().splitlines() == [
+        "task,scheme,learned,depth,16,32",
+        "niah,alibi,yes,0,1.0000,0.5000", "niah,alibi,yes,1,0.8000,0.2000",
+        "niah,rope,no,0,0.9000,0.0000", "niah,rope,no,1,0.8000,0.1000"]
+    assert paths["heatmap"].stat().st_size > 1000
+    md = paths["md"].read_text()
+    assert "| niah | rope [not learned at L] | mean | 85.0 | 5.0 |" in md and "| niah | alibi | mean | 90.0 | 35.0 |" in md
+    assert "below 90% on held-out samples at the training length" in md
+    assert [r.learned for r in read_csv(paths["csv"])] == ["yes"] * 4 + ["no"] * 4
+
+
+def test_niah_trains_as_typed_and_writes_heatmap_and_table(tmp_path):
+    """``python train.py data=synthetic data.task=niah``: no extrapolation switch needed; perplexity is
+    skipped, the accuracy table and the depth x length heatmap are written and the verdict printed."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "data=synthetic", "data.task=niah", "logger=csv", f"hydra.run.dir={run}",
+         "model.n_layer=1", "model.n_embd=32", "model.block_size=80", "data.batch_size=4", "data.val_samples=4",
+         "data.key_length=2", "trainer.max_steps=2", "trainer.val_check_interval=2", "~callbacks.attention_maps",
+         "eval.tasks.samples=2", "eval.tasks.multipliers=[1,2]", "eval.tasks.depths=[0,1]",
+         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"],
+        cwd=ROOT, env={**os.environ, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[extrapolation]" not in proc.stdout and "task NOT learned at the training length" in proc.stdout
+    rows = read_csv(run / "tasks" / "tasks.csv")
+    assert [(r.task, r.eval_length, r.depth, r.learned) for r in rows] == \
+        [("niah", n, d, "no") for n in (80, 160) for d in (0.0, 1.0)]
+    assert (run / "tasks" / "heatmap.png").stat().st_size > 1000 and (run / "tasks" / "heatmap.csv").exists()

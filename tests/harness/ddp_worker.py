@@ -63,10 +63,14 @@ def main(devices: int, batch: int, tokens: Path, out: Path) -> None:
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation
 
     config = ExtrapolationConfig(multipliers=(1, 4), modes=("nonoverlapping", "sliding"), precision="32")
+    by_position = []
     rows = evaluate_extrapolation(module.model, load_tokens(tokens, "uint16")[:6000], BLOCK, config,
-                                  log=lambda _: None, distributed=True)  # every rank, its share of the windows
+                                  log=lambda _: None, distributed=True,  # every rank, its share of the windows
+                                  position_rows=by_position)
     if trainer.is_global_zero:
-        torch.save({"table": [(r.eval_length, r.mode, r.tokens, r.loss) for r in rows], "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        torch.save({"table": [(r.eval_length, r.mode, r.tokens, r.loss) for r in rows],
+                    "positions": [(r.eval_length, r.mode, r.start, r.end, r.tokens, r.loss) for r in by_position],
+                    "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
                     "val_loss": float(trainer.callback_metrics["val/loss"]),
                     "val_batches": int(trainer.num_val_batches[0])}, out)
     if torch.distributed.is_initialized():  # stop gloo's threads before exit: left running, they can abort it

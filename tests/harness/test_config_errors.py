@@ -59,7 +59,13 @@ CASES = [
     ("pe.nope_every=0", ["pe.nope_every must be null or an integer >= 1", "got 0"]),
     ("pe=t5 pe.nope_every=1", ["pe.nope_every=1 makes all 4 layers NoPE layers, so pe=t5's parameters would never "
                                "be used"]),
-    ("data=synthetic", ["eval.extrapolation.enabled=true needs held-out text", "eval.extrapolation.enabled=false"]),
+    ("data=synthetic eval.tasks.enabled=maybe", ["eval.tasks.enabled must be auto (on for data=synthetic), true or "
+                                                 "false, got 'maybe'"]),
+    ("eval.positions=randomized", ["eval.positions=randomized evaluates a model trained with pe.randomize_to=N",
+                                   "pe.randomize_to is null"]),
+    ("eval.probe.rows=0", ["eval.probe.rows must be an integer >= 1, got 0"]),
+    ("data=synthetic data.curriculum_batches=10 data.curriculum_start=4",
+     ["data.curriculum_start must be null or an integer in [11, data.block_size=256], got 4"]),
     ("data.tokens_per_step=1000", ["data.tokens_per_step=1000 is not a whole number of micro-batches",
                                    "= 4096 tokens; allowed: a multiple of 4096, e.g. 4096"]),
     ("data.tokens_per_step=8192 trainer.accumulate_grad_batches=2",
@@ -84,10 +90,28 @@ CASES = [
                              "or '0,1', got 'abc'"]),
     # eval.* runs after the training, and is checked before it
     ("eval.extrapolation.rope_scaling=[bogus]", ["eval.extrapolation.rope_scaling must be a list of null, linear, "
-                                                 "ntk, dynamic_ntk, yarn, got ['bogus']"]),
+                                                 "ntk, dynamic_ntk, yarn, llama3, got ['bogus']"]),
     ("eval.extrapolation.rope_scaling_factor=0.5", ["eval.extrapolation.rope_scaling_factor must be null",
                                                     "a finite number >= 1, got 0.5"]),
     ("eval.extrapolation.q_chunk=0", ["eval.extrapolation.q_chunk must be >= 1, got 0"]),
+    # positions scaled in training (pe.scaling) and init_from (context extension)
+    ("pe=alibi pe.scaling.kind=yarn", ["pe.scaling.kind must be one of none, linear for pe=alibi, got 'yarn'"]),
+    ("pe=t5 pe.scaling.kind=linear", ["pe.scaling.kind must be none: pe=t5 has no positions to scale, got 'linear'"]),
+    ("pe.scaling.kind=linear pe.scaling.factor=0.5", ["pe.scaling.factor must be a finite number >= 1", "got 0.5"]),
+    ("pe.scaling.kind=ntk pe.scaling.factor=-2", ["pe.scaling.factor must be a finite number >= 1", "got -2"]),
+    ("pe.scaling.kind=yarn pe.scaling.original_length=512", ["pe.scaling.original_length must be null or an integer "
+                                                             "in [1, model.block_size=256]", "got 512"]),
+    ("pe.scaling.kind=longrope pe.scaling.factor=2 pe.scaling.short_factor=[1,1] pe.scaling.long_factor=[1,1]",
+     ["pe.scaling.short_factor and long_factor must be lists of 16 factors", "got 2 and 2"]),
+    ("pe.scaling.kind=linear pe.scaling.beta_fast=8", ["pe.scaling.beta_fast must be 32.0: pe.scaling.kind=linear "
+                                                       "reads factor, original_length, got 8"]),
+    ("pe.scaling.kind=yarn pe.scaling.factor=4 eval.extrapolation.rope_scaling=[null,ntk]",
+     ["eval.extrapolation.rope_scaling must be [null]", "pe.scaling.kind=yarn", "got [None, 'ntk']"]),
+    ("init_from=/nonexistent/base.ckpt", ["init_from=/nonexistent/base.ckpt does not exist"]),
+    ("model.attn_temperature=llama4", ["model.attn_temperature must be none or log_length for pe=rope with no NoPE "
+                                       "layer", "got 'llama4'"]),
+    ("model.attn_temperature=cosine", ["model.attn_temperature must be one of 'none', 'log_length', 'llama4', "
+                                       "got 'cosine'"]),
     ("eval.extrapolation.max_tokens=0", ["eval.extrapolation.max_tokens must be >= 1, got 0"]),
     # callbacks are built before any data is read, by their own constructors
     ("callbacks.host_memory_reuse.mmap_threshold_mb=64", ["callbacks.host_memory_reuse.mmap_threshold_mb must be "
@@ -166,7 +190,7 @@ def test_bad_config_is_refused_while_composing(overrides, error, expected, tmp_p
     ("+pe.foo=1", "pe.foo=1 is not an option of pe (RoPE); valid options: base, rotary_fraction"),
     ("pe=rotary", "Could not find 'pe/rotary'"),
     ("eval.extrapolation.rope_scaling=[bogus]", "eval.extrapolation.rope_scaling must be a list of null, linear, "
-                                                "ntk, dynamic_ntk, yarn, got ['bogus']"),
+                                                "ntk, dynamic_ntk, yarn, llama3, got ['bogus']"),
     ("trainer.devices=abc", "trainer.devices must be an integer >= 1, -1 (all), 'auto'"),
 ])
 def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):

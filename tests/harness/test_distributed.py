@@ -35,6 +35,12 @@ def test_two_ranks_with_batch_b_equal_one_process_with_2b_and_validate_disjoint_
     # every window of 6000 tokens: 187 x 32, 46 x 128; sliding (stride = half): 373 x 16, 92 x 64
     assert [row[2] for row in one["table"]] == [5984, 5888, 5968, 5888]
     assert [row[3] for row in two["table"]] == pytest.approx([row[3] for row in one["table"]], rel=1e-9)
+    # loss by position: per-position sums and counts all-reduced with the totals (exact counts)
+    assert [row[:5] for row in two["positions"]] == [row[:5] for row in one["positions"]]
+    # float32 forwards of differently composed batches: ~6e-8 per position (the totals average it out)
+    assert [row[5] for row in two["positions"]] == pytest.approx([row[5] for row in one["positions"]], rel=1e-6)
+    assert {(n, mode): sum(r[4] for r in two["positions"] if r[:2] == (n, mode)) for n, mode, *_ in two["table"]} \
+        == {(n, mode): tokens for n, mode, tokens, _ in two["table"]}
 
 
 @pytest.mark.parametrize("tokens_per_step, batch, block, devices, nodes, expected", [

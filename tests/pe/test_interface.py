@@ -83,6 +83,7 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
     code (bench, tests, scripts) and from its yaml give the same model."""
     import inspect
 
+    from model.pe.scaling import SCALING_DEFAULTS
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -93,6 +94,7 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
             cfg = OmegaConf.to_container(compose("config", overrides=[f"pe={path.stem}"]).pe)
         for key in ("nope_every", "randomize_to"):  # model-level options (model/pe/schedule.py), off by default
             assert cfg.pop(key, None) is None
+        assert cfg.pop("scaling", SCALING_DEFAULTS) == SCALING_DEFAULTS  # model/pe/scaling.py, applied after build
         module, _, cls_name = cfg.pop("_target_").rpartition(".")
         cls = getattr(__import__(module, fromlist=[cls_name]), cls_name)
         params = inspect.signature(cls.__init__).parameters

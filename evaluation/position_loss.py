@@ -1,0 +1,184 @@
+"""Loss by token position: where in a long window the NLL of an extrapolating model rises.
+
+The extrapolation evaluation (evaluation/extrapolation.py) already computes one NLL per scored
+target; ``PositionSums`` adds those same numbers per position in the window (no second
+forward). Position ``p`` (0-based) is the input token whose successor is predicted, so the
+prediction at ``p`` has seen ``p + 1`` tokens. In ``sliding`` mode only the last ``stride``
+positions of each window are scored, so the curve starts at ``length - stride``.
+
+Rows: the first ``2 L`` positions (``L`` the training length) one by one, then log-spaced
+bins (``per_octave`` per doubling) up to the eval length. A bin's ``loss`` is the mean over
+every target scored in it (sum of NLL / count, pooled over windows and, under DDP, ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+class PositionSums:
+    """Summed NLL and target counts per window position of one eval length."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.sums = np.zeros(length, dtype=np.float64)
+        self.counts = np.zeros(length, dtype=np.int64)
+
+    def add(self, first: int, sums: np.ndarray, count_each: int) -> None:
+        """Positions ``first..first+len(sums)-1`` received ``sums`` over ``count_each`` windows."""
+        self.sums[first : first + len(sums)] += sums
+        self.counts[first : first + len(sums)] += count_each
+
+
+def position_bins(length: int, train_length: int, per_octave: int = 4) -> list[tuple[int, int]]:
+    """[start, end) position ranges: singletons below ``min(2 L, length)``, then log-spaced
+    (edges ``2 L · 2^(k / per_octave)`` rounded, duplicates dropped), the last ending at ``length``."""
+    exact = min(2 * train_length, length)
+    bins = [(p, p + 1) for p in range(exact)]
+    k, start = 1, exact
+    while start < length:
+        end = min(length, max(start + 1, int(round(2 * train_length * 2 ** (k / per_octave)))))
+        k += 1
+        if end > start:
+            bins.append((start, end))
+            start = end
+    return bins
+
+
+@dataclass
+class PositionLossRow:
+    scheme: str
+    rope_scaling: str
+    positions: str  # the positions the model saw: sequential (0..T-1) or randomized
+    train_length: int
+    eval_length: int
+    mode: str
+    stride: int
+    start: int  # first window position of the bin (0-based)
+    end: int  # one past the last
+    tokens: int  # targets scored in the bin
+    loss: float  # mean NLL (nats) over them
+
+    @property
+    def x(self) -> float:
+        """Plot abscissa: the bin's middle, 1-based (tokens seen by the prediction)."""
+        return (self.start + 1 + self.end) / 2
+
+
+def bin_rows(sums: PositionSums, head: dict, per_octave: int = 4) -> list[PositionLossRow]:
+    """Rows of one eval length; ``head``: the other PositionLossRow fields (scheme ... stride)."""
+    rows = []
+    for start, end in position_bins(sums.length, head["train_length"], per_octave):
+        n = int(sums.counts[start:end].sum())
+        if n:  # sliding: the unscored head of the window has no rows
+            rows.append(PositionLossRow(**head, start=start, end=end, tokens=n,
+                                        loss=float(sums.sums[start:end].sum() / n)))
+    return rows
+
+
+def write_csv(rows: Sequence[PositionLossRow], path: Path) -> Path:
+    from evaluation.extrapolation import write_rows
+
+    return write_rows(rows, path, PositionLossRow)
+
+
+def read_csv(path: Path) -> list[PositionLossRow]:
+    from evaluation.extrapolation import read_rows
+
+    return read_rows(path, PositionLossRow)
+
+
+COLUMNS = [f.name for f in fields(PositionLossRow)]
+
+
+def _curves(rows: Sequence[PositionLossRow], by: Sequence[str]) -> dict[str, list[PositionLossRow]]:
+    curves: dict[str, list[PositionLossRow]] = {}
+    for r in rows:
+        curves.setdefault(" ".join(str(getattr(r, k)) for k in by), []).append(r)
+    for points in curves.values():
+        points.sort(key=lambda r: r.start)
+    return curves
+
+
+def curve_keys(rows: Sequence[PositionLossRow], always: Sequence[str] = ("eval_length",)) -> list[str]:
+    """``always`` plus every other series field that takes more than one value in ``rows``."""
+    extra = [k for k in ("scheme", "mode", "rope_scaling", "positions") if k not in always
+             and len({getattr(r, k) for r in rows}) > 1]
+    return [*always, *extra]
+
+
+def smoothed(points: Sequence[PositionLossRow], per_octave: int = 8) -> tuple[list[float], list[float]]:
+    """(x, mean NLL) of one curve pooled into ``per_octave`` log-spaced groups by x: a single
+    position's mean over a few windows is too noisy to read (the CSV keeps the exact values)."""
+    groups: dict[int, list[PositionLossRow]] = {}
+    for r in points:
+        groups.setdefault(math.floor(math.log2(r.x) * per_octave), []).append(r)
+    xs, ys = [], []
+    for _, members in sorted(groups.items()):
+        n = sum(r.tokens for r in members)
+        xs.append(sum(r.x * r.tokens for r in members) / n)
+        ys.append(sum(r.loss * r.tokens for r in members) / n)
+    return xs, ys
+
+
+def plot_rows(rows: Sequence[PositionLossRow], title: str = "Loss by token position",
+              by: Sequence[str] | None = None):
+    """Mean NLL against window position (log-x, pooled by ``smoothed``), one curve per ``by``
+    (default: eval length, plus mode / scaling / scheme where several); the training length is
+    a dotted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for label, points in _curves(rows, by or curve_keys(rows)).items():
+        xs, ys = smoothed(points)
+        ax.plot(xs, ys, label=label, linewidth=1.2)
+    for train_length in sorted({r.train_length for r in rows}):
+        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token position in the window; dotted: training length")
+    ax.set_ylabel("mean NLL (nats)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if rows:
+        ax.legend(fontsize=7, title=" ".join(by or curve_keys(rows)), title_fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def save_results(rows: Sequence[PositionLossRow], out_dir: Path, title: str) -> dict[str, Path]:
+    """position_loss.csv + position_loss.png in ``out_dir``."""
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": write_csv(rows, out_dir / "position_loss.csv"), "png": out_dir / "position_loss.png"}
+    fig = plot_rows(rows, title=title)
+    fig.savefig(paths["png"])
+    plt.close(fig)
+    return paths
+
+
+def log_to_wandb(rows: Sequence[PositionLossRow], run, png: Path | None = None,
+                 prefix: str = "extrapolation") -> None:
+    """A line chart of NLL against log2(position), one line per curve, the table and the PNG."""
+    import wandb
+
+    curves = _curves(rows, curve_keys(rows))
+    payload = {f"{prefix}/position_loss_table":
+               wandb.Table(columns=COLUMNS, data=[[getattr(r, c) for c in COLUMNS] for r in rows])}
+    if curves:
+        # W&B line charts have no log axis setting: plot against log2(position) instead.
+        payload[f"{prefix}/position_loss"] = wandb.plot.line_series(
+            xs=[[math.log2(r.x) for r in points] for points in curves.values()],
+            ys=[[r.loss for r in points] for points in curves.values()], keys=list(curves),
+            title="mean NLL by token position", xname="log2(token position)")
+    if png is not None and Path(png).exists():
+        payload[f"{prefix}/position_loss_plot"] = wandb.Image(str(png))
+    run.log(payload)
