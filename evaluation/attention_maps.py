@@ -36,6 +36,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from evaluation.extrapolation import LengthSweepOptions
 from model.attention import AttentionRecorder
 from model.gpt import uncompiled
 from model.positions import resolve_positions
@@ -437,7 +438,7 @@ def probe_attention(gpt: nn.Module, windows: Tensor, rows: int = 256, q_chunk: i
 
 
 @dataclass
-class ProbeConfig:
+class ProbeConfig(LengthSweepOptions):
     section: ClassVar[str] = "eval.probe"
     multipliers: Sequence[float] = (1, 2, 4, 8, 16)  # probe lengths as multiples of the training length
     lengths: Sequence[int] = ()  # absolute lengths, added to the multiples
@@ -456,16 +457,6 @@ class ProbeConfig:
                 and all(int(n) == n and n >= 1 for n in self.lengths), "eval.probe.multipliers",
                 list(self.multipliers), "positive numbers (with eval.probe.lengths: positive integers), not both empty")
 
-    def eval_lengths(self, train_length: int) -> list[int]:
-        return sorted({int(round(m * train_length)) for m in self.multipliers} | {int(n) for n in self.lengths})
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "ProbeConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - {"enabled"})
-        if unknown:
-            raise ValueError(f"unknown eval.probe option(s) {unknown}; valid: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in values.items() if k in known})
 
 
 @dataclass
