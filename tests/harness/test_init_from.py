@@ -143,3 +143,26 @@ def test_context_extension_experiment_composes_every_method(tmp_path):
         assert (run.model.block_size, pe.base) == (512, base), method
         assert (pe.trained_scaling.kind, pe.trained_scaling.factor, pe.trained_scaling.original_length) == \
             (kind, 4.0, 128) if kind != "none" else pe.trained_scaling is None, method
+
+
+def test_init_from_under_ddp_starts_every_rank_from_the_checkpoint(tmp_path):
+    """train.py on 2 gloo processes with init_from: the run trains from step 0 (fresh
+    schedule), and with a vanishing learning rate its weights are the checkpoint's (a random
+    init differs by ~0.02)."""
+    from tests.harness.test_train import FAST, read_metrics, run_train
+
+    base = tmp_path / "base"
+    proc = run_train(["logger=csv", f"hydra.run.dir={base}", *FAST], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tune = tmp_path / "tune"
+    proc = run_train(["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp", "logger=csv",
+                      f"init_from={base / 'checkpoints' / 'last.ckpt'}", "optim.lr=1e-12", "optim.min_lr=1e-12",
+                      f"hydra.run.dir={tune}", *FAST], tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "MEMBER: 2/2" in proc.stderr + proc.stdout
+    assert min(read_metrics(tune / "csv" / "metrics.csv")["step"]) < 2  # trained from the start, not resumed
+    before = torch.load(base / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    after = torch.load(tune / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key].float(), value.float(), atol=1e-7, rtol=0, msg=key)
