@@ -207,10 +207,10 @@ def test_every_scheme_config_builds(scheme):
 
     from omegaconf import OmegaConf
 
-    from model.pe.schedule import split_schedule
+    from pelab.lit import position_options
 
     cfg = compose_config([f"pe={scheme}"])
-    options, _ = split_schedule(OmegaConf.to_container(cfg.pe))  # nope_every/randomize_to belong to the model
+    options, _ = position_options(OmegaConf.to_container(cfg.pe))  # schedule and scaling belong to the model
     pe = hydra.utils.instantiate(options, _partial_=True)(GPTConfig(vocab_size=256, **cfg.model))
     assert type(pe) is REGISTRY[scheme]
 
