@@ -84,8 +84,8 @@ def test_training_uses_random_positions_and_evaluation_does_not(monkeypatch):
                     pe={"_target_": "model.pe.alibi.ALiBi", "randomize_to": 64})
     seen = []
     forward = module.model.forward
-    monkeypatch.setattr(module.model, "forward", lambda x, y=None, positions=None: seen.append(positions)
-                        or forward(x, y, positions))
+    monkeypatch.setattr(module.model, "forward", lambda x, y=None, positions=None, documents=None:
+                        seen.append(positions) or forward(x, y, positions, documents))
     monkeypatch.setattr(module, "log", lambda *a, **k: None)
     monkeypatch.setattr(module, "optimizers", lambda: type("O", (), {"param_groups": [{"lr": 0.0}]})())
     x = torch.randint(0, 41, (3, 16))
