@@ -128,16 +128,21 @@ def naive_scheme_bias(name, pe, p, qpos, kpos):
 # --------------------------------------------------------------------------------------
 
 
+def naive_qkv(attn, x):
+    """float64 q, k, v, each (B, T, H, head dim), of an attention layer's input projection."""
+    x64 = x.detach().double()
+    B, T, C = x64.shape
+    y = x64 @ attn.c_attn.weight.detach().double().T
+    return tuple(y[..., n * C:(n + 1) * C].reshape(B, T, attn.n_head, C // attn.n_head) for n in range(3))
+
+
 def naive_attention_loops(attn, x, bias=None, rotate=None):
     """c_proj(softmax(q k^T / sqrt(d) + bias, key j > query i masked by index) v), float64.
 
     ``bias`` (H, T, T) float64 or None; ``rotate(t, vec) -> vec`` rotates q and k at token t."""
-    x64 = x.detach().double()
-    B, T, C = x64.shape
-    H = attn.n_head
-    hd = C // H
-    y = x64 @ attn.c_attn.weight.detach().double().T
-    q, k, v = (y[..., n * C:(n + 1) * C].reshape(B, T, H, hd) for n in range(3))
+    q, k, v = naive_qkv(attn, x)
+    B, T, H, hd = q.shape
+    C = H * hd
     out = torch.zeros(B, T, H, hd, dtype=torch.float64)
     for b in range(B):
         for h in range(H):

@@ -15,7 +15,7 @@ from model.attention import BACKENDS
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.positions import layer_contexts
-from tests.naive import leaf_params, naive_scheme_bias
+from tests.naive import leaf_params, naive_qkv, naive_scheme_bias
 from tests.tiny import LEARNED_BIAS, build
 
 EOT = 0  # the separator of these windows (token ids 1.. are text)
@@ -121,12 +121,9 @@ def test_positions_only_restart_in_every_hook_and_causality_follows_order(name, 
 def naive_document_attention(attn, x, biases, documents):
     """float64 c_proj(softmax(q k^T / sqrt(d) + bias) v) over keys j <= i of i's document;
     ``biases[b]`` (H, T, T) float64."""
-    x64 = x.detach().double()
-    B, T, C = x64.shape
-    H = attn.n_head
-    hd = C // H
-    y = x64 @ attn.c_attn.weight.detach().double().T
-    q, k, v = (y[..., n * C:(n + 1) * C].reshape(B, T, H, hd) for n in range(3))
+    q, k, v = naive_qkv(attn, x)
+    B, T, H, hd = q.shape
+    C = H * hd
     rows = []
     for b in range(B):
         heads = []
