@@ -43,6 +43,13 @@ def stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A runner started in the background
+    by a non-interactive shell has SIGINT ignored, which children inherit, and pytest then
+    never sees the SIGINT that ``stop_group`` sends first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int) -> Outcome:
     if step.gpus > gpus:
         return Outcome(step, "skip", f"needs {step.gpus} GPUs, {gpus} present")
@@ -57,7 +64,7 @@ def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int) -> Ou
         log.write(f"$ {step.shown()}\n")
         log.flush()
         proc = subprocess.Popen(step.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=default_sigint)
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
