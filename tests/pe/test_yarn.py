@@ -13,27 +13,13 @@ import torch
 from model.pe import SCHEMES
 from model.pe.rope_scaling import RopeScaling
 from tests import tiny
-from tests.pe.test_rope_scaling import naive_rotate
+from tests.pe.test_rope_scaling import naive_rotate, naive_yarn
 
 
 def hf_yarn(dim, base, factor, original, beta_fast=32.0, beta_slow=1.0, truncate=True, attention_factor=None):
-    """(inv_freq per pair, attention factor), as the reference computes them, in float64."""
-    def find_correction_dim(num_rotations):
-        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = find_correction_dim(beta_fast), find_correction_dim(beta_slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    pos_freqs = [base ** (2 * k / dim) for k in range(dim // 2)]
-    out = []
-    for k in range(dim // 2):
-        extrapolation_factor = 1 - min(max((k - low) / (high - low), 0.0), 1.0)
-        interpolation = 1.0 / (factor * pos_freqs[k])
-        extrapolation = 1.0 / pos_freqs[k]
-        out.append(interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor)
+    """(inv_freq per pair, attention factor), as the reference computes them, in float64: the
+    frequencies are the YaRN repository's ramp (``naive_yarn``), the factor ``get_mscale``."""
+    out, _, _ = naive_yarn(dim, base, factor, original, beta_fast, beta_slow, truncate)
     mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0  # get_mscale
     return out, (mscale if attention_factor is None else attention_factor)
 
