@@ -16,9 +16,9 @@ options: what run names leave out) are one group: its lines show the mean over t
 seeds ± the 95% Student-t interval (n − 1 degrees of freedom), the best mean at each length
 is bold, and ``*`` marks a group whose values differ from the best group's at that length by
 Welch's two-sided t-test at α = 0.05 (p-values in the CSV); the plot draws the intervals as
-bands. With one run per group (or no config.yaml) the output is one line per run, named by
-run directory when two runs share a scheme. Task accuracy is the exact-match accuracy of a
-run averaged over its passkey depths.
+bands. With one run per group (or no config.yaml) the output is one line per run; two runs of
+one scheme are named by the settings that differ (else by run directory). Task accuracy is the
+exact-match accuracy of a run averaged over its passkey depths.
 
 Writes comparison.{csv,md,png} (perplexity; markdown with every section) and, when there are
 task results, comparison_tasks.{csv,png}. Loss by token position (``position_loss.csv``) of
@@ -105,15 +105,20 @@ def _order(label: str) -> tuple:
     return ORDER.get(label.split("+")[0].split(" ")[0], 99), label
 
 
-def label_rows(pairs: list[tuple[str, ExtrapolationRow]]) -> list[ExtrapolationRow]:
-    """Rows whose ``scheme`` field becomes the line label: scheme [+ scaling] [+ run]."""
+def label_rows(pairs: list[tuple[str, ExtrapolationRow]], groups: dict | None = None) -> list[ExtrapolationRow]:
+    """Rows whose ``scheme`` field becomes the line label: scheme [+ scaling] [+ what differs]. Runs
+    of one scheme are told apart by their group's label (the settings that differ, ``seed_groups``)
+    when ``groups`` has one, else by run directory."""
     runs_per_scheme: dict[str, set[str]] = {}
     for run, row in pairs:
         runs_per_scheme.setdefault(row.scheme, set()).add(run)
     labelled = []
     for run, row in pairs:
         label = base_label(row)
-        if len(runs_per_scheme[row.scheme]) > 1:
+        group = (groups or {}).get((label, run))
+        if group is not None and group.label != label:
+            label = group.label
+        elif len(runs_per_scheme[row.scheme]) > 1:
             label += f" ({Path(run).name})"
         if getattr(row, "not_learned", False):  # a task run below the learned-at-L criterion
             label += task_eval.NOT_LEARNED
@@ -457,7 +462,7 @@ def main(argv: list[str]) -> int:
 
     sections, wandb_rows = [], []
     if pairs and not multi_seed:
-        rows = label_rows(pairs)
+        rows = label_rows(pairs, groups)
         write_csv(rows, out / "comparison.csv")
         for mode in sorted({r.mode for r in rows}):
             mode_rows = [r for r in rows if r.mode == mode]
@@ -479,7 +484,7 @@ def main(argv: list[str]) -> int:
         wandb_rows = label_rows(pairs)  # W&B: every seed's line; the PNG has the means and intervals
 
     if task_pairs and not multi_seed:
-        rows = label_rows(task_pairs)
+        rows = label_rows(task_pairs, groups)
         task_eval.write_csv(rows, out / "comparison_tasks.csv")
         for task in sorted({r.task for r in rows}):
             sections.append(f"### {task}\n\nExact-match accuracy (%) by evaluation length (tokens), mean over "

@@ -155,6 +155,20 @@ def test_one_seed_per_scheme_with_tasks_keeps_the_single_run_table(tmp_path):
         "| scheme | 64 (train) | 128 |\n|---|---|---|\n| rope | 75.0 | 12.5 |\n| alibi | 100.0 | 75.0 |\n")
 
 
+def test_single_runs_of_one_scheme_are_named_by_the_setting_that_differs(tmp_path):
+    sweep = tmp_path / "multirun"
+    seed_run(sweep, "0-rope", "rope", 1, {64: 4.0}, {64: (1.0, 1.0)}, base=10000)
+    seed_run(sweep, "1-rope-pe.base_100", "rope", 1, {64: 7.0}, {64: (0.5, 0.0)}, base=100)
+    seed_run(sweep, "2-alibi", "alibi", 1, {64: 4.5})
+    out = tmp_path / "report"
+    proc = compare_runs(str(sweep), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    md = (out / "comparison.md").read_text()
+    assert "| rope (pe.base=100) | 7.00 |\n| rope (pe.base=10000) | 4.00 |\n| alibi | 4.50 |\n" in md
+    assert "| rope (pe.base=100) | 25.0 |\n| rope (pe.base=10000) | 100.0 |\n" in md
+    assert "0-rope" not in md and "1-rope" not in md
+
+
 def test_position_loss_overlay_at_one_length(tmp_path):
     from evaluation.position_loss import PositionLossRow, read_csv, write_csv as write_positions
 
