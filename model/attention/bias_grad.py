@@ -23,9 +23,13 @@ Measurements: docs/benchmark.md.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from model.attention.base import Terms
 from model.attention.sdpa import SDPA, default_scale
 
 # float32 elements of one tile's (b, H, QUERY_TILE, Tk) tensors: 2 MiB, about one core's L2.
@@ -35,43 +39,45 @@ QUERY_TILE = 64
 
 
 @torch.library.custom_op("pelab::attention_with_bias_grad", mutates_args=())
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, bias: Tensor, scale: float) -> Tensor:
+    # bias only receives the gradient: mask is what the softmax adds (see attention_with_bias_grad)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     return out
 
 
 @_attention.register_fake
-def _(q, k, v, mask, scale):
+def _(q, k, v, mask, bias, scale):
     # the flash kernel's own meta function, so that the strides a compiled graph assumes are its
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, False, attn_mask=mask, scale=scale)[0]
 
 
 @torch.library.custom_op("pelab::attention_with_bias_grad_backward", mutates_args=())
-def _attention_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+def _attention_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, bias: Tensor,
                         scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # autocast off: a compiled graph may run the backward under the forward's autocast, which
     # would turn the float32 matmuls below into bf16 ones
     with torch.autocast(d_out.device.type, enabled=False):
-        return _backward(d_out, q, k, v, mask, scale)
+        return _backward(d_out, q, k, v, mask, bias, scale)
 
 
 @_attention_backward.register_fake
-def _(d_out, q, k, v, mask, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mask.new_empty(mask.shape)
+def _(d_out, q, k, v, mask, bias, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), bias.new_empty(bias.shape)
 
 
-def _backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+def _backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, bias: Tensor,
               scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dtype, tile = q.dtype, QUERY_TILE
     acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 for float64 inputs
     d_out = d_out.to(dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    d_mask = torch.zeros(mask.shape, dtype=acc, device=mask.device)
+    d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device)
     B, H, Tq, Tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     step = max(1, BLOCK_ELEMENTS // (H * min(tile, Tq) * Tk))
-    shared = mask.shape[0] == 1
+    shared = mask.shape[0] == 1  # one mask for every sequence
+    summed = bias.shape[0] == 1  # one bias for every sequence: its gradient sums over the batch
     tiled = tile < Tq
     p_c = ds_c = None  # compute-dtype P and dS of a block; keys after each tile stay zero
     for b in range(0, B, step):
@@ -90,10 +96,10 @@ def _backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
             p = torch.softmax(torch.add(tile_mask, scores, alpha=scale), dim=-1)
             dp = torch.matmul(gf[:, :, s:e], vf[:, :, :seen].transpose(-2, -1))
             ds = torch._softmax_backward_data(dp, p, -1, acc)
-            if shared:
-                d_mask[..., s:e, :seen] += ds.sum(0, keepdim=True)
+            if summed:
+                d_bias[..., s:e, :seen] += ds.sum(0, keepdim=True)
             else:
-                d_mask[rows, :, s:e, :seen] = ds
+                d_bias[rows, :, s:e, :seen] = ds
             if tiled:
                 p_c[:, :, s:e, :seen] = p
                 ds_c[:, :, s:e, :seen] = ds
@@ -102,29 +108,35 @@ def _backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
         dv[rows] = torch.matmul(p_c.transpose(-2, -1), gb)
         dq[rows] = torch.matmul(ds_c, kb).mul_(scale)
         dk[rows] = torch.matmul(ds_c.transpose(-2, -1), qb).mul_(scale)
-    return dq, dk, dv, d_mask.to(mask.dtype)
+    return dq, dk, dv, d_bias.to(bias.dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale = inputs
-    ctx.save_for_backward(q, k, v, mask)
+    q, k, v, mask, bias, scale = inputs
+    ctx.save_for_backward(q, k, v, mask, bias)
     ctx.scale = scale
 
 
 def _grad(ctx, d_out):
-    q, k, v, mask = ctx.saved_tensors
-    return *_attention_backward(d_out, q, k, v, mask, ctx.scale), None
+    q, k, v, mask, bias = ctx.saved_tensors
+    dq, dk, dv, d_bias = _attention_backward(d_out, q, k, v, mask, bias, ctx.scale)
+    return dq, dk, dv, None, d_bias, None
 
 
 _attention.register_autograd(_grad, setup_context=_setup_context)
 
 
-def attention_with_bias_grad(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attention_with_bias_grad(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+                             bias: Tensor | None = None) -> Tensor:
     """softmax(scale q k^T + mask) v for (B, H, Tq, hd) q, k, v and a (1 or B, H, Tq, Tk)
     float mask (bias plus -inf on hidden keys; every query sees at least one key), with
     gradients for q, k, v and the mask. Causal: the queries are the last Tq of the Tk keys
-    and the mask hides every key after its query (the backward never looks at those)."""
-    return _attention(q, k, v, mask, scale)
+    and the mask hides every key after its query (the backward never looks at those).
+
+    ``bias`` (1, H, Tq, Tk), when given, takes the mask's gradient instead: the mask is then
+    ``bias`` with more keys hidden per sequence (packed documents), and the gradient, zero on
+    every hidden key, is summed over the batch inside the tiles (no (B, H, Tq, Tk) gradient)."""
+    return _attention(q, k, v, mask.detach(), mask if bias is None else bias, scale)
 
 
 class BiasGrad(SDPA):
@@ -138,9 +150,20 @@ class BiasGrad(SDPA):
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return grad and pe.uses_bias and any(p.requires_grad for p in pe.parameters())
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float) -> Tensor:
-        if mask is None or not mask.requires_grad or dropout or not torch.is_grad_enabled():
+    def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | tuple[Tensor, Tensor] | None:
+        """SDPA's mask; under a document mask a bias of the distance alone (one (1, H, Tq, Tk)
+        tensor for every sequence) comes as (that bias with the other documents hidden, the bias):
+        its gradient is then summed over the batch in the backward's tiles."""
+        if chunked or not (terms.documents and terms.with_bias and getattr(terms.pe, "bias_of_distance", False)):
+            return super().prepare(terms, chunked)
+        bias = replace(terms, q_documents=None, k_documents=None).mask()
+        return bias.detach().masked_fill(terms.hidden(), float("-inf")), bias
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
+        mask, bias = state if isinstance(state, tuple) else (state, None)
+        if mask is None or not (bias if bias is not None else mask).requires_grad or dropout \
+                or not torch.is_grad_enabled():
             return super().__call__(q, k, v, mask, dropout)
         with torch.autocast(v.device.type, enabled=False):
             q, k = q.to(v.dtype), k.to(v.dtype)
-            return attention_with_bias_grad(q, k, v, mask, default_scale(q))
+            return attention_with_bias_grad(q, k, v, mask, default_scale(q), bias=bias)

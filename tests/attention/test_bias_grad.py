@@ -69,6 +69,32 @@ def test_forward_and_gradients_match_naive_float64(monkeypatch, dtype, Tq, Tk, m
         assert rel_err(a, b) < limit, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("tile", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_shared_bias_under_per_sequence_masks_gets_the_batch_summed_gradient(monkeypatch, dtype, tile):
+    """Packed documents: one (1, H, T, T) bias, other documents hidden per sequence. The bias
+    gradient (summed over the batch in the tiles) equals float64 autograd through
+    bias.masked_fill(hidden per sequence, -inf), and so do the output and q, k, v gradients."""
+    if tile is not None:
+        monkeypatch.setattr(bias_grad, "QUERY_TILE", tile)
+    monkeypatch.setattr(bias_grad, "BLOCK_ELEMENTS", 2 * 3 * min(bias_grad.QUERY_TILE, 24) * 24)  # 5 = 2 + 2 + 1
+    q, k, v, bias, d_out = inputs(dtype, 5, 3, 24, 24, 16, 1)
+    starts = torch.tensor([[0, 7, 15], [0, 1, 2], [0, 20, 23], [0, 12, 12], [0, 24, 24]])  # document starts
+    docs = (torch.arange(24)[None, :, None] >= starts[:, None, :]).sum(-1)  # (B, T) document ids
+    other = (docs[:, :, None] != docs[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
+    ref_out, ref_grads = grads(lambda q, k, v, b: naive(q, k, v, b.masked_fill(other, float("-inf"))),
+                               (q, k, v, bias), d_out)
+    acc = torch.promote_types(dtype, torch.float32)
+    out, got = grads(lambda q, k, v, b: bias_grad.attention_with_bias_grad(
+        q, k, v, b.detach().masked_fill(other, float("-inf")), 0.25, bias=b),
+        (q.to(dtype), k.to(dtype), v.to(dtype), bias.to(acc)), d_out)
+    assert got[3].shape == (1, 3, 24, 24)
+    limits = {torch.float64: [1e-12] * 5, torch.float32: [1e-5] * 5,
+              torch.bfloat16: [1e-2, 1.5e-2, 1.5e-2, 1.5e-2, 1e-5]}[dtype]
+    for name, a, b, limit in zip(("out", "q", "k", "v", "bias"), [out] + got, [ref_out] + ref_grads, limits):
+        assert rel_err(a, b) < limit, (name, rel_err(a, b))
+
+
 def test_bias_gradient_rows_sum_to_zero(monkeypatch):
     """Adding a constant to a query's row of logits changes nothing, so each row of the mask
     gradient sums to zero: in bf16 too, where an unnormalised P would leave rounding there."""
@@ -90,7 +116,7 @@ def _model(name: str, dropout: float = 0.0) -> GPT:
 def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name, used):
     calls = []
     original = bias_grad.attention_with_bias_grad
-    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     model = _model(name)
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -105,15 +131,15 @@ def test_model_uses_it_exactly_for_learned_biases_in_training(monkeypatch, name,
 
 def test_attention_dropout_keeps_torch_sdpa(monkeypatch):
     calls = []
-    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a: calls.append(1))
+    monkeypatch.setattr(bias_grad, "attention_with_bias_grad", lambda *a, **kw: calls.append(1))
     model = _model("t5", dropout=0.1)
     idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
     model(idx, idx)[1].backward()
     assert not calls and model.pe.relative_attention_bias.weight.grad is not None
 
 
-@pytest.mark.parametrize("mask_batch", [1, 3])
-def test_custom_ops_pass_opcheck(mask_batch):
+@pytest.mark.parametrize("mask_batch, bias_batch", [(1, 1), (3, 3), (3, 1)])
+def test_custom_ops_pass_opcheck(mask_batch, bias_batch):
     """Both ops are opaque to torch.compile, which plans memory from their fake (meta) outputs:
     opcheck runs the real and fake kernels side by side (shapes, strides, schema, autograd)."""
     g = torch.Generator().manual_seed(0)
@@ -121,11 +147,14 @@ def test_custom_ops_pass_opcheck(mask_batch):
     qkv = torch.randn(B, T, 3, H, D, generator=g).bfloat16()  # q, k, v as the model's (B, T, H, hd) views
     q, k, v = (qkv[:, :, i].transpose(1, 2).requires_grad_() for i in range(3))
     hidden = torch.ones(T, T, dtype=torch.bool).triu(1)
-    mask = torch.randn(mask_batch, H, T, T, generator=g).masked_fill(hidden, float("-inf")).requires_grad_()
-    torch.library.opcheck(torch.ops.pelab.attention_with_bias_grad, (q, k, v, mask, 0.35))
+    bias = torch.randn(bias_batch, H, T, T, generator=g).masked_fill(hidden, float("-inf")).requires_grad_()
+    documents = torch.rand(mask_batch, 1, T, T, generator=g) < 0.3  # more keys hidden per sequence
+    mask = bias.detach().expand(mask_batch, -1, -1, -1).masked_fill(documents & ~hidden, float("-inf"))
+    mask[..., 0, 0] = 0.0  # every query sees a key
+    torch.library.opcheck(torch.ops.pelab.attention_with_bias_grad, (q, k, v, mask, bias, 0.35))
     d_out = torch.randn(B, H, T, D, generator=g).bfloat16()
     torch.library.opcheck(torch.ops.pelab.attention_with_bias_grad_backward,
-                          (d_out, q.detach(), k.detach(), v.detach(), mask.detach(), 0.35))
+                          (d_out, q.detach(), k.detach(), v.detach(), mask, bias.detach(), 0.35))
 
 
 def test_compiled_graph_runs_the_tiled_backward(monkeypatch):
