@@ -151,12 +151,15 @@ class BiasGrad(SDPA):
         return grad and pe.uses_bias and any(p.requires_grad for p in pe.parameters())
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | tuple[Tensor, Tensor] | None:
-        """SDPA's mask; under a document mask a bias of the distance alone (one (1, H, Tq, Tk)
-        tensor for every sequence) comes as (that bias with the other documents hidden, the bias):
-        its gradient is then summed over the batch in the backward's tiles."""
-        if chunked or not (terms.documents and terms.with_bias and getattr(terms.pe, "bias_of_distance", False)):
+        """SDPA's mask; under a document mask a bias at positions shared by every sequence (one
+        (1, H, Tq, Tk) tensor: plain positions, or any positions for a bias of the distance alone)
+        comes as (that bias with the other documents hidden, the bias): its gradient is then
+        summed over the batch in the backward's tiles."""
+        q_positions, k_positions = terms.bias_positions()
+        if chunked or not (terms.documents and terms.with_bias) or q_positions.dim() > 1:
             return super().prepare(terms, chunked)
-        bias = replace(terms, q_documents=None, k_documents=None).mask()
+        shared = replace(terms, q_positions=q_positions, k_positions=k_positions, q_documents=None, k_documents=None)
+        bias = shared.mask()
         return bias.detach().masked_fill(terms.hidden(), float("-inf")), bias
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
