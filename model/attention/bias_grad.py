@@ -163,9 +163,8 @@ class BiasGrad(SDPA):
         return bias.detach().masked_fill(terms.hidden(), float("-inf")), bias
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
-        mask, bias = state if isinstance(state, tuple) else (state, None)
-        if mask is None or not (bias if bias is not None else mask).requires_grad or dropout \
-                or not torch.is_grad_enabled():
+        mask, bias = state if isinstance(state, tuple) else (state, state)  # bias: what takes the gradient
+        if mask is None or not bias.requires_grad or dropout or not torch.is_grad_enabled():
             return super().__call__(q, k, v, mask, dropout)
         with torch.autocast(v.device.type, enabled=False):
             q, k = q.to(v.dtype), k.to(v.dtype)
