@@ -14,7 +14,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from data.corpus import HubCorpus, TextFilesCorpus, document_key, find_corpus_files, held_out_by_hash, held_out_evenly
-from data.datamodule import TextDataModule, prepare_token_files
+from data.cache import prepare_token_files
+from data.datamodule import TextDataModule
 from data.tokenizers import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,7 +258,7 @@ def test_hub_code_path_on_local_parquet_holds_out_evenly_and_shards(tmp_path):
 
 def test_streamed_writer_uses_small_batches(tmp_path, monkeypatch):
     """The .bin is written batch by batch: with 7-row batches the bins equal one-shot writing."""
-    import data.datamodule as dm
+    import data.cache as dm
 
     texts = docs(40)
     write_jsonl(tmp_path / "c" / "a.jsonl", texts)
