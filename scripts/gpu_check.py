@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, parse_key_values
+from _common import ROOT, describe_options, parse_key_values
 
 OPTIONS = {
     "plan": "true: print the plan and exit, also on a GPU machine (default false)",
@@ -110,7 +110,14 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", text).group(0).split("."))
 
 
+def usage() -> str:
+    return f"{__doc__.strip()}\n\noptions (key=value):\n{describe_options(OPTIONS)}"
+
+
 def main(argv: list[str]) -> int:
+    if any(arg in ("-h", "--help", "help") for arg in argv):
+        print(usage())
+        return 0
     args = parse_key_values(argv, OPTIONS)
     if "worker" in args:
         from gpucheck.workers import run

@@ -44,6 +44,16 @@ def test_without_cuda_it_prints_the_plan_runs_nothing_and_exits_0(tmp_path):
     assert not out.exists(), "the plan must not create the report folder"
 
 
+def test_help_prints_the_usage_and_every_option(capsys):
+    for flag in ("--help", "-h"):
+        assert gpu_check.main([flag]) == 0
+        printed = capsys.readouterr().out
+        assert "python scripts/gpu_check.py" in printed
+        assert all(f"  {key} " in printed for key in gpu_check.OPTIONS)
+    with pytest.raises(SystemExit, match="expected key=value"):  # other bare words stay errors
+        gpu_check.main(["nonsense"])
+
+
 def test_no_process_is_started_without_cuda_nor_with_plan_true(tmp_path, monkeypatch, capsys):
     import torch
 
