@@ -68,7 +68,7 @@ def preflight(gpus: int):
 
     import torch
 
-    from gpucheck.needs import missing, too_old
+    from gpucheck.needs import not_importable, too_old
     from gpucheck.steps import Outcome, Step
 
     step = Step("preflight", "preflight", "versions, packages, devices, MFU peak", [], 60, lambda r: ("pass", "", {}))
@@ -88,8 +88,8 @@ def preflight(gpus: int):
         have = numbers.get(package)
         if have and _version(have) < _version(floor):
             problems.append(f"{package} {have} is below pyproject's floor {floor} (docs/gpu.md, Version floors)")
-    if gone := missing():
-        problems.append(f"missing: {', '.join(gone)} (install offline: python scripts/gpu_check.py plan=true)")
+    if broken := not_importable():
+        problems.append(f"not importable: {'; '.join(broken)} (install offline: docs/gpu.md)")
     problems += too_old()
     if gpus:
         try:

@@ -3,8 +3,8 @@ that has no network (wheels downloaded here, carried, installed with pip --no-in
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
-import importlib.util
 
 # import name, distribution, version known to pass pelab's suite, carried?, why the run needs it.
 # Carried: what GPU images usually lack, downloaded here as wheels. The others come with common
@@ -40,9 +40,18 @@ def pinned(dist: str, default: str) -> str:
         return default
 
 
-def missing() -> list[str]:
-    """The distributions of NEEDS this interpreter cannot import."""
-    return [dist for module, dist, *_ in NEEDS if importlib.util.find_spec(module) is None]
+def not_importable() -> list[str]:
+    """``dist (the error)`` for each distribution of NEEDS whose module does not import here.
+    Imported, not just found: a package that is installed but breaks on import (datasets with a
+    pyarrow below its minimum) would pass a find_spec check and then fail every train step."""
+    found = []
+    for module, dist, *_ in NEEDS:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any import-time error makes the package unusable
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            found.append(f"{dist} ({type(e).__name__}: {first})")
+    return found
 
 
 def too_old() -> list[str]:

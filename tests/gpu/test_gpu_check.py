@@ -73,6 +73,27 @@ def test_no_process_is_started_without_cuda_nor_with_plan_true(tmp_path, monkeyp
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_the_preflight_imports_each_package_not_just_finds_it(tmp_path, monkeypatch):
+    """A package that is installed but breaks on import (datasets over a too old pyarrow) must
+    fail the preflight: find_spec alone finds it."""
+    import importlib.util
+
+    from gpucheck import needs
+
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("raise ImportError('pyarrow >= 24 is required')\n")
+    (tmp_path / "oddpkg.py").write_text("raise AttributeError('module pyarrow has no attribute Table')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(needs, "NEEDS", [("json", "json", "0", False, "ok"),
+                                         ("brokenpkg", "broken-dist", "1", True, "breaks"),
+                                         ("oddpkg", "odd-dist", "1", True, "breaks otherwise"),
+                                         ("surely_absent_pkg", "absent-dist", "1", True, "absent")])
+    assert importlib.util.find_spec("brokenpkg") is not None  # what the old check looked at
+    assert needs.not_importable() == ["broken-dist (ImportError: pyarrow >= 24 is required)",
+                                      "odd-dist (AttributeError: module pyarrow has no attribute Table)",
+                                      "absent-dist (ModuleNotFoundError: No module named 'surely_absent_pkg')"]
+
+
 def test_steps_are_selected_by_name_or_group(tmp_path):
     every = steps.all_steps(tmp_path, sorted(SCHEMES), 1)
     train = gpu_check.select(every, "train")
