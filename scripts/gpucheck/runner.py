@@ -20,11 +20,13 @@ TRAIN_PARALLEL = 3  # train.py runs at once (tiny models: the GPU has room; timi
 
 def child_env(out: Path) -> dict:
     """The environment of every step: the checkout importable, a fresh pelab cache in the output
-    folder, W&B off, Hugging Face offline, unbuffered output."""
+    folder, W&B off, Hugging Face offline, unbuffered output, and Hydra's full error (so the last
+    line of a failed train.py, which the report keeps, is the exception and not Hydra's hint)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PELAB_CACHE"] = str(out / "cache")
-    env.update(WANDB_MODE="disabled", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(WANDB_MODE="disabled", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               HYDRA_FULL_ERROR="1")
     return env
 
 

@@ -151,6 +151,28 @@ def test_runner_statuses_timeouts_budget_and_gpu_counts(tmp_path):
     assert two.status == "skip" and "needs 2 GPUs, 1 present" in two.reason
 
 
+def test_a_failed_hydra_step_reports_the_exception_not_hydras_hint(tmp_path):
+    """train.py runs under @hydra.main, which ends a failure with "Set the environment variable
+    HYDRA_FULL_ERROR=1 for a complete stack trace." unless that variable is set: the step's
+    reason must be the exception."""
+    app = tmp_path / "app.py"
+    app.write_text(textwrap.dedent("""
+        import hydra
+
+        @hydra.main(version_base="1.3", config_path=None)
+        def main(cfg):
+            raise ValueError("data.document_mask: expected a bool")
+
+        main()
+    """))
+    step = steps.Step("train_broken", "train", "a failing Hydra app", [sys.executable, str(app),
+                      f"hydra.run.dir={tmp_path / 'run'}"], 60, lambda r: (*steps.ok_exit(r), {}))
+    env = runner.child_env(tmp_path)
+    outcome = runner.run_step(step, tmp_path, env, time.monotonic() + 600, 1)
+    assert outcome.status == "fail"
+    assert outcome.reason == "exit code 1: ValueError: data.document_mask: expected a bool", outcome.reason
+
+
 def test_a_step_cut_by_the_budget_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "MIN_START_S", 1)
     cut = runner.run_step(py_step("cut", "import time; time.sleep(600)", timeout_s=600), tmp_path,
