@@ -453,9 +453,12 @@ class ProbeConfig(LengthSweepOptions):
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"eval.probe.{name}",
                     value, "an integer >= 1")
-        require(len(self.multipliers) + len(self.lengths) > 0 and all(m > 0 for m in self.multipliers)
-                and all(int(n) == n and n >= 1 for n in self.lengths), "eval.probe.multipliers",
-                list(self.multipliers), "positive numbers (with eval.probe.lengths: positive integers), not both empty")
+        require(len(self.multipliers) + len(self.lengths) > 0, "eval.probe.multipliers", list(self.multipliers),
+                "a non-empty list when eval.probe.lengths is empty")
+        require(all(m > 0 for m in self.multipliers), "eval.probe.multipliers", list(self.multipliers),
+                "positive numbers")
+        require(all(int(n) == n and n >= 1 for n in self.lengths), "eval.probe.lengths", list(self.lengths),
+                "positive integers")
 
 
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import hydra
 import lightning as L
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from data.datamodule import build_datamodule
 from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.tasks import TaskEvalConfig
 from model.config import GPTConfig
+from model.pe.scaling import scaling_of
 from pelab.checkpoint import check_init_from, check_resume, init_state
 from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
                           target_class)
@@ -77,6 +78,8 @@ def resolve_original_length(cfg: DictConfig, source_length: int) -> None:
     """``pe.scaling.original_length`` null = the length the weights were trained at (init_from's
     model.block_size, else this run's), written into the config so the checkpoint records it."""
     scaling = cfg.pe.get("scaling")
+    if scaling is not None and not OmegaConf.is_dict(scaling):  # e.g. pe.scaling=yarn for pe.scaling.kind=yarn
+        build("pe.scaling", scaling_of, plain(scaling), source_length)
     if scaling is not None and scaling.get("kind", "none") != "none" and scaling.get("original_length") is None:
         with open_dict(cfg):
             cfg.pe.scaling.original_length = source_length
@@ -163,6 +166,7 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
     if probe.pop("enabled", False):
         from evaluation.attention_maps import ProbeConfig
 
+        check_options("eval.probe", probe, ProbeConfig)
         build("eval.probe", ProbeConfig.from_dict, probe)
     trained = ((plain(cfg.pe) or {}).get("scaling") or {}).get("kind", "none")
     if enabled and trained != "none" and any(s not in (None, "none") for s in extrapolation.get("rope_scaling") or []):
@@ -172,7 +176,20 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
     if enabled:
         # precision mirrors trainer.precision (checked with the trainer), which may be an int
         check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))
-        build("eval.extrapolation", ExtrapolationConfig.from_dict, extrapolation)
+        config = build("eval.extrapolation", ExtrapolationConfig.from_dict, extrapolation)
+        check_stride(config, cfg.model.block_size)
+
+
+def check_stride(config: ExtrapolationConfig, train_length: int, key: str = "eval.extrapolation.stride") -> None:
+    """A sliding stride longer than every eval length scores no window: the table would come out
+    empty after the training. (Longer than some lengths only: those rows say "skipped".)"""
+    if "sliding" not in config.modes or config.stride is None:
+        return
+    lengths = config.eval_lengths(train_length)
+    require(config.stride <= max(lengths), key, config.stride,
+            f"null (half the eval length) or at most the longest eval length, {max(lengths)} (eval lengths "
+            f"{', '.join(map(str, lengths))} at a training length of {train_length}): sliding windows advance by "
+            f"the stride and score its last tokens")
 
 
 def build_callbacks(cfg: DictConfig) -> list:

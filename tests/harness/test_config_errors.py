@@ -122,6 +122,14 @@ CASES = [
                                                        "option of callbacks.nonfinite_guard", "max_skipped_steps"]),
     ("+callbacks.extra._target_=pelab.callbacks.NoSuchCallback", ["callbacks.extra._target_=",
                                                                   "is not an importable class"]),
+    # issue 32 (third list): a string for the scaling block, the probe's lengths, a stride past every length
+    ("pe.scaling=yarn", ["pe.scaling must be a mapping of kind, factor, original_length", "got 'yarn'"]),
+    ("eval.probe.lengths=[0]", ["eval.probe.lengths must be positive integers, got [0]"]),
+    ("eval.probe.multipliers=abc", ["eval.probe.multipliers must be a list of numbers, got 'abc'"]),
+    ("eval.probe.multipliers=[0.5,-1]", ["eval.probe.multipliers must be positive numbers, got [0.5, -1]"]),
+    ("eval.extrapolation.modes=[sliding] eval.extrapolation.stride=100000",
+     ["eval.extrapolation.stride must be null (half the eval length) or at most the longest eval length, 4096",
+      "got 100000"]),
 ]
 
 # Refused by Hydra while composing (struct mode, unknown group option): its own messages.
@@ -216,6 +224,8 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["trainer.devices='0,1'"],  # a string: Lightning's device-id list form
     ["trainer.devices=[0,1]"],
     ["eval.extrapolation.rope_scaling=[null,linear,ntk,dynamic_ntk,yarn]", "eval.extrapolation.rope_scaling_factor=2"],
+    ["eval.extrapolation.modes=[sliding]", "eval.extrapolation.stride=4096"],  # the longest length: one window
+    ["eval.extrapolation.modes=[nonoverlapping]", "eval.extrapolation.stride=100000"],  # no sliding: unused
     *[[f"pe={name}"] for name in ("learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi", "nope", "t5",
                                   "kerple_log", "kerple_power", "fire")],
 ])
