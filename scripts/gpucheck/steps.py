@@ -161,32 +161,49 @@ def last_logged(metrics_csv: Path, *keys: str) -> dict:
     return found
 
 
-def parse_train(result: Result) -> tuple[str, str, dict]:
-    numbers = parse_train_log(result.log)
-    numbers |= {k.split("/")[-1]: round(v, 4) for k, v in
-                last_logged(result.out / "csv" / "metrics.csv", "train/tokens_per_sec", "train/mfu").items()}
-    if bad := ok_exit(result):
-        return bad[0], bad[1], numbers
-    loss = numbers.get("val_loss")
-    if loss is None or not math.isfinite(loss):
-        return "fail", f"no finite validation loss printed (got {loss})", numbers
-    return "pass", "", numbers
+def run_dir_of(command: list[str]) -> Path:
+    """The ``hydra.run.dir=`` a train.py command writes to."""
+    return Path(next(c for c in command if c.startswith("hydra.run.dir=")).partition("=")[2])
+
+
+def train_parser(run_dir: Path) -> Callable[[Result], tuple[str, str, dict]]:
+    """The parser of a train.py run writing to ``run_dir``: its log, and the last tokens/s and MFU
+    of its CSVLogger file, ``run_dir/csv/metrics.csv`` (conf/logger/csv.yaml: save_dir is the
+    run's output dir, name csv, version empty)."""
+
+    def parse_train(result: Result) -> tuple[str, str, dict]:
+        numbers = parse_train_log(result.log)
+        numbers |= {k.split("/")[-1]: round(v, 4) for k, v in
+                    last_logged(run_dir / "csv" / "metrics.csv", "train/tokens_per_sec", "train/mfu").items()}
+        if bad := ok_exit(result):
+            return bad[0], bad[1], numbers
+        loss = numbers.get("val_loss")
+        if loss is None or not math.isfinite(loss):
+            return "fail", f"no finite validation loss printed (got {loss})", numbers
+        return "pass", "", numbers
+
+    return parse_train
+
+
+def train_step(name: str, group: str, what: str, command: list[str], timeout_s: int, gpus: int = 1) -> Step:
+    return Step(name, group, what, command, timeout_s, train_parser(run_dir_of(command)), gpus)
 
 
 def train_steps(out: Path, schemes: list[str]) -> list[Step]:
     runs = {s: (f"pe={s}",) for s in schemes} | TRAIN_EXTRAS
-    return [Step(f"train_{name}", "train", f"python train.py trainer=gpu {' '.join(extra)}: {TRAIN_OVERRIDES[1]}, "
-                 "sanity validation, finite val loss",
-                 [PY, "train.py", "trainer=gpu", *extra, *TRAIN_OVERRIDES, f"hydra.run.dir={out / 'train' / name}"],
-                 240 if "compile=true" in extra else 150, parse_train) for name, extra in runs.items()]
+    return [train_step(f"train_{name}", "train", f"python train.py trainer=gpu {' '.join(extra)}: "
+                       f"{TRAIN_OVERRIDES[1]}, sanity validation, finite val loss",
+                       [PY, "train.py", "trainer=gpu", *extra, *TRAIN_OVERRIDES,
+                        f"hydra.run.dir={out / 'train' / name}"],
+                       240 if "compile=true" in extra else 150) for name, extra in runs.items()]
 
 
 def ddp_step(out: Path, gpus: int) -> Step:
     devices = str(gpus) if gpus >= 2 else "N"  # every GPU present; with one, skipped
-    return Step("ddp", "ddp", "python train.py trainer=ddp on every GPU present, pe=t5 (a learned bias: its "
-                "gradients reduced over ranks)",
-                [PY, "train.py", "trainer=ddp", f"trainer.devices={devices}", "pe=t5", *TRAIN_OVERRIDES,
-                 f"hydra.run.dir={out / 'train' / 'ddp'}"], 300, parse_train, gpus=2)
+    return train_step("ddp", "ddp", "python train.py trainer=ddp on every GPU present, pe=t5 (a learned bias: its "
+                      "gradients reduced over ranks)",
+                      [PY, "train.py", "trainer=ddp", f"trainer.devices={devices}", "pe=t5", *TRAIN_OVERRIDES,
+                       f"hydra.run.dir={out / 'train' / 'ddp'}"], 300, gpus=2)
 
 
 # --------------------------------------------------------------------------------------
@@ -257,10 +274,10 @@ def bench_step(out: Path) -> Step:
 
 def fsdp_step(out: Path, gpus: int) -> Step:
     devices = str(gpus) if gpus >= 2 else "N"
-    return Step("fsdp", "ddp", "python train.py trainer=fsdp on every GPU present, pe=kerple_log (parameters "
-                "projected after the optimizer step, position terms float32 under FSDP's bf16)",
-                [PY, "train.py", "trainer=fsdp", f"trainer.devices={devices}", "pe=kerple_log", *TRAIN_OVERRIDES,
-                 f"hydra.run.dir={out / 'train' / 'fsdp'}"], 300, parse_train, gpus=2)
+    return train_step("fsdp", "ddp", "python train.py trainer=fsdp on every GPU present, pe=kerple_log (parameters "
+                      "projected after the optimizer step, position terms float32 under FSDP's bf16)",
+                      [PY, "train.py", "trainer=fsdp", f"trainer.devices={devices}", "pe=kerple_log",
+                       *TRAIN_OVERRIDES, f"hydra.run.dir={out / 'train' / 'fsdp'}"], 300, gpus=2)
 
 
 def all_steps(out: Path, schemes: list[str], gpus: int) -> list[Step]:

@@ -238,14 +238,24 @@ def test_train_output_and_bench_rows_are_read(tmp_path):
     log = ("[pelab] attention: flex (model.attention=auto, pe=t5, cuda, bfloat16)\n"
            "[pelab] train/mfu peak: 989.4 TFLOP/s: NVIDIA H100 80GB HBM3 as H100 SXM, dense bf16 (docs/gpu.md)\n"
            "[pelab] val loss 3.1416 (ppl 23.14); unigram baseline 3.2213 (ppl 25.06)\n")
-    (tmp_path / "csv").mkdir()
-    (tmp_path / "csv" / "metrics.csv").write_text("step,train/tokens_per_sec,train/mfu,val/loss\n"
-                                                  "5,1000.0,0.01,\n10,2000.0,0.02,\n10,,,3.14\n")
-    status, _, numbers = steps.parse_train(steps.Result(0, 10.0, log, tmp_path))
+    # the CSV where a real run writes it: the step's hydra.run.dir (paths.output_dir) / conf/logger/csv.yaml's
+    # name / version (checked against a real tiny CPU run: RUN_DIR/csv/metrics.csv)
+    from omegaconf import OmegaConf
+
+    step = steps.train_steps(tmp_path, ["t5"])[0]
+    csv_conf = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "logger" / "csv.yaml"))["csv"]
+    assert csv_conf["save_dir"] == "${paths.output_dir}"
+    assert OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "paths" / "default.yaml"))["output_dir"] == \
+        "${hydra:runtime.output_dir}"
+    run_dir = Path(next(c for c in step.command if c.startswith("hydra.run.dir=")).partition("=")[2])
+    metrics = run_dir / csv_conf["name"] / csv_conf["version"] / "metrics.csv"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("step,train/tokens_per_sec,train/mfu,val/loss\n5,1000.0,0.01,\n10,2000.0,0.02,\n10,,,3.14\n")
+    status, _, numbers = step.parse(steps.Result(0, 10.0, log, tmp_path))
     assert status == "pass"
     assert numbers == {"attention": "flex", "val_loss": 3.1416, "tokens_per_sec": 2000.0, "mfu": 0.02,
                        "mfu_peak": "989.4 TFLOP/s: NVIDIA H100 80GB HBM3 as H100 SXM, dense bf16 (docs/gpu.md)"}
-    status, reason, _ = steps.parse_train(steps.Result(0, 10.0, "[pelab] val loss nan (ppl nan)", tmp_path))
+    status, reason, _ = step.parse(steps.Result(0, 10.0, "[pelab] val loss nan (ppl nan)", tmp_path))
     assert status == "fail" and "finite" in reason
     rows = [{"path": "reference", "scheme": "learned", "step_ms": 20.0},
             {"path": "pelab", "scheme": "learned", "step_ms": 21.0, "mfu": 0.4, "peak_tflops": 989.4,
