@@ -177,7 +177,7 @@ class GPT(nn.Module):
         returned are None.
         """
         h = self.hidden(idx, positions, documents=documents)
-        if targets is not None and use_chunked_loss(self.config.vocab_size):
+        if targets is not None and use_chunked_loss(self.config.vocab_size, h):
             return None, chunked_cross_entropy(h, self.lm_head.weight, targets, vocab_size=self.config.vocab_size)
         logits = self.logits(h)
         if targets is None:

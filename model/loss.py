@@ -35,7 +35,7 @@ Use from ``GPT`` (model/gpt.py) for the training loss::
     from model.loss import chunked_cross_entropy, use_chunked_loss
 
     h = self.hidden(idx, positions)                         # (B, T, C)
-    if targets is not None and use_chunked_loss(self.config.vocab_size):
+    if targets is not None and use_chunked_loss(self.config.vocab_size, h):   # loss_route's choice
         loss = chunked_cross_entropy(h, self.lm_head.weight, targets,
                                      vocab_size=self.config.vocab_size)   # ignore_index=-1
         # no (B, T, V) logits exist; return None (or compute self.logits(h) lazily if needed)
@@ -46,10 +46,24 @@ a slice, so the gradient lands on the tied weight directly. Works with and witho
 ``torch.autocast`` (bf16 matmuls, float32 softmax statistics). Double backward is not
 supported (the gradients are computed in forward).
 
+Routes (``loss_route``, the one place that chooses; ``PELAB_LM_LOSS`` or
+``forced_loss_route`` override it): on CPU the chunk loop above from the vocabulary
+``CHUNKED_LOSS_MIN_VOCAB`` on (``chunked``), full logits below it. On an accelerator the
+chunked loop as written would stop the host 2 + N / chunk_size times per step (``int``/``bool``
+of device tensors) and run as an opaque op that torch.compile cannot fuse, so there full
+logits + ``F.cross_entropy`` in float32 (``full``, what compile fuses and the reference loop
+runs) is taken while the logits fit ``FULL_LOGITS_MAX_ELEMENTS``, and above it
+``chunked_nosync``: the same loop with no host synchronisation (each row's loss from
+logsumexp, n_valid kept on the device, the target range checked by ``torch._assert_async``).
+CPU numbers do not change: the CPU route is the loop as it was.
+
 Peak memory and time against full logits, per chunk size: docs/performance.md, section 1.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 from torch import Tensor
@@ -65,10 +79,74 @@ CHUNKED_LOSS_MIN_VOCAB = 8192
 DEFAULT_CHUNK_SIZE = 1024
 
 
-def use_chunked_loss(vocab_size: int, min_vocab: int = CHUNKED_LOSS_MIN_VOCAB) -> bool:
-    """True when the vocabulary is large enough (``vocab_size >= min_vocab``, default
-    8192) that the chunked LM-head loss should replace full logits + ``F.cross_entropy``."""
-    return vocab_size >= min_vocab
+#: Above this many (rows x vocabulary) logits an accelerator's loss is chunked: full float32
+#: logits of 2**30 elements are 4 GiB (gpt2's vocabulary at B=16, T=1024 is 16384 x 50257 =
+#: 0.82 * 2**30: full logits).
+FULL_LOGITS_MAX_ELEMENTS = 1 << 30
+
+#: The ways to compute the LM-head loss (``loss_route``):
+#: ``full``: full (N, V) logits + ``F.cross_entropy`` in float32 (GPT.forward's own lines; the
+#: reference loop's formula, which torch.compile fuses);
+#: ``chunked``: the chunk loop below tuned for CPU (it reads ``n_valid`` and one flag per chunk
+#: on the host: 2 + N / chunk_size host synchronisations on an accelerator);
+#: ``chunked_nosync``: the same chunk loop with no host synchronisation (the loss from
+#: logsumexp for every row, counts kept on the device, an asynchronous target-range check).
+LOSS_ROUTES = ("full", "chunked", "chunked_nosync")
+
+#: Environment variable that forces a route for every call (``auto`` or unset: ``loss_route``
+#: decides), e.g. ``PELAB_LM_LOSS=chunked`` to time the CPU-tuned loop on a GPU.
+LOSS_ROUTE_ENV = "PELAB_LM_LOSS"
+
+
+def _checked_route(value: str | None, source: str) -> str | None:
+    if value is None or value == "auto":
+        return None
+    if value not in LOSS_ROUTES:
+        raise ValueError(f"{source}={value!r}: expected auto or one of {', '.join(LOSS_ROUTES)}")
+    return value
+
+
+_forced_route: str | None = _checked_route(os.environ.get(LOSS_ROUTE_ENV), LOSS_ROUTE_ENV)
+
+
+@contextlib.contextmanager
+def forced_loss_route(route: str | None):
+    """Within the block every LM-head loss takes ``route`` (one of ``LOSS_ROUTES``; None or
+    ``auto``: ``loss_route`` decides), e.g. to run the accelerator's route on CPU tensors."""
+    global _forced_route
+    before, _forced_route = _forced_route, _checked_route(route, "forced_loss_route(route)")
+    try:
+        yield
+    finally:
+        _forced_route = before
+
+
+def loss_route(vocab_size: int, hidden: Tensor | None = None, chunked: bool = False) -> str:
+    """The one place that chooses how the LM-head loss is computed (one of ``LOSS_ROUTES``).
+
+    On CPU (or with no ``hidden``): ``full`` below ``CHUNKED_LOSS_MIN_VOCAB`` (8192), else
+    ``chunked``. On an accelerator: ``full`` below that vocabulary or while the
+    (rows, vocab_size) logits fit ``FULL_LOGITS_MAX_ELEMENTS``, else ``chunked_nosync``.
+    ``chunked=True`` asks which chunk loop (a direct call of ``chunked_cross_entropy``): the
+    device's one. ``PELAB_LM_LOSS`` / ``forced_loss_route`` override all of it (a forced
+    ``full`` leaves direct chunked calls to the device's loop).
+    """
+    if _forced_route is not None and not (chunked and _forced_route == "full"):
+        return _forced_route
+    on_cpu = hidden is None or hidden.device.type == "cpu"
+    if not chunked:
+        if vocab_size < CHUNKED_LOSS_MIN_VOCAB:
+            return "full"
+        if not on_cpu and (hidden.numel() // hidden.shape[-1]) * vocab_size <= FULL_LOGITS_MAX_ELEMENTS:
+            return "full"
+    return "chunked" if on_cpu else "chunked_nosync"
+
+
+def use_chunked_loss(vocab_size: int, hidden: Tensor | None = None) -> bool:
+    """True when ``loss_route`` picks a chunked route for these final hidden states (no
+    ``hidden``: CPU's choice, ``vocab_size >= CHUNKED_LOSS_MIN_VOCAB``), so that
+    ``chunked_cross_entropy`` should replace full logits + ``F.cross_entropy``."""
+    return loss_route(vocab_size, hidden) != "full"
 
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -106,7 +184,8 @@ def _add_converted_(acc: Tensor, part: Tensor, buf: Tensor) -> None:
 
 
 def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Tensor, chunk_size: int,
-                       dtype: torch.dtype, loss: Tensor, grad_h: Tensor | None, grad_w: Tensor | None) -> None:
+                       dtype: torch.dtype, loss: Tensor, grad_h: Tensor | None, grad_w: Tensor | None,
+                       sync_free: bool = False) -> None:
     """The chunk loop: adds the loss into ``loss`` (0-dim float32) and writes d loss / d hidden
     into ``grad_h`` (N, C) and adds d loss / d w into ``grad_w`` (V, C, float32), each when not
     None. ``w`` is the (V, C) weight in the compute ``dtype``; ``row_scale`` (N,) float32 is
@@ -114,6 +193,10 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
 
     Every (chunk, V) buffer is allocated once and reused: on CPU a fresh allocation of this
     size is a fresh mmap, and its page faults cost more than the arithmetic on it.
+
+    ``sync_free`` (the ``chunked_nosync`` route): every row's loss is logsumexp - target logit
+    (no per-chunk host check for an underflowing softmax[target]) and the weight gradient is
+    added into the float32 one by one mixed-dtype ``add_`` (one kernel on an accelerator).
     """
     N = hidden.shape[0]
     V, C = w.shape
@@ -130,7 +213,8 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
     gh_buf = torch.empty((rows, C), dtype=gdt, device=device) if grad_h is not None and grad_h.dtype != gdt else None
     gw_buf = torch.empty((V, C), dtype=gdt, device=device) if grad_w is not None and grad_w.dtype != gdt else None
     add_rows = min(V, max(1, _ADD_BLOCK // C))
-    add_buf = torch.empty((add_rows, C), dtype=grad_w.dtype, device=device) if gw_buf is not None else None
+    add_buf = (torch.empty((add_rows, C), dtype=grad_w.dtype, device=device)
+               if gw_buf is not None and not sync_free else None)
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
         n = e - s
@@ -142,19 +226,23 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
         if x is not logits:
             x.copy_(logits)  # compute dtype -> float32, exact
         target_logit = x.gather(1, t_c)
-        _softmax_(x)  # x = softmax(logits) in float32, in place (one fused pass)
-        p_target = x.gather(1, t_c)
-        nll = p_target.log().neg_()
-        tiny = ((p_target < _TINY) & (scale_c > 0)).squeeze(1)
-        if bool(tiny.any()):  # -log p would lose precision or be inf: logsumexp of these rows' logits
-            again = torch.mm(h_c[tiny], w.t()).float()  # (the buffer now holds the softmax)
-            nll[tiny] = torch.logsumexp(again, dim=1, keepdim=True) - target_logit[tiny]
+        if sync_free:
+            nll = torch.logsumexp(x, 1, keepdim=True).sub_(target_logit)
+            _softmax_(x)
+        else:
+            _softmax_(x)  # x = softmax(logits) in float32, in place (one fused pass)
+            p_target = x.gather(1, t_c)
+            nll = p_target.log().neg_()
+            tiny = ((p_target < _TINY) & (scale_c > 0)).squeeze(1)
+            if bool(tiny.any()):  # -log p would lose precision or be inf: logsumexp of these rows' logits
+                again = torch.mm(h_c[tiny], w.t()).float()  # (the buffer now holds the softmax)
+                nll[tiny] = torch.logsumexp(again, dim=1, keepdim=True) - target_logit[tiny]
         loss += (nll.masked_fill_(scale_c == 0, 0.0) * scale_c).sum()  # ignored rows may have p = 0
         if not need_grad:
             continue
         # d loss / d logits = (softmax - one_hot) * scale, formed in float32 and rounded once to
         # the compute dtype (as autograd does for the full-logits reference)
-        x.scatter_add_(1, t_c, torch.full_like(p_target, -1.0))
+        x.scatter_add_(1, t_c, torch.full_like(target_logit, -1.0))
         x.mul_(scale_c)
         g = logits if gdt == dtype else x
         if g is not x:
@@ -168,40 +256,50 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
         if grad_w is not None:
             if gw_buf is None:
                 grad_w.addmm_(g.t(), h_g)
+            elif sync_free:
+                grad_w.add_(torch.mm(g.t(), h_g, out=gw_buf))
             else:
                 _add_converted_(grad_w, torch.mm(g.t(), h_g, out=gw_buf), add_buf)
 
 
 @torch.library.custom_op("pelab::chunked_linear_cross_entropy", mutates_args=())
 def _loss_and_grads(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
-                    chunk_size: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool
+                    chunk_size: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool, sync_free: bool = False
                     ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, d loss / d hidden, d loss / d weight); a gradient not asked for is an empty tensor.
-    An opaque op: torch.compile calls it as it is (its chunk loop reads sizes and flags on the
-    host, which a traced graph cannot), so a compiled model keeps one graph."""
+    An opaque op: torch.compile calls it as it is (the CPU chunk loop reads sizes and flags on the
+    host, which a traced graph cannot), so a compiled model keeps one graph. ``sync_free``: no
+    host synchronisation (n_valid stays on the device, the target range is checked by
+    ``torch._assert_async``, the loop always runs)."""
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight[:vocab_size].to(compute_dtype)  # (V, C): padded rows never enter
         valid = targets != ignore_index
-        n_valid = int(valid.sum())
         safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-        if n_valid and bool(((safe_targets < 0) | (safe_targets >= vocab_size)).any()):
-            raise IndexError(f"target out of range [0, {vocab_size}) (ignore_index {ignore_index})")
-        # per-row gradient scale: 1/n_valid for scored rows, 0 for ignored ones
-        row_scale = valid.to(torch.float32) / max(n_valid, 1)
+        range_msg = f"target out of range [0, {vocab_size}) (ignore_index {ignore_index})"
+        if sync_free:
+            torch._assert_async(((safe_targets >= 0) & (safe_targets < vocab_size)).all(), range_msg)
+            n_valid = valid.sum()
+            row_scale = valid.to(torch.float32) / n_valid.clamp_min(1)
+        else:
+            n_valid = int(valid.sum())
+            if n_valid and bool(((safe_targets < 0) | (safe_targets >= vocab_size)).any()):
+                raise IndexError(range_msg)
+            # per-row gradient scale: 1/n_valid for scored rows, 0 for ignored ones
+            row_scale = valid.to(torch.float32) / max(n_valid, 1)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = (torch.empty if n_valid else torch.zeros)(hidden.shape if need_h else (0,), dtype=hidden.dtype,
-                                                           device=hidden.device)
+        grad_h = (torch.empty if sync_free or n_valid else torch.zeros)(
+            hidden.shape if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
         # float32 accumulator of the weight's full (padded) shape, so that autograd can hand it
         # to the Parameter without a copy; padded rows stay zero
         grad_w = torch.zeros(weight.shape if need_w else (0,), dtype=_grad_w_dtype(weight), device=weight.device)
-        if n_valid:
+        if sync_free or n_valid:  # (sync_free: an ignored row's gradient is 0 * its softmax)
             _accumulate_chunks(hidden, w, safe_targets, row_scale, chunk_size, compute_dtype,
-                               loss, grad_h if need_h else None, grad_w[:vocab_size] if need_w else None)
+                               loss, grad_h if need_h else None, grad_w[:vocab_size] if need_w else None, sync_free)
     return loss, grad_h, grad_w
 
 
 @_loss_and_grads.register_fake
-def _(hidden, weight, targets, vocab_size, ignore_index, chunk_size, compute_dtype, need_h, need_w):
+def _(hidden, weight, targets, vocab_size, ignore_index, chunk_size, compute_dtype, need_h, need_w, sync_free=False):
     return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape if need_h else (0,)),
             weight.new_empty(weight.shape if need_w else (0,), dtype=_grad_w_dtype(weight)))
 
@@ -213,14 +311,15 @@ def _grad_w_dtype(weight: Tensor) -> torch.dtype:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
-                chunk_size: int, compute_dtype: torch.dtype, grad_enabled: bool) -> Tensor:
+                chunk_size: int, compute_dtype: torch.dtype, grad_enabled: bool, sync_free: bool) -> Tensor:
         ctx.weight_dtype = weight.dtype
         # forward runs under no_grad; the caller's grad mode decides whether gradients are made
         need_h = ctx.needs_input_grad[0] and grad_enabled
         need_w = ctx.needs_input_grad[1] and grad_enabled
         loss, grad_h, grad_w = _loss_and_grads(hidden, weight, targets, vocab_size, ignore_index, chunk_size,
-                                               compute_dtype, need_h, need_w)
+                                               compute_dtype, need_h, need_w, sync_free)
         ctx.needs = (need_h, need_w)
+        ctx.sync_free = sync_free
         if torch.compiler.is_compiling():  # a traced graph keeps tensors for backward only this way
             ctx.save_for_backward(grad_h, grad_w)
         else:
@@ -241,7 +340,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                                    "(its gradients are computed in forward and handed over once)")
             grad_h, grad_w = ctx.grads
             del ctx.grads
-            one = grad_output.device.type == "cpu" and bool(grad_output == 1)
+            one = not ctx.sync_free and grad_output.device.type == "cpu" and bool(grad_output == 1)
         grad_h, grad_w = (g if need else None for g, need in zip((grad_h, grad_w), ctx.needs))
         if grad_h is not None and not one:
             grad_h = grad_h * grad_output.to(grad_h.dtype)
@@ -249,11 +348,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w = grad_w * grad_output.to(grad_w.dtype)
         if grad_w is not None and grad_w.dtype != ctx.weight_dtype:
             grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int | None = None,
-                          ignore_index: int = -1, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+                          ignore_index: int = -1, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                          sync_free: bool | None = None) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight[:vocab_size].T`` against ``targets``, computed
     ``chunk_size`` rows at a time (forward and backward) without the full (N, V) logits.
 
@@ -262,6 +362,8 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, vocab
     vocab_size: real vocabulary (default ``weight.shape[0]``), rows past it are padding and
     never win. Returns a float32 scalar: the mean over non-ignored targets, 0 if all are
     ignored. Matmuls run in the autocast dtype when autocast is on, log-softmax in float32.
+    sync_free: run the chunk loop with no host synchronisation (None: as ``loss_route`` picks
+    for ``hidden``'s device: False on CPU, True on an accelerator).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -275,5 +377,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, vocab
         raise ValueError(f"targets shape {tuple(targets.shape)} must match hidden {tuple(hidden.shape[:-1])}")
     h = hidden.reshape(-1, C)
     t = targets.reshape(-1)
+    if sync_free is None:
+        sync_free = loss_route(vocab_size, hidden, chunked=True) == "chunked_nosync"
     return _ChunkedLinearCrossEntropy.apply(h, weight, t, vocab_size, ignore_index, chunk_size,
-                                            _compute_dtype(hidden, weight), torch.is_grad_enabled())
+                                            _compute_dtype(hidden, weight), torch.is_grad_enabled(), sync_free)
