@@ -1,31 +1,40 @@
-"""The GPU acceptance run: one command on a GPU machine, a JSON + markdown report.
+"""The GPU acceptance run, in two parts that each fit one command of a borrowed GPU machine.
 
-    python scripts/gpu_check.py                          # a GPU machine: every step (about 20 min on one H100)
-    python scripts/gpu_check.py plan=true                # the plan only: steps, commands, what to install
-    python scripts/gpu_check.py steps=cuda_tests,bench   # some steps (names or groups: tests, train, timing, bench, ddp)
+    python scripts/gpu_check.py part=1 out=DIR   # preflight; cuda tests (pytest -n 4) beside the train runs and t5_timing
+    python scripts/gpu_check.py part=2 out=DIR   # preflight; the bench alone (MFU, step ratios, the performance targets)
+    python scripts/gpu_check.py plan=true        # the plan only: the parts, their budgets, commands, what to install
+    python scripts/gpu_check.py steps=bench      # some steps (names or groups: tests, train, timing, bench, ddp)
 
-Without CUDA it prints its plan (every step with the command it would run, and what to install)
-and exits 0 without running anything. On a GPU the report's path is printed at the end; the
-exit code is 1 when a step failed. Each step, what it asserts, its tolerances and time budget,
-and how to run it offline on a fresh machine: docs/gpu.md.
+Each part is budgeted 540 s (steps that no longer fit are skipped, a step past the budget is
+stopped), and rewrites its report after every step: at most 8 files straight in ``out=`` (the
+JSON and markdown report, the console lines, the junit xml, the bench rows, one tarball of logs
+and metrics); the steps themselves write into ``work=``. Without CUDA it prints its plan and
+exits 0 without running anything. The exit code is 1 when a step failed. The recipe for a GPU
+machine without network, each step, what it asserts and its tolerances: docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from _common import ROOT, describe_options, parse_key_values
 
 OPTIONS = {
+    "part": "1 or 2: one part of the acceptance (plan=true lists them); default: the steps of steps= one after another",
     "plan": "true: print the plan and exit, also on a GPU machine (default false)",
-    "steps": "comma-separated step names or groups to run (default: all); preflight always runs",
-    "out": "report folder (default outputs/gpu_check/DATE_TIME)",
-    "budget_s": "wall-clock budget of the run in seconds (default 1200); a step that no longer fits is skipped",
+    "steps": "comma-separated step names or groups to run (default: all, or all of the part); preflight always runs",
+    "out": "report folder: at most 8 files, no subfolders (default outputs/gpu_check/DATE_TIME)",
+    "work": "folder for the steps' own files: logs, train runs, token cache (default: a new folder in the temp dir)",
+    "budget_s": "wall-clock budget in seconds (default: the part's 540, else 1200); a step that no longer fits is "
+                "skipped",
+    "workers": "pytest-xdist workers of the cuda tests (default 4; 1: serial)",
     "worker": "(internal) run one in-process step in this child: t5_timing",
 }
 BUDGET_S = 1200
+WORKERS = 4
 
 
 def select(steps: list, spec: str | None) -> list:
@@ -40,25 +49,41 @@ def select(steps: list, spec: str | None) -> list:
     return [s for s in steps if s.name in wanted or s.group in wanted]
 
 
-def plan_text(steps: list, gpus: int, budget_s: float, out: Path) -> str:
+def _step_lines(step, indent: str) -> list[str]:
+    return [f"{indent}{step.name} ({step.timeout_s}{', needs 2+ GPUs' if step.gpus > 1 else ''}): {step.what}",
+            f"{indent}  $ {step.shown()}"]
+
+
+def plan_text(parts: dict, others: list, gpus: int, out: Path, work: Path) -> str:
+    """The parts (each with its budget and lanes), then the steps outside them."""
     from gpucheck.needs import NEEDS, install_lines
+    from gpucheck.runner import EXPORTED, TRAIN_PARALLEL
 
     carried = ", ".join(f"{dist}" for _, dist, _, carry, _ in NEEDS if carry)
     present = ", ".join(f"{dist}" for _, dist, _, carry, _ in NEEDS if not carry)
     lines = [
         "[gpu_check] the GPU acceptance run (docs/gpu.md): its plan",
-        f"  report: {out}/gpu_check.json and gpu_check.md; budget {budget_s:.0f} s; GPUs here: {gpus}",
+        f"  report: {out}/ gets at most {len(EXPORTED)} files, rewritten after every step: {', '.join(EXPORTED)}; "
+        f"the steps write into {work}; GPUs here: {gpus}",
         f"  needs beyond torch and Lightning: {carried} (usually missing on GPU images: carry them as wheels);",
-        f"  and {present} (usually present; the preflight step names any that is missing)",
+        f"  and {present} (usually present; the preflight step names any that does not import)",
         "  how to install them offline:",
         *[f"    {line}" for line in install_lines()],
-        "  steps, in order (timeout in seconds; train runs 3 at a time):",
-        "    1. preflight (in process, 60): torch and lightning at least pyproject's floors, the packages above "
-        "importable, CUDA devices, the MFU peak of the device",
     ]
-    for i, step in enumerate(steps, start=2):
-        lines.append(f"    {i}. {step.name} ({step.timeout_s}{', needs 2+ GPUs' if step.gpus > 1 else ''}): {step.what}")
-        lines.append(f"       $ {step.shown()}")
+    for part in parts.values():
+        lines += [f"  part={part.name} (budget {part.budget_s} s): {part.what}",
+                  "    preflight (in process, 60): torch and lightning at least pyproject's floors, the packages "
+                  "above imported, CUDA devices, the MFU peak of the device",
+                  f"    then {len(part.lanes)} lane(s) side by side, each in order (timeout in seconds; train runs "
+                  f"{TRAIN_PARALLEL} at a time after the first):"]
+        for i, lane in enumerate(part.lanes):
+            lines.append(f"    lane {'abcdefgh'[i]}:")
+            for step in lane:
+                lines += _step_lines(step, "      ")
+    if others:
+        lines.append("  outside the parts (run them with steps=NAME,...; one after another):")
+        for step in others:
+            lines += _step_lines(step, "    ")
     return "\n".join(lines)
 
 
@@ -125,34 +150,52 @@ def main(argv: list[str]) -> int:
         return run(args["worker"], Path(args.get("out", ".")))
     import torch
 
-    from gpucheck.steps import all_steps
+    from gpucheck.steps import all_steps, parts
     from model.pe import SCHEMES
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out = Path(args.get("out") or ROOT / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
-    budget_s = float(args.get("budget_s", BUDGET_S))
-    steps = select(all_steps(out, sorted(SCHEMES), gpus), args.get("steps"))
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path(args.get("out") or ROOT / "outputs" / "gpu_check" / stamp).resolve()
+    work = Path(args.get("work") or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}").resolve()
+    workers = int(args.get("workers", WORKERS))
+    every = all_steps(work, sorted(SCHEMES), gpus, workers)
+    part = args.get("part")
     plan_only = args.get("plan", "false").lower() in ("1", "true", "yes")
+    by_part = parts(work, sorted(SCHEMES), gpus, workers) if part or plan_only or not gpus else {}
+    if part is not None and part not in by_part:
+        raise SystemExit(f"part={part!r}: expected one of {', '.join(by_part)} (plan=true lists them)")
+    if part:
+        chosen = {s.name for s in select(by_part[part].steps(), args.get("steps"))}
+        lanes = [[s for s in lane if s.name in chosen] for lane in by_part[part].lanes]
+        lanes = [lane for lane in lanes if lane]
+        budget_s = float(args.get("budget_s", by_part[part].budget_s))
+    else:
+        lanes = [select(every, args.get("steps"))]
+        budget_s = float(args.get("budget_s", BUDGET_S))
     if plan_only or not gpus:
         if not gpus:
             print("[gpu_check] no CUDA device here: nothing is run. On a GPU machine this command runs the plan "
                   "below and writes the report.")
-        print(plan_text(steps, gpus, budget_s, out))
+        shown = {part: by_part[part]} if part else by_part
+        in_parts = {s.name for p in shown.values() for s in p.steps()}
+        others = [] if part else [s for s in every if s.name not in in_parts]
+        print(plan_text(shown, others, gpus, out, work))
         return 0
 
-    from gpucheck.runner import child_env, machine, run_all, write_report
+    from gpucheck.runner import STOP_GRACE_S, Report, child_env, machine, run_lanes
 
-    t0 = time.monotonic()
-    deadline = t0 + budget_s
-    print(f"[gpu_check] {gpus} GPU(s); report in {out}; budget {budget_s:.0f} s", flush=True)
+    report = Report(out, work, machine(), budget_s, part)
+    deadline = report.t0 + budget_s - STOP_GRACE_S  # a step stopped at its deadline ends within the budget
+    report.say(f"[gpu_check] {gpus} GPU(s); {f'part {part}; ' if part else ''}report in {out}; work files in "
+               f"{work}; budget {budget_s:.0f} s")
     first = preflight(gpus)
-    print(f"[gpu_check] preflight: {first.status}" + (f" ({first.reason})" if first.reason else ""), flush=True)
-    outcomes = [first, *run_all(steps, out, child_env(out), deadline, gpus,
-                                say=lambda line: print(line, flush=True))]
-    path = write_report(out, machine(), outcomes, budget_s, time.monotonic() - t0)
+    report.say(f"[gpu_check] preflight: {first.status}" + (f" ({first.reason})" if first.reason else ""))
+    report.finished(first)
+    outcomes = [first, *run_lanes(lanes, work, child_env(work), deadline, gpus, report)]
+    path = report.write()
     failed = [o.step.name for o in outcomes if o.status == "fail"]
-    print(f"[gpu_check] report: {path} (and {path.with_suffix('.json').name})"
-          + (f"; failed: {', '.join(failed)}" if failed else "; no step failed"))
+    report.say(f"[gpu_check] report: {path} (and {path.with_suffix('.json').name})"
+               + (f"; failed: {', '.join(failed)}" if failed else "; no step failed"))
     return 1 if failed else 0
 
 

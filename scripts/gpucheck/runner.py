@@ -1,13 +1,16 @@
 """Running the steps (each in its own process group, under its timeout and what is left of the
-run's budget) and writing the report: gpu_check.json and gpu_check.md in the output folder."""
+run's budget; lanes of steps side by side) and the report: a few files straight in the output
+folder, rewritten after every step (EXPORTED), while the steps write into a work folder."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
 import signal
 import subprocess
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -16,6 +19,9 @@ from gpucheck.steps import ROOT, Outcome, Result, Step
 
 MIN_START_S = 45  # a step is not started with less of the budget left than this
 TRAIN_PARALLEL = 3  # train.py runs at once (tiny models: the GPU has room; timings are not taken from them)
+STOP_GRACE_S = 40  # stop_group's SIGINT, SIGTERM, SIGKILL waits: a step ends at most this long after its deadline
+# what the output folder holds, all directly in it: a borrowed GPU machine returns at most 8 files
+EXPORTED = ("gpu_check.json", "gpu_check.md", "gpu_check.log", "cuda-tests.xml", "bench.jsonl", "logs.tgz")
 
 
 def child_env(out: Path) -> dict:
@@ -89,34 +95,128 @@ def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int) -> Ou
     return Outcome(step, status, reason, seconds, numbers)
 
 
-def run_all(steps: list[Step], out: Path, env: dict, deadline: float, gpus: int, say=print) -> list[Outcome]:
-    """The steps in order; consecutive train steps TRAIN_PARALLEL at a time after the first."""
+def run_all(steps: list[Step], out: Path, env: dict, deadline: float, gpus: int, say=print,
+            started=None, finished=None, parallel: int = TRAIN_PARALLEL) -> list[Outcome]:
+    """The steps in order; consecutive train steps ``parallel`` at a time after the first.
+    ``started(step)`` and ``finished(outcome)`` are called as each step starts and ends."""
     outcomes: list[Outcome] = []
     i, trained = 0, False
     while i < len(steps):
         batch = [steps[i]]
         # the first train run alone: it tokenizes the corpus into the shared cache the others read
         while (trained and steps[i].group == "train" and i + len(batch) < len(steps)
-               and len(batch) < TRAIN_PARALLEL and steps[i + len(batch)].group == "train"):
+               and len(batch) < parallel and steps[i + len(batch)].group == "train"):
             batch.append(steps[i + len(batch)])
         trained = trained or steps[i].group == "train"
         results: dict[str, Outcome] = {}
 
         def one(step: Step) -> None:
-            results[step.name] = run_step(step, out, env, deadline, gpus)
+            if started:
+                started(step)
+            outcome = results[step.name] = run_step(step, out, env, deadline, gpus)
+            say(f"[gpu_check] {step.name}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
+                + f", {outcome.seconds:.0f} s")
+            if finished:
+                finished(outcome)
 
         threads = [threading.Thread(target=one, args=(s,)) for s in batch]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        for step in batch:
-            outcome = results[step.name]
-            outcomes.append(outcome)
-            say(f"[gpu_check] {step.name}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
-                + f", {outcome.seconds:.0f} s")
+        outcomes += [results[step.name] for step in batch]
         i += len(batch)
     return outcomes
+
+
+def run_lanes(lanes: list[list[Step]], work: Path, env: dict, deadline: float, gpus: int, report: Report,
+              parallel: int = TRAIN_PARALLEL) -> list[Outcome]:
+    """Each lane in its own thread (its steps in order, as ``run_all``), the lanes side by side;
+    the report is rewritten as each step starts and ends. The outcomes in lane order."""
+    results: list[list[Outcome]] = [[] for _ in lanes]
+
+    def lane(i: int) -> None:
+        results[i] = run_all(lanes[i], work, env, deadline, gpus, say=report.say, started=report.started,
+                             finished=report.finished, parallel=parallel)
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(len(lanes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [o for lane_outcomes in results for o in lane_outcomes]
+
+
+class Report:
+    """The report of a run in progress, rewritten into ``out`` (the files of EXPORTED, nothing
+    else, no folders) at every step's start and end, so that a run stopped from outside still
+    leaves what finished: gpu_check.json and .md (steps still running listed as such), the
+    console lines, the cuda tests' junit xml, the bench rows, and logs.tgz (every log, each train
+    run's metrics.csv and the workers' JSON from ``work``)."""
+
+    def __init__(self, out: Path, work: Path, info: dict, budget_s: float, part: str | None = None) -> None:
+        self.out, self.work, self.info, self.budget_s, self.part = out, work, info, budget_s, part
+        self.t0 = time.monotonic()
+        self.outcomes: list[Outcome] = []
+        self.running: dict[str, tuple[Step, float]] = {}
+        self.lines: list[str] = []
+        self.lock = threading.RLock()
+        out.mkdir(parents=True, exist_ok=True)
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            print(line, flush=True)
+            self.lines.append(line)
+            _write(self.out / "gpu_check.log", ("\n".join(self.lines) + "\n").encode())
+
+    def started(self, step: Step) -> None:
+        with self.lock:
+            self.running[step.name] = (step, time.monotonic())
+            self.write()
+
+    def finished(self, outcome: Outcome) -> None:
+        with self.lock:
+            self.running.pop(outcome.step.name, None)
+            self.outcomes.append(outcome)
+            self.write()
+
+    def write(self) -> Path:
+        with self.lock:
+            now = time.monotonic()
+            still = [Outcome(step, "running", f"still running after {now - t:.0f} s when this report was written "
+                             f"(its timeout: {step.timeout_s} s)", now - t) for step, t in self.running.values()]
+            path = write_report(self.out, self.info, self.outcomes + still, self.budget_s, now - self.t0, self.part)
+            self._export()
+            return path
+
+    def _export(self) -> None:
+        xml = self.work / "cuda-tests.xml"
+        if xml.is_file():
+            _write(self.out / "cuda-tests.xml", xml.read_bytes())
+        rows = sorted(self.work.glob("bench*.jsonl"))
+        if rows:
+            _write(self.out / "bench.jsonl", b"".join(p.read_bytes() for p in rows))
+        kept = [*sorted(self.work.glob("logs/*.log")), *sorted(self.work.glob("train/*/csv/metrics.csv")),
+                *sorted(self.work.glob("train/*/.hydra/overrides.yaml")), *sorted(self.work.glob("*.json")),
+                *sorted(self.work.glob("*.jsonl")), *sorted(self.work.glob("*.xml"))]
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            for path in kept:
+                try:
+                    data = path.read_bytes()  # read whole: a log may grow and a CSV be rewritten meanwhile
+                except OSError:
+                    continue
+                info = tarfile.TarInfo(str(path.relative_to(self.work)))
+                info.size, info.mtime = len(data), int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        _write(self.out / "logs.tgz", buffer.getvalue())
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Replace ``path`` at once (a reader, or a run killed meanwhile, never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def machine() -> dict:
@@ -139,16 +239,20 @@ def machine() -> dict:
 
 
 def summary(outcomes: list[Outcome]) -> dict:
-    return {s: sum(o.status == s for o in outcomes) for s in ("pass", "fail", "skip")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "fail", "skip")}
+    if any(o.status == "running" for o in outcomes):
+        counts["running"] = sum(o.status == "running" for o in outcomes)
+    return counts
 
 
-def write_report(out: Path, info: dict, outcomes: list[Outcome], budget_s: float, wall_s: float) -> Path:
+def write_report(out: Path, info: dict, outcomes: list[Outcome], budget_s: float, wall_s: float,
+                 part: str | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": info, "budget_s": budget_s, "wall_s": round(wall_s, 1), "summary": summary(outcomes),
-              "steps": [o.as_dict() for o in outcomes]}
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    report = {"machine": info, "part": part, "budget_s": budget_s, "wall_s": round(wall_s, 1),
+              "summary": summary(outcomes), "steps": [o.as_dict() for o in outcomes]}
+    _write(out / "gpu_check.json", (json.dumps(report, indent=2, default=str) + "\n").encode())
     path = out / "gpu_check.md"
-    path.write_text(markdown(report))
+    _write(path, markdown(report).encode())
     return path
 
 
@@ -174,8 +278,10 @@ def markdown(report: dict) -> str:
         "# pelab GPU acceptance run", "",
         f"{info['started']} on {info['host']}: {gpus}; torch {info['torch']} (CUDA {info['cuda']}), "
         f"lightning {info['lightning']}, Python {info['python']}.", "",
-        f"**{s['pass']} passed, {s['fail']} failed, {s['skip']} skipped** in {report['wall_s']:.0f} s "
-        f"(budget {report['budget_s']:.0f} s). Protocol and tolerances: docs/gpu.md.", "",
+        f"**{s['pass']} passed, {s['fail']} failed, {s['skip']} skipped**"
+        + (f", **{s['running']} still running**" if s.get("running") else "")
+        + f" in {report['wall_s']:.0f} s (budget {report['budget_s']:.0f} s"
+        + (f", part {report['part']}" if report.get("part") else "") + "). Protocol and tolerances: docs/gpu.md.", "",
         "| step | status | seconds | key numbers | reason |", "|---|---|---|---|---|",
     ]
     for step in report["steps"]:
@@ -194,5 +300,6 @@ def markdown(report: dict) -> str:
                       for name, row in n["schemes"].items()]
         if n.get("rows"):
             lines += ["", f"## {step['name']}: rows", "", "```", *[json.dumps(r) for r in n["rows"]], "```"]
-    lines += ["", "Every step's command, timeout and numbers: gpu_check.json; its output: logs/STEP.log.", ""]
+    lines += ["", "Every step's command, timeout and numbers: gpu_check.json; its output: logs/STEP.log in logs.tgz.",
+              ""]
     return "\n".join(lines)

@@ -121,10 +121,16 @@ def parse_cuda_tests(result: Result) -> tuple[str, str, dict]:
     return "pass", "", numbers
 
 
-def cuda_tests_step(out: Path) -> Step:
+def cuda_tests_step(out: Path, workers: int = 1) -> Step:
+    """``workers`` > 1: pytest-xdist's ``-n`` (when installed: GPU images have it), the flex
+    compiles of the tests then run side by side."""
+    import importlib.util
+
+    parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
     return Step("cuda_tests", "tests", "pytest -m cuda: every scheme x route x {bf16, fp16} x dropout {0, 0.2} "
-                "against math, flex gradients, compile graphs, flash-only sdpa_key, chunked loss",
-                [PY, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests/gpu",
+                "against math, flex gradients, compile graphs, flash-only sdpa_key, chunked loss"
+                + (f", {workers} pytest workers" if parallel else ""),
+                [PY, "-m", "pytest", "-m", "cuda", *parallel, "-v", "-p", "no:cacheprovider", "tests/gpu",
                  f"--junitxml={out / 'cuda-tests.xml'}", "-o", "junit_family=xunit1"],
                 600, parse_cuda_tests)
 
@@ -280,11 +286,47 @@ def fsdp_step(out: Path, gpus: int) -> Step:
                        *TRAIN_OVERRIDES, f"hydra.run.dir={out / 'train' / 'fsdp'}"], 300, gpus=2)
 
 
-def all_steps(out: Path, schemes: list[str], gpus: int) -> list[Step]:
+def all_steps(out: Path, schemes: list[str], gpus: int, workers: int = 1) -> list[Step]:
     """Every step after the preflight, in the order they run (the most telling first, so that a
     budget running out drops the least)."""
-    return [cuda_tests_step(out), *train_steps(out, schemes), t5_step(out), bench_step(out), ddp_step(out, gpus),
-            fsdp_step(out, gpus)]
+    return [cuda_tests_step(out, workers), *train_steps(out, schemes), t5_step(out), bench_step(out),
+            ddp_step(out, gpus), fsdp_step(out, gpus)]
+
+
+PART_BUDGET_S = 540  # a part is one command of a borrowed GPU machine (10 min at most, its start included)
+
+
+@dataclass
+class Part:
+    """A named part of the acceptance run: lanes of steps that run side by side (each lane in
+    order) within one budget."""
+
+    name: str
+    what: str
+    budget_s: int
+    lanes: list[list[Step]]
+
+    def steps(self) -> list[Step]:
+        return [step for lane in self.lanes for step in lane]
+
+
+def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, Part]:
+    """Two parts, each within one GPU-machine command. Part 1: the cuda tests (pytest -n
+    ``workers``), the short train runs and t5_timing, three lanes at once (none of them is timed
+    for performance). Part 2: the bench alone, so that its step times are clean."""
+    every = {step.name: step for step in all_steps(out, schemes, gpus, workers)}
+    train = [every[name] for name in PART1_TRAIN]
+    return {
+        "1": Part("1", "preflight; cuda tests beside the train runs and the t5 timing", PART_BUDGET_S,
+                  [[every["cuda_tests"]], train, [every["t5_timing"]]]),
+        "2": Part("2", "preflight; the bench alone (step times, MFU, the performance targets)", PART_BUDGET_S,
+                  [[every["bench"]]]),
+    }
+
+
+# part 1's train runs, in order (the first runs alone: it tokenizes the corpus into the cache)
+PART1_TRAIN = ("train_rope", "train_t5", "train_fire", "train_alibi", "train_t5_compile", "train_alibi_fp16",
+               "train_t5_dropout")
 
 
 @dataclass

@@ -24,14 +24,14 @@ from model.pe import SCHEMES  # noqa: E402
 
 
 def test_without_cuda_it_prints_the_plan_runs_nothing_and_exits_0(tmp_path):
-    out = tmp_path / "report"
+    out, work = tmp_path / "report", tmp_path / "work"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", f"out={out}"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", f"out={out}", f"work={work}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout
     assert "no CUDA device here: nothing is run" in text
-    for step in steps.all_steps(out, sorted(SCHEMES), 0):  # every step, with the command it would run
+    for step in steps.all_steps(work, sorted(SCHEMES), 0, gpu_check.WORKERS):  # every step, with its command
         assert f" {step.name} (" in text and step.shown() in text
     assert "-m pytest -m cuda" in text and "scripts/bench.py configs=gpt2-gpt2:" in text
     for scheme in SCHEMES:
@@ -41,7 +41,7 @@ def test_without_cuda_it_prints_the_plan_runs_nothing_and_exits_0(tmp_path):
     assert "hydra-core==" in text and "omegaconf==" in text and "datasets==" in text
     assert "pip wheel --no-deps -w .whl antlr4-python3-runtime==" in text
     assert "pip install -q --no-index --no-deps" in text
-    assert not out.exists(), "the plan must not create the report folder"
+    assert not out.exists() and not work.exists(), "the plan must not create the report folder"
 
 
 def test_help_prints_the_usage_and_every_option(capsys):
@@ -298,9 +298,12 @@ def test_on_a_gpu_machine_it_runs_the_preflight_and_the_steps_and_writes_the_rep
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(runner, "machine", lambda: {"host": "h", "python": "3.12", "torch": torch.__version__,
                                                      "cuda": "13.0", "lightning": "2.6", "started": "now", "gpus": []})
+    from gpucheck import needs
+
+    monkeypatch.setattr(needs, "NEEDS", needs.NEEDS[:1])  # importing each is tested above
     stand_ins = [py_step("passes", "print('fine')"), py_step("fails", "raise SystemExit(2)")]
-    monkeypatch.setattr(steps, "all_steps", lambda out, schemes, gpus: stand_ins)
-    assert gpu_check.main([f"out={tmp_path}", "budget_s=600"]) == 1
+    monkeypatch.setattr(steps, "all_steps", lambda out, schemes, gpus, workers: stand_ins)
+    assert gpu_check.main([f"out={tmp_path}", f"work={tmp_path / 'work'}", "budget_s=600"]) == 1
     printed = capsys.readouterr().out
     assert "[gpu_check] preflight: pass" in printed and f"report: {tmp_path / 'gpu_check.md'}" in printed
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -308,3 +311,93 @@ def test_on_a_gpu_machine_it_runs_the_preflight_and_the_steps_and_writes_the_rep
                                                                    ("fails", "fail")]
     assert report["steps"][0]["numbers"]["mfu_peak_bf16"] == callbacks.device_peak(torch.device("cuda"),
                                                                                    "bf16-mixed")[1]
+
+
+def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monkeypatch):
+    import torch
+
+    parts = steps.parts(tmp_path, sorted(SCHEMES), 1, 4)
+    assert 1 <= len(parts) <= 2 and all(p.budget_s <= 540 for p in parts.values())
+    lanes = parts["1"].lanes
+    assert [s.name for s in lanes[0]] == ["cuda_tests"] and "-n" in lanes[0][0].command
+    assert any(s.group == "train" for s in lanes[1]) and "t5_timing" in {s.name for lane in lanes for s in lane}
+    assert [s.group for s in parts["2"].steps()] == ["bench"] * len(parts["2"].steps())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["plan=true", f"out={tmp_path / 'r'}"]) == 0
+    printed = capsys.readouterr().out
+    assert "part=1 (budget 540 s)" in printed and "part=2 (budget 540 s)" in printed and "part=3" not in printed
+    assert len(runner.EXPORTED) <= 8
+    with pytest.raises(SystemExit, match="part='3': expected one of 1, 2"):
+        gpu_check.main(["part=3"])
+
+
+KILLED_PART = """
+import sys, time
+sys.path.insert(0, {scripts!r})
+import torch
+import gpu_check
+from gpucheck import runner, steps
+
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+runner.machine = lambda: {{"host": "h", "python": "3", "torch": "t", "cuda": "c", "lightning": "l", "started": "now",
+                          "gpus": []}}
+gpu_check.preflight = lambda gpus: steps.Outcome(steps.Step("preflight", "preflight", "", [], 60, None), "pass")
+
+def step(name, code, group="test"):
+    def parse(result):
+        bad = steps.ok_exit(result)
+        return (*bad, {{}}) if bad else ("pass", "", {{"said": result.log.strip().splitlines()[-1]}})
+    return steps.Step(name, group, "stand-in", [sys.executable, "-c", code], 600, parse)
+
+def fake_parts(work, schemes, gpus, workers):
+    metrics = "import pathlib; p = pathlib.Path({work!r}) / 'train' / 'r' / 'csv'; p.mkdir(parents=True); "
+    metrics += "(p / 'metrics.csv').write_text(chr(10).join(['step,train/tokens_per_sec', '1,5.0'])); print('trained')"
+    slow = "import os, time; open({pid!r}, 'w').write(str(os.getpid())); print('sleeping', flush=True); time.sleep(600)"
+    lanes = [[step("quick", "print('quick done')"), step("slow", slow)],
+             [step("trained", metrics, "train"), step("broken", "raise SystemExit('broken: reason')")]]
+    return {{"1": steps.Part("1", "stand-ins", 540, lanes)}}
+
+steps.parts = fake_parts
+sys.exit(gpu_check.main(["part=1", "out={out}", "work={work}"]))
+"""
+
+
+def test_a_part_killed_midway_leaves_the_report_of_what_finished(tmp_path):
+    """A part stopped from outside (the GPU machine's command limit) still returns the steps
+    that finished: the report is rewritten after every step, into at most 8 files and no folder."""
+    import signal
+    import tarfile
+
+    out, work, pid_file = tmp_path / "out", tmp_path / "work", tmp_path / "slow.pid"
+    code = KILLED_PART.format(scripts=str(ROOT / "scripts"), out=str(out), work=str(work), pid=str(pid_file))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        report = {}
+        for _ in range(600):  # until the three quick steps have finished and the slow one runs
+            time.sleep(0.1)
+            if (out / "gpu_check.json").is_file():
+                report = json.loads((out / "gpu_check.json").read_text())
+                if report["summary"].get("running") == 1 and sum(report["summary"].values()) == 5:
+                    break
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+        proc.kill()  # SIGKILL: nothing of gpu_check's own runs after this
+        proc.wait(timeout=30)
+    finally:
+        if pid_file.is_file():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        proc.kill()
+    statuses = {s["name"]: (s["status"], s["reason"]) for s in report["steps"]}
+    assert statuses["preflight"][0] == "pass" and statuses["quick"][0] == "pass"
+    assert statuses["broken"] == ("fail", "exit code 1: broken: reason")
+    assert statuses["trained"][0] == "pass" and statuses["slow"][0] == "running"
+    entries = sorted(p.name for p in out.iterdir())
+    assert len(entries) <= 8 and all((out / e).is_file() for e in entries), entries
+    assert set(entries) <= set(runner.EXPORTED)
+    md = (out / "gpu_check.md").read_text()
+    assert "| quick | pass |" in md and "| broken | fail |" in md and "| slow | running |" in md
+    assert "[gpu_check] broken: fail" in (out / "gpu_check.log").read_text()
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = set(tar.getnames())
+        assert {"logs/quick.log", "logs/broken.log", "logs/slow.log", "train/r/csv/metrics.csv"} <= names
+        assert b"quick done" in tar.extractfile("logs/quick.log").read()
