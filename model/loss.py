@@ -98,7 +98,9 @@ LOSS_ROUTES = ("full", "chunked", "chunked_nosync")
 LOSS_ROUTE_ENV = "PELAB_LM_LOSS"
 
 
-def _checked_route(value: str | None, source: str) -> str | None:
+def parse_loss_route(value: str | None, source: str) -> str | None:
+    """A route name from ``source`` (the variable or argument named in the error), None for
+    ``auto`` / unset; anything else is rejected, naming the allowed values."""
     if value is None or value == "auto":
         return None
     if value not in LOSS_ROUTES:
@@ -106,7 +108,7 @@ def _checked_route(value: str | None, source: str) -> str | None:
     return value
 
 
-_forced_route: str | None = _checked_route(os.environ.get(LOSS_ROUTE_ENV), LOSS_ROUTE_ENV)
+_forced_route: str | None = parse_loss_route(os.environ.get(LOSS_ROUTE_ENV), LOSS_ROUTE_ENV)
 
 
 @contextlib.contextmanager
@@ -114,7 +116,7 @@ def forced_loss_route(route: str | None):
     """Within the block every LM-head loss takes ``route`` (one of ``LOSS_ROUTES``; None or
     ``auto``: ``loss_route`` decides), e.g. to run the accelerator's route on CPU tensors."""
     global _forced_route
-    before, _forced_route = _forced_route, _checked_route(route, "forced_loss_route(route)")
+    before, _forced_route = _forced_route, parse_loss_route(route, "forced_loss_route(route)")
     try:
         yield
     finally:
@@ -151,7 +153,7 @@ def use_chunked_loss(vocab_size: int, hidden: Tensor | None = None) -> bool:
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return torch.promote_types(hidden.dtype, weight.dtype)
 
@@ -262,8 +264,10 @@ def _accumulate_chunks(hidden: Tensor, w: Tensor, targets: Tensor, row_scale: Te
                 _add_converted_(grad_w, torch.mm(g.t(), h_g, out=gw_buf), add_buf)
 
 
-@torch.library.custom_op("pelab::chunked_linear_cross_entropy", mutates_args=())
-def _loss_and_grads(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
+_no_autocast = contextlib.nullcontext()
+
+
+def _loss_and_grads_impl(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
                     chunk_size: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool, sync_free: bool = False
                     ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, d loss / d hidden, d loss / d weight); a gradient not asked for is an empty tensor.
@@ -271,7 +275,8 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size:
     host, which a traced graph cannot), so a compiled model keeps one graph. ``sync_free``: no
     host synchronisation (n_valid stays on the device, the target range is checked by
     ``torch._assert_async``, the loop always runs)."""
-    with torch.autocast(hidden.device.type, enabled=False):
+    device_type = hidden.device.type  # (the meta device has no autocast: shape checks run there)
+    with torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else _no_autocast:
         w = weight[:vocab_size].to(compute_dtype)  # (V, C): padded rows never enter
         valid = targets != ignore_index
         safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
@@ -296,6 +301,10 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size:
             _accumulate_chunks(hidden, w, safe_targets, row_scale, chunk_size, compute_dtype,
                                loss, grad_h if need_h else None, grad_w[:vocab_size] if need_w else None, sync_free)
     return loss, grad_h, grad_w
+
+
+_loss_and_grads = torch.library.custom_op("pelab::chunked_linear_cross_entropy", _loss_and_grads_impl,
+                                          mutates_args=())
 
 
 @_loss_and_grads.register_fake

@@ -290,22 +290,24 @@ def test_gpt_training_loss_with_gpt2_vocabulary_equals_full_logits():
         torch.testing.assert_close(chunked[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("need_h, need_w", [(True, True), (True, False), (False, False)])
-def test_custom_op_passes_opcheck(need_h, need_w):
+@pytest.mark.parametrize("need_h, need_w, sync_free", [(True, True, False), (True, False, False),
+                                                     (False, False, False), (True, True, True)])
+def test_custom_op_passes_opcheck(need_h, need_w, sync_free):
     """torch.compile plans memory from the op's fake outputs: opcheck runs real and fake side by side."""
     h, w, t = make(ignore_every=4)
     torch.library.opcheck(torch.ops.pelab.chunked_linear_cross_entropy,
-                          (h, w, t, 100, -1, 16, torch.bfloat16, need_h, need_w))
+                          (h, w, t, 100, -1, 16, torch.bfloat16, need_h, need_w, sync_free))
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_compiled_graph_equals_full_logits(autocast):
+@pytest.mark.parametrize("autocast, sync_free", [(False, False), (True, False), (True, True)])
+def test_compiled_graph_equals_full_logits(autocast, sync_free):
     """Inside a compiled graph (fullgraph: no break) the loss, and gradients scaled by a
-    grad_output other than 1, still equal the full-logits reference."""
+    grad_output other than 1, still equal the full-logits reference (both chunk loops)."""
     h, w, t = make(ignore_every=3)
     ref = reference(h, w, t, 100, autocast=autocast, grad_output=2.5)
     torch._dynamo.reset()
-    loss_fn = torch.compile(lambda h, w: chunked_cross_entropy(h, w, t, vocab_size=100, chunk_size=10) * 2.5,
+    loss_fn = torch.compile(lambda h, w: chunked_cross_entropy(h, w, t, vocab_size=100, chunk_size=10,
+                                                               sync_free=sync_free) * 2.5,
                             fullgraph=True, backend="aot_eager")
     h_, w_ = h.clone().requires_grad_(), w.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
