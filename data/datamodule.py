@@ -1,9 +1,10 @@
 """Token memmaps and the LightningDataModule.
 
 The token files are built by data/cache.py (``prepare_token_files``).
-Training batches are random windows (nanoGPT style); window ``i`` on rank ``r`` is a pure
-function of (seed, r, i), so every DDP rank sees different text and a resumed run can
-continue the exact sequence from its step counter. Validation uses ``val_windows`` windows
+Training batches are windows of the training stream (data/stream.py): sample ``g`` is a pure
+function of (seed, ``data.sampling``, g), where ``g`` counts samples over the whole run, all
+ranks together, so every DDP rank sees different text and a run resumed on any number of
+ranks continues the exact sequence. Validation uses ``val_windows`` windows
 spread evenly over the whole held-out split (every document is represented, not just the
 first one), the same in every run.
 """
@@ -20,52 +21,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from data.cache import FORMAT_VERSION, cache_mismatch, prepare_token_files, token_dtype, write_tokens  # noqa: F401
 from data.packing import DocumentOptions, check_document_options
+from data.stream import GlobalSamples, TrainWindows, check_sampling, load_tokens, splitmix64  # noqa: F401
 from data.tokenizers import TOKENIZERS, Tokenizer, cache_dir, get_tokenizer
-
-_MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x: int) -> int:
-    """A well-mixed 64-bit hash (Steele et al.), cheap enough to call per sample."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def load_tokens(path: Path, dtype: str) -> np.ndarray:
-    if path.stat().st_size == 0:  # an empty split: numpy cannot map an empty file
-        return np.zeros(0, dtype=np.dtype(dtype))
-    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
-
-
-class RandomWindows(Dataset):
-    """Sample i = a random window (x, y = x shifted by one) drawn from (seed, rank, i)."""
-
-    def __init__(self, path: Path, dtype: str, block_size: int, num_samples: int, seed: int = 0, rank: int = 0,
-                 offset: int = 0):
-        self.path, self.dtype, self.block_size = path, dtype, block_size
-        self.num_samples, self.seed, self.rank = num_samples, seed, rank
-        self.offset = offset  # samples already consumed (a resumed run continues the sequence)
-        self._tokens: np.ndarray | None = None
-        n = len(load_tokens(path, dtype))
-        if n < block_size + 2:
-            raise ValueError(f"{path} holds {n} tokens, fewer than one training window of {block_size + 1}")
-        self.num_starts = n - block_size  # start s uses tokens s .. s + block_size
-
-    def __len__(self) -> int:
-        return self.num_samples - self.offset
-
-    def start(self, i: int) -> int:
-        key = splitmix64(splitmix64(splitmix64(self.seed) ^ self.rank) ^ (i + self.offset))
-        return key % self.num_starts
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tokens is None:  # opened lazily: each DataLoader worker maps the file itself
-            self._tokens = load_tokens(self.path, self.dtype)
-        s = self.start(i)
-        chunk = torch.from_numpy(self._tokens[s : s + self.block_size + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
 
 
 def spread_starts(num_tokens: int, block_size: int, num_windows: int | None) -> np.ndarray:
@@ -196,9 +153,12 @@ class TextDataModule(StreamDataModule):
         val_windows: int | None = 256,
         document_positions: bool = False,
         document_mask: bool = False,
+        sampling: str = "random",
     ) -> None:
         super().__init__()
         check_document_options(document_positions, document_mask, corpus)
+        check_sampling(sampling)
+        self.sampling = sampling
         self.document_positions, self.document_mask = document_positions, document_mask
         for key, value, low in (("batch_size", batch_size, 1), ("val_batch_size", val_batch_size, 1),
                                 ("num_workers", num_workers, 0), ("tokenize_num_proc", tokenize_num_proc, 1)):
@@ -220,8 +180,10 @@ class TextDataModule(StreamDataModule):
         root = Path(data_dir) if data_dir else cache_dir() / "data"
         self.token_dir = root / corpus.cache_name / tokenizer
         self.meta: dict | None = None
-        self.train_set: RandomWindows | None = None
+        self.train_set: TrainWindows | None = None
         self.val_set: ValidationWindows | None = None
+        self.samples_consumed: int | None = None  # from the checkpoint (load_state_dict); None: from global_step
+        self._stream_origin: tuple[int, int, int] | None = None  # (samples consumed, global step, global batch)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -247,11 +209,33 @@ class TextDataModule(StreamDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.meta = prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc)
-        rank = self.trainer.global_rank if self.trainer is not None else 0
         dtype = self.meta["dtype"]
-        self.train_set = RandomWindows(self.split_path("train"), dtype, self.block_size,
-                                       self.train_samples, self.seed, rank)
+        self.train_set = TrainWindows(self.split_path("train"), dtype, self.block_size, self.seed, self.sampling)
         self.val_set = ValidationWindows(self.split_path("val"), dtype, self.block_size, self.val_windows)
+
+    def train_dataloader(self) -> DataLoader:
+        """This rank's share of the global stream (data/stream.py), from the samples the run has
+        consumed: the count saved in the checkpoint, or, for a checkpoint without one, the global
+        step times today's global batch (the same thing unless the global batch changed)."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        step = trainer.global_step if trainer is not None else 0
+        global_batch = self.batch_size * world * (trainer.accumulate_grad_batches if trainer is not None else 1)
+        consumed = self.samples_consumed if self.samples_consumed is not None else step * global_batch
+        self._stream_origin = (consumed, step, global_batch)
+        sampler = GlobalSamples(consumed, rank, world, self.batch_size, self.train_samples)
+        return self._loader(self.train_set, self.batch_size, drop_last=True, sampler=sampler)
+
+    def state_dict(self) -> dict:
+        """Saved in every checkpoint: the training samples consumed so far, counted from the global
+        step (whole optimiser steps), not from the loader, which workers run ahead of."""
+        if self._stream_origin is None or self.trainer is None:
+            return {}
+        consumed, step, global_batch = self._stream_origin
+        return {"samples_consumed": consumed + (self.trainer.global_step - step) * global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples_consumed = state.get("samples_consumed")
 
     def unigram_loss(self, max_tokens: int = 50_000_000) -> float:
         """Cross-entropy (nats) of the train-split unigram distribution on the val split:

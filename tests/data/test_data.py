@@ -13,7 +13,8 @@ from data.corpus import GutenbergCorpus, gutenberg_books, split_tail
 import datasets
 import tiktoken
 
-from data.datamodule import RandomWindows, TextDataModule, ValidationWindows, prepare_token_files, spread_starts
+from data.datamodule import TextDataModule, ValidationWindows, prepare_token_files, spread_starts
+from data.stream import GlobalSamples, TrainWindows
 from data.tokenizers import get_tokenizer
 
 SEP = 0x1E  # the bytes tokenizer's document separator (ASCII record separator)
@@ -100,12 +101,11 @@ def test_train_windows_inside_memmap_and_shifted(prepared):
 
 def test_ranks_draw_different_windows(prepared):
     path, dtype = prepared.split_path("train"), prepared.meta["dtype"]
-    r0 = RandomWindows(path, dtype, 64, 1000, seed=1, rank=0)
-    r1 = RandomWindows(path, dtype, 64, 1000, seed=1, rank=1)
-    again = RandomWindows(path, dtype, 64, 1000, seed=1, rank=0)
-    s0 = [r0.start(i) for i in range(1000)]
-    assert s0 == [again.start(i) for i in range(1000)]  # deterministic (resumable)
-    assert len(set(s0) & {r1.start(i) for i in range(1000)}) < 5
+    windows, again = TrainWindows(path, dtype, 64, seed=1), TrainWindows(path, dtype, 64, seed=1)
+    r0, r1 = (list(GlobalSamples(0, rank, 2, 4, 2000)) for rank in (0, 1))
+    s0 = [windows.start(g) for g in r0]
+    assert s0 == [again.start(g) for g in r0]  # deterministic (resumable)
+    assert len(set(s0) & {windows.start(g) for g in r1}) < 5
 
 
 def docs_without_a_window(starts, offsets) -> list[int]:
@@ -291,7 +291,7 @@ def test_windows_refuse_too_short_file(tmp_path):
     path = tmp_path / "tiny.bin"
     np.arange(10, dtype=np.uint16).tofile(path)
     with pytest.raises(ValueError, match="fewer than one training window"):
-        RandomWindows(path, "uint16", 64, 10)
+        TrainWindows(path, "uint16", 64)
     with pytest.raises(ValueError, match="fewer than one validation window"):
         ValidationWindows(path, "uint16", 64)
 
@@ -333,7 +333,7 @@ def test_hub_corpus_unreachable_fails_fast(tmp_path, monkeypatch):
 def test_resumed_run_continues_the_window_sequence(prepared):
     """After k optimisation steps, a resumed run's first batch is the fresh run's batch k."""
     class FakeTrainer:
-        global_step, accumulate_grad_batches, global_rank = 3, 2, 0
+        global_step, accumulate_grad_batches, global_rank, world_size = 3, 2, 0, 1
 
     fresh = list(zip(range(8), prepared.train_dataloader()))
     prepared.trainer = FakeTrainer()
@@ -341,5 +341,4 @@ def test_resumed_run_continues_the_window_sequence(prepared):
         resumed = next(iter(prepared.train_dataloader()))
     finally:
         prepared.trainer = None
-        prepared.train_set.offset = 0
     assert torch.equal(resumed[0], fresh[6][1][0])  # 3 steps x 2 accumulated batches

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from data.corpus import HubCorpus, TextFilesCorpus
 from data.datamodule import TextDataModule
 from data.packing import DocumentOptions, document_layout
+from data.stream import GlobalSamples
 from tests.data.test_text_data import SEP, docs, write_txt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,11 +87,10 @@ def test_training_stream_is_unchanged_by_the_options(tmp_path):
         assert module.documents.eot_token == SEP
         windows = []
         for rank in (0, 1):
-            module.train_set.rank = rank
-            for offset in (0, 5):  # a resumed run continues after the samples already trained on
-                module.train_set.offset = offset
-                windows.append([module.train_set.start(i) for i in range(8)])
-                windows.append(torch.stack([module.train_set[i][0] for i in range(8)]))
+            for consumed in (0, 5):  # a resumed run continues after the samples already trained on
+                samples = list(GlobalSamples(consumed, rank, 2, 2, 100))[:8]
+                windows.append([module.train_set.start(g) for g in samples])
+                windows.append(torch.stack([module.train_set[g][0] for g in samples]))
         windows.append(torch.stack([module.val_set[i][0] for i in range(len(module.val_set))]))
         streams.append(windows)
     plain, packed = streams
