@@ -11,6 +11,18 @@ from torch import Tensor
 from model.attention.masks import attention_mask, causal_future, hidden_keys
 
 
+def follow_order(positions: Tensor, documents: Tensor) -> bool:
+    """Whether (B, T) positions step by one inside every run of equal (B, T) document ids, and
+    every id is one run (ids never decrease): then p_i - p_j = i - j for every pair of one
+    document. Read on the host; a compiled graph reads nothing and answers False (the given
+    positions, always right)."""
+    if torch.compiler.is_compiling():
+        return False
+    same = documents[:, 1:] == documents[:, :-1]
+    steps = positions.diff(dim=-1) == 1
+    return bool(((steps | ~same) & (documents[:, 1:] >= documents[:, :-1])).all())
+
+
 @dataclass(frozen=True)
 class Terms:
     """The position inputs of one forward. The Tq queries are the last Tq of the Tk keys (a
@@ -61,11 +73,14 @@ class Terms:
         return ~causal_future(self.q_positions.shape[-1], self.k_positions.shape[-1], self.q_positions.device)
 
     def bias_positions(self) -> tuple[Tensor, Tensor]:
-        """The positions the bias is computed at: these, or for a bias of the distance alone under
-        a document mask token order's (every visible pair is in one document, where p_i - p_j =
-        i - j whether positions restart or not): one (H, Tq, Tk) bias by strides, not a gather
-        per sequence, whose backward scatters (B, Tq, Tk) indices."""
-        if not (self.documents and getattr(self.pe, "bias_of_distance", False)):
+        """The positions the bias is computed at: these, or, for a bias of the distance alone under
+        a document mask with per-sequence positions that follow token order inside every document
+        (restarted or not: p_i - p_j = i - j for every visible pair), token order's: one
+        (H, Tq, Tk) bias by strides, not a gather per sequence whose backward scatters (B, Tq, Tk)
+        indices. Positions that do not follow token order (randomized positions) are kept: the
+        bias is the model's at the given positions on every backend."""
+        if not (self.documents and getattr(self.pe, "bias_of_distance", False) and self.k_positions.dim() == 2
+                and follow_order(self.k_positions, self.k_documents)):
             return self.q_positions, self.k_positions
         order = torch.arange(self.k_positions.shape[-1], device=self.k_positions.device)
         return order[order.shape[0] - self.q_positions.shape[-1]:], order

@@ -39,8 +39,11 @@ class PositionEncoding(nn.Module):
     name: ClassVar[str] = "none"
     # Rotary schemes accept evaluation-time RoPE scaling (model/pe/rope_scaling.py).
     supports_rope_scaling: ClassVar[bool] = False
-    # ``bias`` is a function of p_i - p_j alone: inside one document, positions that restart at
-    # its start give token order's distances, so a document-masked forward computes it from those.
+    # ``bias`` is a function of p_i - p_j alone: under a document mask, positions that step by one
+    # inside every document (restarted at its start or not) give token order's distances, so the
+    # backends that build a mask compute one bias at token order's positions for the whole batch
+    # (model/attention/base.py, ``Terms.bias_positions``); other positions (randomized) are used
+    # as given.
     bias_of_distance: ClassVar[bool] = False
     # The pe.scaling kinds the scheme takes in training (model/pe/scaling.py), and the one it has.
     scaling_kinds: ClassVar[tuple[str, ...]] = ()
