@@ -28,6 +28,20 @@ TRAIN_EXTRAS = {
     "t5_compile": ("pe=t5", "compile=true"),  # flex inside the compiled model, through Lightning
     "alibi_fp16": ("pe=alibi", "trainer.precision=16-mixed"),  # fp16: alibi on flex, GradScaler
     "t5_dropout": ("pe=t5", "model.dropout=0.2"),  # attention dropout: t5 on math
+    # what landed after the acceptance was first written, each in one run:
+    # packed documents (every paragraph a document): flex's document BlockMask forward and backward
+    "t5_documents": ("pe=t5", "data.document_mask=true", "data.corpus.sample_by=paragraph"),
+    # ... and the SDPA routes' bool masks (rope on sdpa, with restarted positions; alibi on sdpa_key)
+    "rope_documents": ("pe=rope", "data.document_mask=true", "data.document_positions=true",
+                       "data.corpus.sample_by=paragraph"),
+    "alibi_documents": ("pe=alibi", "data.document_mask=true", "data.corpus.sample_by=paragraph"),
+    # attention temperature (a per-query scale of q) with randomized positions
+    "rope_temperature_randomized": ("pe=rope", "model.attn_temperature=log_length", "pe.randomize_to=1024"),
+    # init_from (train_rope's checkpoint) with training-time RoPE scaling at twice the length
+    "rope_init_from_yarn": ("pe=rope", "init_from={train}/rope/checkpoints/last.ckpt", "model.block_size=512",
+                            "pe.scaling.kind=yarn", "pe.scaling.factor=2"),
+    # 32-true with a learned bias: SDPA with a float32 mask that requires grad
+    "t5_fp32": ("pe=t5", "trainer.precision=32-true"),
 }
 BENCH_SCHEMES = ("learned", "rope", "alibi", "rope_alibi")
 BENCH_ARGS = (f"configs=gpt2-gpt2:{'+'.join(BENCH_SCHEMES)}", "compile=true", "rounds=3", "steps=3", "warmup=2",
@@ -196,7 +210,9 @@ def train_step(name: str, group: str, what: str, command: list[str], timeout_s: 
 
 
 def train_steps(out: Path, schemes: list[str]) -> list[Step]:
-    runs = {s: (f"pe={s}",) for s in schemes} | TRAIN_EXTRAS
+    """One run per scheme, then TRAIN_EXTRAS (``{train}`` in an override: the folder of the runs)."""
+    runs = {s: (f"pe={s}",) for s in schemes} | {name: tuple(o.format(train=out / "train") for o in extra)
+                                                 for name, extra in TRAIN_EXTRAS.items()}
     return [train_step(f"train_{name}", "train", f"python train.py trainer=gpu {' '.join(extra)}: "
                        f"{TRAIN_OVERRIDES[1]}, sanity validation, finite val loss",
                        [PY, "train.py", "trainer=gpu", *extra, *TRAIN_OVERRIDES,
@@ -325,8 +341,9 @@ def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, P
 
 
 # part 1's train runs, in order (the first runs alone: it tokenizes the corpus into the cache)
-PART1_TRAIN = ("train_rope", "train_t5", "train_fire", "train_alibi", "train_t5_compile", "train_alibi_fp16",
-               "train_t5_dropout")
+PART1_TRAIN = ("train_rope", "train_t5", "train_fire", "train_alibi", "train_t5_documents", "train_rope_documents",
+               "train_alibi_documents", "train_rope_init_from_yarn", "train_rope_temperature_randomized",
+               "train_t5_fp32", "train_t5_compile", "train_alibi_fp16", "train_t5_dropout")
 
 
 @dataclass

@@ -401,3 +401,27 @@ def test_a_part_killed_midway_leaves_the_report_of_what_finished(tmp_path):
         names = set(tar.getnames())
         assert {"logs/quick.log", "logs/broken.log", "logs/slow.log", "train/r/csv/metrics.csv"} <= names
         assert b"quick done" in tar.extractfile("logs/quick.log").read()
+
+
+def test_part_1_trains_what_landed_after_the_acceptance_was_written(tmp_path):
+    """Packed documents (flex's document BlockMask; the SDPA routes' bool masks), attention
+    temperature, randomized positions, init_from with training-time RoPE scaling and 32-true with
+    a learned bias each get a train run; every override is a key of train.py's config."""
+    from hydra import compose, initialize_config_dir
+
+    lane = steps.parts(tmp_path, sorted(SCHEMES), 1, 4)["1"].lanes[1]
+    runs = {s.name: s.command for s in lane}
+    every = " ".join(" ".join(c) for c in runs.values())
+    covering = []
+    for option in ("pe=t5 data.document_mask=true", "pe=rope data.document_mask=true data.document_positions=true",
+                   "pe=alibi data.document_mask=true", "model.attn_temperature=log_length", "pe.randomize_to=",
+                   "pe.scaling.kind=yarn", "init_from=", "pe=t5 trainer.precision=32-true"):
+        assert option in every, option
+        covering += [s for s in lane if option in " ".join(s.command) and s not in covering]
+    # init_from reads the last checkpoint of train_rope, which runs first and alone
+    init_from = next(c for cmd in runs.values() for c in cmd if c.startswith("init_from="))
+    assert Path(init_from.partition("=")[2]) == steps.run_dir_of(runs["train_rope"]) / "checkpoints" / "last.ckpt"
+    assert lane[0].name == "train_rope"
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        for step in covering:
+            compose("config", overrides=[c for c in step.command[2:] if not c.startswith("hydra.")])
