@@ -6,7 +6,10 @@ precision plugin runs it on CUDA. For every position scheme: the weight-decay gr
 after wrapping, the dtypes of the buffers and the position terms inside a forward against an
 unwrapped copy of the scheme, two optimizer steps through ``LitGPT.optimizer_step`` (which
 projects constrained parameters) and the gathered parameters after them; for one scheme, the
-validation of uneven window shards. Rank zero writes the results as JSON.
+validation of uneven window shards. Then sharded checkpoints through a Lightning ``Trainer`` with
+the preset's strategy (``state_dict_type=sharded``): 4 steps saving every 2, a resume from step 2
+to 4, a save that fails on a full disk. Rank zero writes the results as JSON (and the gathered
+weights as OUT.pt).
     python tests/harness/fsdp_worker.py RANK WORLD STORE_FILE OUT.json"""
 
 import copy
@@ -165,6 +168,117 @@ def one_scheme(name: str, strategy, dtype: torch.dtype, validate: bool) -> dict:
     return out
 
 
+class Stream(Dataset):
+    """Sample i of a rank's stream: a window drawn from (rank, offset + i)."""
+
+    def __init__(self, rank: int, offset: int) -> None:
+        self.rank, self.offset = rank, offset
+
+    def __len__(self) -> int:
+        return 10**6
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(1000 * self.rank + self.offset + i)
+        x = torch.randint(0, TINY["vocab_size"], (TINY["block_size"] + 1,), generator=g)
+        return x[:-1], x[1:]
+
+
+def stream_loader(trainer, batch_size: int = 2):
+    """pelab's data position (data/datamodule.py): a run continues its rank's stream after the
+    samples of the steps it starts from (the resumed global step)."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(Stream(trainer.global_rank, trainer.global_step * batch_size), batch_size=batch_size)
+
+
+class Record(__import__("lightning").Callback):
+    """The loss and learning rate of every step, and each rank's shards and AdamW state at the end."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[float]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        self.steps[trainer.global_step] = [float(outputs["loss"]), lr, float(batch[0].float().sum())]
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0]
+        self.shards = [p.detach().clone() for p in trainer.strategy.model.parameters()]
+        self.moments = [optimizer.state[p][k].clone() for group in optimizer.param_groups for p in group["params"]
+                        for k in sorted(optimizer.state[p])]  # exp_avg, exp_avg_sq, step of each parameter
+
+
+def fit(strategy_kwargs: dict, out: Path, ckpt_path=None, seed: int = 0):
+    """A Lightning fit of the tiny model under the preset's FSDP strategy (float32: exact)."""
+    import hydra
+    import lightning as L
+    from hydra import compose, initialize_config_dir
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from pelab.lit import LitGPT
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose("config", overrides=["trainer=fsdp"])
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy, **strategy_kwargs)
+    data = L.LightningDataModule()
+    data.train_dataloader = lambda: stream_loader(data.trainer)
+    torch.manual_seed(seed)
+    lit = LitGPT(model=TINY, pe={"_target_": "model.pe.rope.RoPE"},
+                 optim={"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "decay_steps": 4})
+    record = Record()
+    saves = ModelCheckpoint(dirpath=out, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
+                            every_n_train_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, precision="32-true",
+                        max_steps=4, limit_val_batches=0, num_sanity_val_steps=0, logger=False, gradient_clip_val=1.0,
+                        use_distributed_sampler=False,  # as conf/trainer/default.yaml: each rank its own stream
+                        callbacks=[record, saves], enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=out)
+    trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, record
+
+
+def sharded_checkpoints(out: Path) -> dict:
+    import errno
+    import unittest.mock
+
+    from lightning.fabric.strategies import fsdp as fabric_fsdp
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    rank = dist.get_rank()
+    trainer, whole = fit({"state_dict_type": "sharded"}, out)
+    result = {"state_dict_type": trainer.strategy.state_dict_type,
+              "saved": sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())}
+    from pelab.optim import plain_name
+
+    with FSDP.summon_full_params(trainer.strategy.model):  # names without the wrappers' components
+        gathered = {f"model.{plain_name(n)}": p.detach().clone()
+                    for n, p in trainer.lightning_module.model.named_parameters()}
+    _, resumed = fit({"state_dict_type": "sharded"}, out / "resumed", ckpt_path=out / "step2.ckpt", seed=1)
+    same = [all(torch.equal(a, b) for a, b in zip(x, y)) and len(x) == len(y)
+            for x, y in ((whole.shards, resumed.shards), (whole.moments, resumed.moments))]
+    flags = torch.tensor(same, dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank's shards
+    result.update(steps_whole=whole.steps, steps_resumed=resumed.steps, shards_equal=bool(flags[0]),
+                  moments_equal=bool(flags[1]), moments=len(whole.moments))
+
+    def full_disk(state, path):  # some bytes written, then the device is full (on every rank, as DCP reports)
+        (Path(path) / f"__{rank}_0.distcp").write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with unittest.mock.patch.object(fabric_fsdp, "_distributed_checkpoint_save", full_disk), \
+            unittest.mock.patch("lightning.pytorch.strategies.fsdp._distributed_checkpoint_save", full_disk):
+        try:
+            trainer.save_checkpoint(out / "step4.ckpt")
+            result["full_disk"] = "no error"
+        except Exception as err:  # noqa: BLE001
+            result["full_disk"] = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    result["after_full_disk"] = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+    if rank == 0:
+        torch.save(gathered, out / "gathered.pt")
+    return result
+
+
 def main(rank: int, world: int, store: str, path: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -181,6 +295,11 @@ def main(rank: int, world: int, store: str, path: Path) -> None:
         except Exception as err:  # noqa: BLE001
             results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         dist.barrier()
+    ckpt_dir = path.parent / "sharded"
+    try:
+        results["sharded"] = sharded_checkpoints(ckpt_dir)
+    except Exception as err:  # noqa: BLE001
+        results["sharded"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
     if rank == 0:
         path.write_text(json.dumps(results, indent=1))
     gc.collect()  # the wrapped models hold the process group: free them first

@@ -1,7 +1,8 @@
 """FSDP on 2 gloo CPU processes, configured by Lightning's FSDPStrategy from conf/trainer/fsdp.yaml
 (tests/harness/fsdp_worker.py): weight decay after wrapping, float32 position terms, one
-optimizer step of every scheme; and validation shards that give every rank the same number of
-batches, with the token-weighted loss of one process."""
+optimizer step of every scheme; validation shards that give every rank the same number of
+batches, with the token-weighted loss of one process; sharded checkpoints (a Lightning fit under
+the preset's strategy) that resume exactly, that resume=auto finds and one CPU process loads."""
 
 import json
 import os
@@ -36,7 +37,7 @@ def fsdp(tmp_path_factory) -> dict:
     logs = [rank.communicate(timeout=300)[0] for rank in ranks]
     for rank, log in zip(ranks, logs):
         assert rank.returncode == 0, log[-4000:]
-    return json.loads(out.read_text()) | {"wall_s": time.perf_counter() - start}
+    return json.loads(out.read_text()) | {"wall_s": time.perf_counter() - start, "dir": tmp}
 
 
 def scheme_result(fsdp: dict, name: str) -> dict:
@@ -49,7 +50,7 @@ def test_the_preset_gathers_float32_and_reduces_in_float32(fsdp):
     assert fsdp["precision"] == "bf16-mixed"  # autocast's dtype
     mixed = fsdp["mixed_precision"]
     assert ("param_dtype=None, reduce_dtype=torch.float32, buffer_dtype=torch.float32" in mixed), mixed
-    assert fsdp["wall_s"] < 60
+    assert fsdp["wall_s"] < 90
 
 
 @pytest.mark.parametrize("scheme", SCHEME_CASES)
@@ -161,3 +162,81 @@ def test_padding_leaves_the_token_weighted_validation_loss_unchanged():
     shards = [states(batches) for batches in rank_loaders(256, 6, 14, dataset)]
     assert sum(w for _, w in shards) == one[1]  # the same scored targets
     assert sum(v for v, _ in shards) / sum(w for _, w in shards) == pytest.approx(one[0] / one[1], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- sharded checkpoints
+
+
+def sharded(fsdp: dict) -> dict:
+    result = fsdp["sharded"]
+    assert "error" not in result, result.get("traceback", "")
+    return result
+
+
+def test_sharded_checkpoint_resumes_exactly(fsdp):
+    """4 steps saving at 2 and 4, against a fresh model (another seed) resumed from step 2: the
+    same batches (data position), learning rates (schedule), losses, and then every rank's
+    parameter shards and AdamW moments and step counts bit for bit."""
+    result = sharded(fsdp)
+    assert result["state_dict_type"] == "sharded"
+    assert result["saved"] == ["step2.ckpt/", "step4.ckpt/"]  # directories, no temp left
+    whole, resumed = result["steps_whole"], result["steps_resumed"]
+    assert sorted(resumed) == ["3", "4"] and {k: whole[k] for k in resumed} == resumed
+    assert whole["3"][2] != whole["1"][2]  # the batches do move on with the step
+    assert result["shards_equal"] and result["moments_equal"] and result["moments"] > 0
+
+
+def test_resume_auto_finds_the_newest_complete_sharded_checkpoint(fsdp, tmp_path, capsys):
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from pelab.checkpoint import newest_checkpoint, read_checkpoint, resume_from_run_dir
+
+    sharded(fsdp)
+    run = tmp_path / "run"
+    shutil.copytree(fsdp["dir"] / "sharded", run / "checkpoints", ignore=shutil.ignore_patterns("resumed"))
+    half = run / "checkpoints" / "step6.ckpt"  # the newest, but its save never finished (no .metadata)
+    shutil.copytree(run / "checkpoints" / "step4.ckpt", half)
+    (half / ".metadata").unlink()
+    assert newest_checkpoint(run) == run / "checkpoints" / "step4.ckpt"
+    assert f"ignoring {half}: a half-written sharded checkpoint (no .metadata" in capsys.readouterr().out
+    cfg = OmegaConf.create({"resume": "auto", "ckpt_path": None})
+    assert resume_from_run_dir(cfg, run) and cfg.ckpt_path == str(run / "checkpoints" / "step4.ckpt")
+    assert read_checkpoint(cfg.ckpt_path, for_resume=True, verify=True)["global_step"] == 4
+
+
+def test_a_sharded_checkpoint_loads_on_one_cpu_process(fsdp, tmp_path):
+    """scripts/*.py ckpt=DIR (load_lit_gpt) gathers the shards with no process group: the weights
+    equal the ones FSDP gathered at the end of training; consolidate() writes them as one file."""
+    from pelab.checkpoint import consolidate, load_lit_gpt
+
+    sharded(fsdp)
+    gathered = torch.load(fsdp["dir"] / "sharded" / "gathered.pt")
+    for module in (load_lit_gpt(fsdp["dir"] / "sharded" / "step4.ckpt"),
+                   load_lit_gpt(consolidate(fsdp["dir"] / "sharded" / "step4.ckpt", tmp_path / "step4.ckpt"))):
+        params = dict(module.named_parameters())
+        assert sorted(params) == sorted(gathered)
+        for name, value in gathered.items():
+            assert torch.equal(params[name], value), name
+
+
+def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_checkpoints(fsdp):
+    """The shards' writer raises OSError(ENOSPC) on every rank after writing some bytes."""
+    from pelab.checkpoint import read_checkpoint
+
+    result = sharded(fsdp)
+    message = result["full_disk"]
+    assert message.startswith(f"CheckpointError: no space left on the device of {fsdp['dir'] / 'sharded'} while "
+                              "saving step4.ckpt (") and " GiB free there now)" in message and "\n" not in message
+    assert result["after_full_disk"] == ["resumed/", "step2.ckpt/", "step4.ckpt/"]  # the temp dir removed
+    assert read_checkpoint(fsdp["dir"] / "sharded" / "step4.ckpt", for_resume=True)["global_step"] == 4
+
+
+def test_state_dict_type_auto_shards_models_whose_full_state_is_costly():
+    from pelab.checkpoint import FSDPStrategy, auto_state_dict_type
+
+    assert auto_state_dict_type(124_000_000) == "full"  # gpt2: 1.4 GiB of weights and AdamW moments
+    assert auto_state_dict_type(355_000_000) == "sharded"  # gpt2_medium: 4.0 GiB
+    with pytest.raises(ValueError, match="trainer.strategy.state_dict_type must be auto, full or sharded, got 'shard'"):
+        FSDPStrategy(state_dict_type="shard")
