@@ -159,6 +159,11 @@ class TextDataModule(StreamDataModule):
         check_document_options(document_positions, document_mask, corpus)
         check_sampling(sampling)
         self.sampling = sampling
+        # prepare_data on global rank 0 only (Lightning's default is local rank 0 of every node):
+        # caches sit on a filesystem the nodes share ($PELAB_CACHE, data.data_dir). A node-local
+        # data_dir still works: every rank's setup() checks the cache, and the first on a node
+        # to find it missing builds it under the cache's lock while the others wait.
+        self.prepare_data_per_node = False
         self.document_positions, self.document_mask = document_positions, document_mask
         for key, value, low in (("batch_size", batch_size, 1), ("val_batch_size", val_batch_size, 1),
                                 ("num_workers", num_workers, 0), ("tokenize_num_proc", tokenize_num_proc, 1)):

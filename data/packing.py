@@ -12,7 +12,7 @@ The first, partial document starts at 0, not at its offset inside the whole docu
 window is all the context its tokens have (with a document mask they see nothing earlier), a
 learned table has only ``block_size`` positions while a document's offset is unbounded, and the
 layout stays a function of the window's tokens, the same in training, validation and every
-evaluation script, so the window sampler, resume position and per-rank streams are untouched.
+evaluation script, so the training stream (data/stream.py) and its resume position are untouched.
 
 ``DocumentOptions`` says which of the two a forward uses (``data.document_positions``,
 ``data.document_mask``); ``MODES`` are the values of ``eval.documents``.

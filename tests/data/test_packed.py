@@ -1,6 +1,6 @@
 """Packed documents on the data side (data/packing.py): the layout of a window from its
-separators, the refusals before any data is read, and a training stream the options leave
-exactly as it was (window sampler, resume offset, per-rank streams)."""
+separators, the refusals before any data is read, and a training stream (its windows and
+resume position) the options leave exactly as it was."""
 
 from __future__ import annotations
 

@@ -187,8 +187,6 @@ def test_resume_mid_epoch_with_workers_is_exact(module, sampling):
 
 
 def test_bad_sampling_is_one_line_before_data(tmp_path, monkeypatch):
-    from hydra import compose, initialize_config_dir
-
     import data.cache
     import data.datamodule
     from pelab.config import ConfigError
@@ -196,7 +194,41 @@ def test_bad_sampling_is_one_line_before_data(tmp_path, monkeypatch):
 
     for where in (data.cache, data.datamodule):
         monkeypatch.setattr(where, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
-    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["data.sampling=bogus", f"paths.output_dir={tmp_path / 'out'}"])
+    cfg = compose_config(["data.sampling=bogus"], tmp_path)
     with pytest.raises(ConfigError, match=r"^data\.sampling='bogus' is not valid; allowed: random, epoch$"):
         validate_config(cfg)
+
+
+def compose_config(overrides, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*overrides, f"paths.output_dir={tmp_path / 'out'}"])
+
+
+def test_gpu_presets_load_with_workers(tmp_path):
+    for trainer in ("gpu", "ddp", "fsdp"):
+        assert compose_config([f"trainer={trainer}"], tmp_path).data.num_workers == 4, trainer
+        assert compose_config([f"trainer={trainer}", "data=synthetic"], tmp_path).data.num_workers == 4, trainer
+        assert compose_config([f"trainer={trainer}", "data.num_workers=1"], tmp_path).data.num_workers == 1
+    assert compose_config([], tmp_path).data.num_workers == 0  # CPU runs: unchanged
+    assert "loader" not in compose_config(["trainer=gpu"], tmp_path).trainer  # nothing for Lightning's Trainer
+
+
+@pytest.mark.parametrize("node_rank, calls", [(0, 1), (1, 0)])
+def test_only_the_first_node_prepares(module, monkeypatch, node_rank, calls):
+    """Lightning's own gate (its data connector) on local rank 0 of node 0 and of node 1."""
+    import lightning as L
+
+    monkeypatch.setenv("NODE_RANK", str(node_rank))
+    dm = rank_module(module, FakeTrainer())
+    prepared = []
+    monkeypatch.setattr(dm, "prepare_data", lambda: prepared.append(1))
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    model = L.LightningModule()
+    trainer.strategy.connect(model)
+    trainer._data_connector.attach_datamodule(model, datamodule=dm)
+    assert (trainer.node_rank, trainer.local_rank) == (node_rank, 0)
+    trainer._data_connector.prepare_data()
+    assert len(prepared) == calls
