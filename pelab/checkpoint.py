@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from hydra.errors import CompactHydraException
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
@@ -43,8 +44,9 @@ EXPECTED = "a Lightning checkpoint written by train.py (RUN_DIR/checkpoints/*.ck
 ZIP_MAGIC = b"PK\x03\x04"  # every torch.save archive (the default format since torch 1.6) starts so
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used, with the file and the reason in the message."""
+class CheckpointError(CompactHydraException, ValueError):
+    """A checkpoint file that cannot be used (or be written), with the file and the reason in the
+    message; Hydra's CLI prints it alone, without a traceback, as a ``ConfigError``."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -1,6 +1,7 @@
 """A run's name and what it leaves in its run dir: run names and sweep subdirs from the
-overrides that change what is trained, the W&B identity (name, group, tags), the resolved
-config beside the checkpoints, the W&B run id a restart continues, the end-of-run summary.
+overrides that change what is trained, the W&B identity (name, group, tags), the lock that keeps
+a second run out of a run dir in use, the resolved config beside the checkpoints, the W&B run id
+a restart continues, the end-of-run summary.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import hashlib
 import math
 import os
 import re
+import socket
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,13 +131,52 @@ def save_run_id(output_dir: Path, run_id: str) -> None:
     os.replace(tmp, path)
 
 
+LOCK_FILE = ".pelab.lock"  # in the run dir; held (flock) for as long as the run's process lives
+OWNER_FILE = ".pelab.lock.owner"  # who holds it: filelock truncates the lock file itself on every try
+_HELD: dict[str, object] = {}  # run dir -> this process's lock on it
+
+
+def lock_run_dir(output_dir: Path) -> None:
+    """Hold the run dir for this process (rank zero of a run), or refuse naming the process that
+    holds it. Two runs in one dir (``resume=auto`` started twice, a job and its requeued copy)
+    would write over each other's checkpoints and delete each other's temporary files. The
+    lock (``filelock``, an OS lock on ``.pelab.lock``) goes with the process: a run that crashed
+    or was killed leaves nothing to clean up. Held until the process exits."""
+    from filelock import FileLock, Timeout
+
+    from pelab.config import ConfigError
+
+    output_dir = Path(output_dir).resolve()
+    if str(output_dir) in _HELD:
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(output_dir / LOCK_FILE, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        try:
+            owner = (output_dir / OWNER_FILE).read_text().strip() or "another process"
+        except OSError:
+            owner = "another process"
+        raise ConfigError(f"run dir {output_dir} is in use by another run ({owner}): two runs in one directory "
+                          "write over each other's checkpoints; wait for it to end, stop it, or start this one "
+                          "with another hydra.run.dir") from None
+    tmp = output_dir / f"{OWNER_FILE}.partial"
+    tmp.write_text(f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    os.replace(tmp, output_dir / OWNER_FILE)
+    _HELD[str(output_dir)] = lock
+
+
 def save_run(cfg: DictConfig, trainer, output_dir: Path, run_id: str, loggers: list, identity: RunIdentity) -> None:
-    """The resolved config, secrets masked, into the checkpoint dir (before the first checkpoint:
-    the scripts read it there) and to every logger; the W&B run id for a restart."""
+    """The run dir held for this run (``lock_run_dir``); the resolved config, secrets masked, into
+    the checkpoint dir (before the first checkpoint: the scripts read it there) and to every
+    logger; the W&B run id for a restart."""
     # ModelCheckpoint warns about a non-empty dir: config.yaml is there on purpose.
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     resolved = redact(OmegaConf.to_container(cfg, resolve=True))
     if trainer.is_global_zero:
+        lock_run_dir(output_dir)  # before anything of this run is written beside the checkpoints
         ckpt_dir = Path(output_dir) / "checkpoints"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(resolved), ckpt_dir / "config.yaml")

@@ -1,13 +1,20 @@
-"""Faults: NaN/inf during training, a kill during a checkpoint save, bad checkpoint files, and a
-resume under another position scheme."""
+"""Faults: NaN/inf during training, a kill during a checkpoint save, a full disk during one, bad
+checkpoint files (a block corrupted in place among them), a resume under another position scheme,
+two runs in one run dir."""
 
+import errno
 import os
+import shutil
+import socket
+import struct
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -17,7 +24,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from pelab.callbacks import NonFiniteError, NonFiniteGuard
-from pelab.checkpoint import AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint
+from omegaconf import OmegaConf
+
+from pelab.checkpoint import (AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint,
+                              resume_from_run_dir)
 from pelab.lit import LitGPT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -263,6 +273,47 @@ def test_kill_during_save_keeps_the_previous_last_ckpt(tmp_path):
     assert not list(out.glob(".last.ckpt.*.tmp")) and read_checkpoint(out / "last.ckpt")
 
 
+class FullDisk:
+    """Test-only: a file whose writes fail with ENOSPC once ``room`` bytes are written."""
+
+    def __init__(self, f, room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_file(tmp_path, rope_ckpt, monkeypatch):
+    """torch's own error is two chained tracebacks (No space left on device, then enforce fail at
+    inline_container.cc); the run shows one line naming the directory and its free space."""
+    path, io = tmp_path / "last.ckpt", AtomicCheckpointIO()
+    ckpt = read_checkpoint(rope_ckpt)
+    io.save_checkpoint(ckpt, path)
+    good = path.read_bytes()
+    real = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda *args, **kwargs: FullDisk(real(*args, **kwargs), room=4096))
+    with pytest.raises(CheckpointError) as err:
+        io.save_checkpoint(ckpt, path)
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    message = str(err.value)
+    assert message.startswith(f"no space left on the device of {tmp_path} while saving last.ckpt (") and "\n" not in message
+    assert float(message.split("(")[1].split(" GiB free")[0]) == pytest.approx(free, abs=0.05)
+    assert err.value.__suppress_context__  # no chained tracebacks
+    assert path.read_bytes() == good and list(tmp_path.iterdir()) == [path]  # the temp file is gone
+
+
 def test_checkpoint_io_keeps_the_old_file_rather_than_write_nan_weights(tmp_path):
     path = tmp_path / "last.ckpt"
     io = AtomicCheckpointIO()
@@ -405,3 +456,85 @@ def test_weights_only_checkpoint_cannot_be_resumed(tmp_path, rope_ckpt):
     with pytest.raises(CheckpointError, match="holds weights only .* not resumed"):
         check_resume(path, compose_config([*FAST, f"ckpt_path={path}"]))
     assert read_checkpoint(path)  # still fine to evaluate or sample
+
+
+# ---------------------------------------------------------------------------- a block corrupted in place
+
+
+def corrupt_a_block(path: Path) -> str:
+    """Flip 64 bytes in the middle of the largest tensor record (the file keeps its size); the record's name."""
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda info: info.compress_size)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset)
+        header = f.read(30)
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.compress_size // 2)
+        block = f.read(64)
+        f.seek(-len(block), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in block))
+    assert path.stat().st_size == size
+    return record.filename
+
+
+def test_resume_auto_skips_a_corrupted_last_ckpt_for_the_newest_intact_step_ckpt(tmp_path, rope_ckpt, capsys):
+    """torch checks no CRC: a damaged tensor record loads as garbage weights, and the cheap
+    (memory-mapped) check passes it. resume=auto reads every record against its CRC-32."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    step, last = ckpts / "step000002.ckpt", ckpts / "last.ckpt"
+    shutil.copy(rope_ckpt, step)
+    shutil.copy(rope_ckpt, last)
+    os.utime(step, ns=(last.stat().st_mtime_ns - 10**9,) * 2)  # the older one
+    record = corrupt_a_block(last)
+    assert read_checkpoint(last)  # the memory-mapped check alone cannot see it
+    cfg = OmegaConf.create({"resume": "auto", "ckpt_path": None})
+    assert resume_from_run_dir(cfg, tmp_path) and cfg.ckpt_path == str(step)
+    out = capsys.readouterr().out
+    assert f"[pelab] resume=auto: skipping {last}: is corrupt (" in out, out
+    assert f"its record '{record}' fails its CRC-32 check" in out, out
+    assert f"[pelab] resume=auto: continuing from {step} (the newer last.ckpt skipped: see above)" in out, out
+    with pytest.raises(CheckpointError, match=f"ckpt_path={last} is corrupt .*'{record}' fails its CRC-32 check"):
+        check_resume(last, compose_config([*FAST, f"ckpt_path={last}"]))  # given by name: refused
+    corrupt_a_block(step)
+    with pytest.raises(CheckpointError, match=f"every checkpoint of {tmp_path} is damaged .* refusing to start fresh"):
+        resume_from_run_dir(OmegaConf.create({"resume": "auto", "ckpt_path": None}), tmp_path)
+
+
+def test_scripts_refuse_a_checkpoint_with_a_corrupted_block(tmp_path, rope_ckpt):
+    path = tmp_path / "last.ckpt"
+    shutil.copy(rope_ckpt, path)
+    record = corrupt_a_block(path)
+    with pytest.raises(CheckpointError, match=f"ckpt={path} is corrupt .*'{record}' fails its CRC-32 check"):
+        load_lit_gpt(path)
+
+
+# ---------------------------------------------------------------------------- two runs in one run dir
+
+HOLD = "import sys, time; from pelab.run import lock_run_dir; lock_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+
+
+def test_a_second_run_in_a_run_dir_in_use_is_refused_naming_the_first(tmp_path):
+    """Before: both ran, and one deleted the other's temp checkpoint as stale (FileNotFoundError
+    on its rename). The first run's lock goes with its process: once it is gone the dir is free."""
+    from pelab.config import ConfigError
+    from pelab.run import RunIdentity, save_run
+
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = (OmegaConf.create({"seed": 0}), SimpleNamespace(is_global_zero=True), run, "abcd1234", [],
+            RunIdentity(name="rope", group=None, tags=[]))
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError) as err:
+            save_run(*args)
+        assert (f"run dir {run.resolve()} is in use by another run (pid {first.pid} on host {socket.gethostname()}, "
+                "since ") in str(err.value) and "another hydra.run.dir" in str(err.value), str(err.value)
+        assert not (run / "checkpoints").exists() and not (run / "wandb_run_id.txt").exists()
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    save_run(*args)  # killed: its lock is released with it
+    assert (run / "checkpoints" / "config.yaml").is_file()

@@ -166,3 +166,17 @@ def test_init_from_under_ddp_starts_every_rank_from_the_checkpoint(tmp_path):
     assert after.keys() == before.keys()
     for key, value in before.items():
         torch.testing.assert_close(after[key].float(), value.float(), atol=1e-7, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_at_load(tmp_path, bad):
+    """Before: loaded silently, and the run died at step 0 advising a lower learning rate."""
+    path = tmp_path / "base.ckpt"
+    save_base(path)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["state_dict"]["model.blocks.0.attn.c_attn.weight"][1, 2] = bad
+    torch.save(ckpt, path)
+    floats = sum(v.is_floating_point() for v in ckpt["state_dict"].values())
+    with pytest.raises(ValueError, match=rf"init_from={path} holds non-finite weights \(NaN/inf\) in 1 of {floats} "
+                                         r"tensors, first 'model.blocks.0.attn.c_attn.weight': a run cannot start"):
+        validate_config(run_config(path))
