@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -95,3 +96,103 @@ def log_rows_to_new_wandb_run(rows, png: Path, out: Path, prefix: str, series_by
 
 def split_list(value: str) -> list[str]:
     return [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+
+
+# --- option values -------------------------------------------------------------------------------
+# Every script parses its key=value options with these, before any checkpoint or data is read:
+# a bad value ends in one line naming the option, the value given and what is allowed.
+
+def bad_value(key: str, value: str, allowed: str):
+    raise SystemExit(f"{key}={value!r} is not valid: expected {allowed}")
+
+
+def is_null(value: str) -> bool:
+    return value.strip().lower() in ("null", "none")
+
+
+def integer(key: str, value: str, minimum: int | None = None, allowed: str | None = None) -> int:
+    """``value`` as an int (>= ``minimum``)."""
+    allowed = allowed or ("an integer" if minimum is None else f"an integer >= {minimum}")
+    try:
+        number = int(value)
+    except ValueError:
+        bad_value(key, value, allowed)
+    if minimum is not None and number < minimum:
+        bad_value(key, value, allowed)
+    return number
+
+
+def number(key: str, value: str, minimum: float | None = None, maximum: float | None = None,
+           above: float | None = None, allowed: str | None = None) -> float:
+    """``value`` as a finite float, >= ``minimum``, <= ``maximum``, > ``above`` where given."""
+    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else "",
+              f"<= {maximum:g}" if maximum is not None else ""]
+    allowed = allowed or " and ".join(["a finite number", *filter(None, bounds)]).replace(" and ", " ", 1)
+    try:
+        x = float(value)
+    except ValueError:
+        bad_value(key, value, allowed)
+    if not (math.isfinite(x) and (minimum is None or x >= minimum) and (maximum is None or x <= maximum)
+            and (above is None or x > above)):
+        bad_value(key, value, allowed)
+    return x
+
+
+def numbers(key: str, value: str, parse, allowed: str) -> list:
+    """A comma-separated list (``1,2,4`` or ``[1,2,4]``), each item ``parse(key, item)`` (``integer``
+    or ``number`` with their bounds); a bad item names the whole value and ``allowed``."""
+    try:
+        return [parse(key, item) for item in split_list(value)]
+    except SystemExit:
+        bad_value(key, value, allowed)
+
+
+def flag(key: str, value: str) -> bool:
+    word = value.strip().lower()
+    if word not in ("true", "false", "1", "0", "yes", "no"):
+        bad_value(key, value, "true or false")
+    return word in ("true", "1", "yes")
+
+
+def choice(key: str, value: str, choices) -> str:
+    if value not in choices:
+        bad_value(key, value, "one of " + ", ".join(choices))
+    return value
+
+
+def device_arg(value: str | None):
+    """``device=``: cpu, cuda or cuda:N (a GPU this machine has); None: cuda when available."""
+    import torch
+
+    if value is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allowed = "cpu, cuda or cuda:N"
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        bad_value("device", value, allowed)
+    if device.type not in ("cpu", "cuda"):
+        bad_value("device", value, allowed)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        bad_value("device", value, f"cpu: torch {torch.__version__} sees no CUDA GPU on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        bad_value("device", value, f"cpu, cuda or cuda:N with N < {torch.cuda.device_count()} (the GPUs here)")
+    return device
+
+
+# trainer.precision values the evaluation scripts run (evaluation/extrapolation.py _autocast): autocast
+# for the 16-bit ones, float32 otherwise. float64 is not one: the model's weights stay float32.
+EVAL_PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "32")
+
+
+def precision_ran(precision, device) -> str:
+    """What an evaluation at ``precision`` computes in, for the results' title: e.g.
+    ``bf16-mixed (bfloat16 autocast)``, ``32 (float32)``."""
+    import torch
+
+    from evaluation.extrapolation import _autocast
+
+    context = _autocast(precision, device)
+    dtype = str(context.fast_dtype).removeprefix("torch.") + " autocast" if isinstance(context, torch.autocast) \
+        else "float32"
+    return f"{precision} ({dtype})"

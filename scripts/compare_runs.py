@@ -33,7 +33,7 @@ import csv
 import glob
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -61,6 +61,23 @@ def find_result_files(patterns: list[str], name: str = "extrapolation.csv") -> l
             elif path.is_dir():
                 files.update(p.resolve() for p in path.rglob(name))
     return sorted(files)
+
+
+def check_table(path: Path, row_type: type) -> None:
+    """``path`` has the columns of a ``row_type`` table (the CSV that train.py and scripts/eval_*.py
+    write), else one line saying what it is and what this script reads, before anything is read."""
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    needed = [f.name for f in fields(row_type) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [c for c in needed if c not in header]
+    if not missing:
+        return
+    what = " (a Lightning CSVLogger metrics file)" if {"step", "epoch"} <= set(header) else ""
+    run = path.parent.parent if path.parent.name == "csv" else None  # logger=csv writes RUN/csv/metrics.csv
+    raise SystemExit(f"{path} is not a results table{what}: its columns are {', '.join(header) or '(none)'}, and "
+                     f"{RESULT_FILES['tasks' if row_type is task_eval.TaskRow else 'extrapolation']} needs "
+                     f"{', '.join(needed)}; give the run or sweep directory" + (f" ({run})" if run else "")
+                     + " or the extrapolation.csv / tasks.csv written by train.py and scripts/eval_*.py")
 
 
 def run_dir_of(csv_path: Path) -> Path:
@@ -443,6 +460,10 @@ def main(argv: list[str]) -> int:
     task_files = find_result_files(args.paths, "tasks.csv")
     if not files and not task_files:
         raise SystemExit(f"no extrapolation.csv found (nor tasks.csv) under {args.paths}")
+    for path in files:
+        check_table(path, ExtrapolationRow)
+    for path in task_files:
+        check_table(path, task_eval.TaskRow)
     pairs = collect(files)
     if args.mode:
         pairs = [(run, r) for run, r in pairs if r.mode == args.mode]

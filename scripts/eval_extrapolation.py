@@ -17,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, checkpoint_arg, join_torchrun_group, load_run_config, log_rows_to_new_wandb_run, parse_key_values, split_list
+from _common import (EVAL_PRECISIONS, ROOT, bad_value, checkpoint_arg, choice, device_arg, flag, integer, is_null,
+                     join_torchrun_group, load_run_config, log_rows_to_new_wandb_run, number, numbers, parse_key_values,
+                     precision_ran, split_list)
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py (required)",
@@ -28,18 +30,56 @@ OPTIONS = {
     "max_tokens": "scored tokens per length (default: the run's setting; 'null' = all held-out text)",
     "rope_scaling": "linear, ntk, dynamic_ntk, yarn and/or llama3 (evaluated next to the plain model; refused for a model trained with pe.scaling)",
     "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
-    "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "precision": "bf16-mixed, 16-mixed, 32-true or 32 (default: the run's trainer.precision); the results' title "
+                 "says what ran",
     "positions": "sequential (0..T-1, default) or randomized (a pe.randomize_to model, positions drawn as in training)",
     "documents": "packed documents: none, positions, mask, both or train, or several, e.g. none,both "
                  "(default: as the run trained)",
-    "device": "cpu or cuda (default: cuda when available)",
+    "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "out": "output directory (default: RUN_DIR/extrapolation/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
 }
 
 
+def parse_options(args: dict[str, str]) -> dict:
+    """The ExtrapolationConfig options given on the command line, each value checked (one line
+    naming the option, before the checkpoint or any data is read)."""
+    from evaluation.extrapolation import DOCUMENT_MODES, MODES, POSITION_MODES, ROPE_SCALINGS
+
+    options: dict = {}
+    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
+        options["multipliers"] = numbers("multipliers", args.get("multipliers", ""),
+                                         lambda k, v: number(k, v, above=0), "positive numbers, e.g. 1,2,4,8,16")
+        options["lengths"] = numbers("lengths", args.get("lengths", ""), lambda k, v: integer(k, v, minimum=1),
+                                     "positive integers, e.g. 300,1000")
+        if not options["multipliers"] + options["lengths"]:
+            bad_value("multipliers", args.get("multipliers", ""), "at least one eval length (or lengths=...)")
+    if "mode" in args:
+        options["modes"] = [choice("mode", m, MODES) for m in split_list(args["mode"])]
+    for key, parse, allowed in (("stride", integer, "an integer >= 1, or null (half the eval length)"),
+                                ("max_tokens", integer, "an integer >= 1, or null (all held-out text)"),
+                                ("rope_scaling_factor", number, "a finite number >= 1, or null (eval length / "
+                                                                "training length)")):
+        if key in args:
+            options[key] = None if is_null(args[key]) else parse(key, args[key], minimum=1, allowed=allowed)
+    if "precision" in args:
+        options["precision"] = choice("precision", args["precision"], EVAL_PRECISIONS)
+    if "positions" in args:
+        options["positions"] = choice("positions", args["positions"], POSITION_MODES)
+    if "documents" in args:
+        options["documents"] = [None if m.lower() in ("null", "train") else choice("documents", m, DOCUMENT_MODES)
+                                for m in split_list(args["documents"])]
+    if "rope_scaling" in args:
+        options["rope_scaling"] = [None] + [choice("rope_scaling", s, ROPE_SCALINGS)
+                                            for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
+    return options
+
+
 def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
+    given = parse_options(args)
+    device = device_arg(args.get("device"))
+    log_wandb = flag("wandb", args.get("wandb", "false"))
     ckpt = checkpoint_arg(args, OPTIONS)
 
     import torch
@@ -47,6 +87,7 @@ def main(argv: list[str]) -> int:
 
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
     from pelab.checkpoint import load_lit_gpt
+    from pelab.validate import check_stride
     from data.datamodule import build_datamodule, load_tokens
 
     cfg = load_run_config(ckpt, "which data and training length to use")
@@ -54,28 +95,13 @@ def main(argv: list[str]) -> int:
     defaults.precision = cfg.trainer.precision
     options = OmegaConf.to_container(cfg.get("eval", {}).get("extrapolation", defaults), resolve=True)
     options.pop("enabled", None)
-    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
-        options["multipliers"] = [float(v) for v in split_list(args.get("multipliers", ""))]
-        options["lengths"] = [int(v) for v in split_list(args.get("lengths", ""))]
-    if "mode" in args:
-        options["modes"] = split_list(args["mode"])
-    for key, cast in (("stride", int), ("max_tokens", int), ("rope_scaling_factor", float)):
-        if key in args:
-            options[key] = None if args[key].lower() in ("null", "none") else cast(args[key])
-    if "precision" in args:
-        options["precision"] = args["precision"]
-    if "positions" in args:
-        options["positions"] = args["positions"]
-    if "documents" in args:
-        options["documents"] = [None if m.lower() in ("null", "train") else m for m in split_list(args["documents"])]
-    if "rope_scaling" in args:
-        options["rope_scaling"] = [None] + [s for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
+    options.update(given)
     try:
         config = ExtrapolationConfig.from_dict(options)
+        check_stride(config, cfg.model.block_size, key="stride")
     except ValueError as e:  # one line naming the option, before any data is read
         raise SystemExit(str(e)) from None
 
-    device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     distributed = join_torchrun_group(device)
     if distributed and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -99,15 +125,17 @@ def main(argv: list[str]) -> int:
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.get("out") or ckpt.parent.parent / "extrapolation" / f"eval-{ckpt.stem}-{stamp}")
-    paths = save_results(rows, out, title=f"pe={module.pe_name}, trained at {train_length}")
+    title = f"pe={module.pe_name}, trained at {train_length}, precision={precision_ran(config.precision, device)}"
+    paths = save_results(rows, out, title=title)
+    paths["md"].write_text(f"{title}\n\n{paths['md'].read_text()}")  # which model, and what the numbers ran in
     if by_position:
         from evaluation import position_loss
 
-        position_loss.save_results(by_position, out, title=f"pe={module.pe_name}, trained at {train_length}")
+        position_loss.save_results(by_position, out, title=title)
     print(paths["md"].read_text())
     print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
 
-    if args.get("wandb", "false").lower() in ("1", "true", "yes"):
+    if log_wandb:
         log_rows_to_new_wandb_run(rows, paths["png"], out, prefix="extrapolation",
                                   project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
                                   name=f"{cfg.get('run_name') or module.pe_name}-extrapolation",

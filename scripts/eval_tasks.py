@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import checkpoint_arg, load_run_config, parse_key_values, split_list
+from _common import (EVAL_PRECISIONS, bad_value, checkpoint_arg, choice, device_arg, flag, integer, load_run_config,
+                     number, numbers, parse_key_values, precision_ran)
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py on data=synthetic (required)",
@@ -27,28 +28,51 @@ OPTIONS = {
     "seed": "seed of the test samples (default: the run's data.seed, the same for every scheme)",
     "tokens_per_batch": "tokens per forward pass (default 16384)",
     "q_chunk": "attention query chunk for long sequences (default 1024)",
-    "precision": "bf16-mixed or 32 (default: the run's trainer.precision)",
+    "precision": "bf16-mixed, 16-mixed, 32-true or 32 (default: the run's trainer.precision); the results' title "
+                 "says what ran",
     "positions": "sequential (0..T-1, default) or randomized (a pe.randomize_to model, positions drawn as in training)",
-    "device": "cpu or cuda (default: cuda when available)",
+    "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "out": "output directory (default: RUN_DIR/tasks/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
 }
 SYNTHETIC = "data.synthetic.SyntheticDataModule"
 
 
-def _number(key: str, value: str, cast):
-    try:
-        return cast(value)
-    except ValueError:
-        raise SystemExit(f"{key}={value!r} is not valid: expected {OPTIONS[key]}") from None
+def parse_options(args: dict[str, str]) -> dict:
+    """The TaskEvalConfig options given on the command line, each value checked (one line naming
+    the option, before the checkpoint is read)."""
+    from evaluation.extrapolation import POSITION_MODES
+
+    options: dict = {}
+    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
+        options["multipliers"] = numbers("multipliers", args.get("multipliers", ""),
+                                         lambda k, v: number(k, v, above=0), "positive numbers, e.g. 1,2,4,8")
+        options["lengths"] = numbers("lengths", args.get("lengths", ""), lambda k, v: integer(k, v, minimum=1),
+                                     "positive integers, e.g. 300,1000")
+        if not options["multipliers"] + options["lengths"]:
+            bad_value("multipliers", args.get("multipliers", ""), "at least one eval length (or lengths=...)")
+    if "depths" in args:
+        options["depths"] = numbers("depths", args["depths"], lambda k, v: number(k, v, minimum=0, maximum=1),
+                                    "numbers in [0, 1], e.g. 0,0.5,1")
+    for key in ("samples", "tokens_per_batch", "q_chunk"):
+        if key in args:
+            options[key] = integer(key, args[key], minimum=1)
+    if "precision" in args:
+        options["precision"] = choice("precision", args["precision"], EVAL_PRECISIONS)
+    if "positions" in args:
+        options["positions"] = choice("positions", args["positions"], POSITION_MODES)
+    return options
 
 
 def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
+    given = parse_options(args)
+    seed = integer("seed", args["seed"], minimum=0) if "seed" in args else None
+    device = device_arg(args.get("device"))
+    log_wandb = flag("wandb", args.get("wandb", "false"))
     ckpt = checkpoint_arg(args, OPTIONS)
 
     from data.datamodule import build_datamodule
-    import torch
     from omegaconf import OmegaConf
 
     from evaluation.tasks import TaskEvalConfig, evaluate_tasks, save_results
@@ -63,37 +87,28 @@ def main(argv: list[str]) -> int:
     options = OmegaConf.to_container(run_options, resolve=True) if run_options else {}
     options.pop("enabled", None)
     options.setdefault("precision", str(cfg.trainer.precision))
-    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
-        options["multipliers"] = [_number("multipliers", v, float) for v in split_list(args.get("multipliers", ""))]
-        options["lengths"] = [_number("lengths", v, int) for v in split_list(args.get("lengths", ""))]
-    if "depths" in args:
-        options["depths"] = [_number("depths", v, float) for v in split_list(args["depths"])]
-    for key in ("samples", "tokens_per_batch", "q_chunk"):
-        if key in args:
-            options[key] = _number(key, args[key], int)
-    if "precision" in args:
-        options["precision"] = args["precision"]
-    if "positions" in args:
-        options["positions"] = args["positions"]
+    options.update(given)
     try:
         config = TaskEvalConfig.from_dict(options)
         datamodule = build_datamodule(cfg.data)  # builds the task; reads nothing
     except (ConfigError, ValueError) as e:
         raise SystemExit(str(e)) from None
-    seed = _number("seed", args["seed"], int) if "seed" in args else datamodule.seed
+    seed = datamodule.seed if seed is None else seed
 
-    device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     module = load_lit_gpt(ckpt, map_location=device)
     train_length = module.config.block_size
     rows = evaluate_tasks(module.model.to(device), datamodule.task, train_length, config, seed=seed,
                           randomize_to=module.randomize_to)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.get("out") or ckpt.parent.parent / "tasks" / f"eval-{ckpt.stem}-{stamp}")
-    paths = save_results(rows, out, title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")
+    title = (f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}, "
+             f"precision={precision_ran(config.precision, device)}")
+    paths = save_results(rows, out, title=title)
+    paths["md"].write_text(f"{title}\n\n{paths['md'].read_text()}")  # which model, and what the numbers ran in
     print(paths["md"].read_text())
     print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
 
-    if args.get("wandb", "false").lower() in ("1", "true", "yes"):
+    if log_wandb:
         log_task_rows_to_new_wandb_run(rows, paths["png"], out, project=cfg.get("project", "pelab"), group=cfg.get("group"),
                               job_type="eval", name=f"{cfg.get('run_name') or module.pe_name}-tasks",
                               config={"ckpt": str(ckpt), "seed": seed, **options})

@@ -12,23 +12,42 @@ from __future__ import annotations
 
 import sys
 
-from _common import checkpoint_arg, parse_key_values
+from _common import bad_value, checkpoint_arg, device_arg, flag, integer, number, parse_key_values
 
 OPTIONS = {
     "ckpt": "path to a checkpoint written by train.py (required)",
     "prompt": "text to continue (default: a newline)",
     "tokens": "number of new tokens (default 200)",
-    "temperature": "softmax temperature (default 0.8; 0 = greedy)",
+    "temperature": "softmax temperature >= 0 (default 0.8; 0 = greedy)",
     "top_k": "sample among the k most likely tokens (default 50; 0 = all)",
-    "top_p": "sample from the smallest set of tokens with this probability mass (default 1.0 = all)",
+    "top_p": "sample from the smallest set of tokens with this probability mass, in (0, 1] (default 1.0 = all)",
     "cache": "true: decode with a KV cache (default); false: recompute the whole sequence each step",
     "seed": "random seed (default 1337)",
-    "device": "cpu or cuda (default: cuda when available)",
+    "device": "cpu, cuda or cuda:N (default: cuda when available)",
 }
+
+
+def parse_options(args: dict[str, str]) -> dict:
+    """Every sampling option checked (one line naming it) before the checkpoint is read."""
+    prompt = args.get("prompt", "\n")
+    if not prompt:
+        bad_value("prompt", prompt, "text to continue (leave prompt out to start from a newline)")
+    return {
+        "prompt": prompt,
+        "tokens": integer("tokens", args.get("tokens", "200"), minimum=1),
+        "temperature": number("temperature", args.get("temperature", "0.8"), minimum=0,
+                              allowed="a finite number >= 0 (0 = greedy: the most likely token each step)"),
+        "top_k": integer("top_k", args.get("top_k", "50"), minimum=0, allowed="an integer >= 0 (0 = all tokens)"),
+        "top_p": number("top_p", args.get("top_p", "1.0"), above=0, maximum=1),
+        "cache": flag("cache", args.get("cache", "true")),
+        "seed": integer("seed", args.get("seed", "1337"), minimum=0),
+        "device": device_arg(args.get("device")),
+    }
 
 
 def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
+    options = parse_options(args)
     ckpt = checkpoint_arg(args, OPTIONS)
     import torch
     from omegaconf import OmegaConf
@@ -39,20 +58,21 @@ def main(argv: list[str]) -> int:
     run_config = ckpt.parent / "config.yaml"
     tokenizer_name = OmegaConf.load(run_config).data.tokenizer if run_config.is_file() else "bytes"
     tokenizer = get_tokenizer(tokenizer_name)
-    device = torch.device(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(int(args.get("seed", 1337)))
+    device = options["device"]
+    torch.manual_seed(options["seed"])
     gpt = load_lit_gpt(ckpt, map_location=device).model.eval()
 
-    temperature, top_k, top_p = float(args.get("temperature", 0.8)), int(args.get("top_k", 50)), \
-        float(args.get("top_p", 1.0))
-    cache = args.get("cache", "true").lower() in ("1", "true", "yes")
-    ids = torch.tensor([tokenizer.encode(args.get("prompt", "\n"))], device=device)
-    new_tokens = int(args.get("tokens", 200))
+    ids = torch.tensor([tokenizer.encode(options["prompt"])], device=device)
+    new_tokens = options["tokens"]
     limit = gpt.pe.max_positions
+    if limit is not None and ids.shape[1] >= limit:
+        bad_value("prompt", options["prompt"][:40] + ("..." if len(options["prompt"]) > 40 else ""),
+                  f"fewer than the {limit} positions of pe={gpt.pe.name} (it is {ids.shape[1]} tokens)")
     if limit is not None and ids.shape[1] + new_tokens > limit:
-        new_tokens = max(0, limit - ids.shape[1])
+        new_tokens = limit - ids.shape[1]
         print(f"[pelab] pe={gpt.pe.name} has {limit} positions: generating {new_tokens} tokens", file=sys.stderr)
-    ids = gpt.generate(ids, new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p, cache=cache)
+    ids = gpt.generate(ids, new_tokens, temperature=options["temperature"], top_k=options["top_k"] or None,
+                       top_p=options["top_p"], cache=options["cache"])
     print(tokenizer.decode(ids[0].tolist()))
     return 0
 

@@ -1,0 +1,194 @@
+"""Bad input to the scripts and to a sweep's launcher (issue 32 §4, the third list) ends in one line
+naming the option, the bad value and what is allowed, before a checkpoint or any data is read.
+
+The scripts' ``main`` runs in-process (their option parsing comes first); one real command line
+per kind of failure proves the user sees that line and no traceback.
+"""
+
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+@functools.cache
+def script(name: str):
+    """scripts/<name>.py as a module (its main not run)."""
+    spec = importlib.util.spec_from_file_location(f"pelab_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def no_checkpoint_read(monkeypatch):
+    """Reading or loading a checkpoint fails the test: options are checked first."""
+    import pelab.checkpoint
+
+    def forbidden(*args, **kwargs):
+        pytest.fail("a checkpoint was read for a bad option")
+
+    monkeypatch.setattr(pelab.checkpoint, "read_checkpoint", forbidden)
+    monkeypatch.setattr(pelab.checkpoint, "load_lit_gpt", forbidden)
+
+
+# (script, option, the message: option, value given, what is allowed)
+CASES = [
+    ("eval_extrapolation", "lengths=abc", "lengths='abc' is not valid: expected positive integers, e.g. 300,1000"),
+    ("eval_extrapolation", "multipliers=two", "multipliers='two' is not valid: expected positive numbers"),
+    ("eval_extrapolation", "multipliers=1,0", "multipliers='1,0' is not valid: expected positive numbers"),
+    ("eval_extrapolation", "stride=half", "stride='half' is not valid: expected an integer >= 1, or null"),
+    ("eval_extrapolation", "device=gpu", "device='gpu' is not valid: expected cpu, cuda or cuda:N"),
+    ("eval_extrapolation", "precision=bf17", "precision='bf17' is not valid: expected one of bf16-mixed, 16-mixed, "
+                                             "32-true, 32"),
+    ("eval_extrapolation", "mode=slide", "mode='slide' is not valid: expected one of nonoverlapping, sliding"),
+    ("eval_extrapolation", "wandb=maybe", "wandb='maybe' is not valid: expected true or false"),
+    ("sample", "tokens=ten", "tokens='ten' is not valid: expected an integer >= 1"),
+    ("sample", "tokens=-5", "tokens='-5' is not valid: expected an integer >= 1"),
+    ("sample", "top_k=-3", "top_k='-3' is not valid: expected an integer >= 0 (0 = all tokens)"),
+    ("sample", "device=gpu", "device='gpu' is not valid: expected cpu, cuda or cuda:N"),
+    ("sample", "prompt=", "prompt='' is not valid: expected text to continue"),
+    ("sample", "temperature=-1", "temperature='-1' is not valid: expected a finite number >= 0 (0 = greedy"),
+    ("sample", "temperature=nan", "temperature='nan' is not valid: expected a finite number >= 0"),
+    ("sample", "top_p=0", "top_p='0' is not valid: expected a finite number > 0 and <= 1"),
+    ("eval_tasks", "precision=bf17", "precision='bf17' is not valid: expected one of bf16-mixed"),
+    ("eval_tasks", "depths=0,2", "depths='0,2' is not valid: expected numbers in [0, 1]"),
+    ("eval_tasks", "device=gpu", "device='gpu' is not valid: expected cpu, cuda or cuda:N"),
+]
+
+
+@pytest.mark.parametrize("name,option,message", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_bad_script_option_is_one_line_before_the_checkpoint_is_read(name, option, message, no_checkpoint_read):
+    with pytest.raises(SystemExit) as exit_:
+        script(name).main(["ckpt=run/checkpoints/last.ckpt", option])
+    assert str(exit_.value.code) == message or str(exit_.value.code).startswith(message), exit_.value.code
+    assert "\n" not in str(exit_.value.code)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
+def test_device_cuda_without_a_gpu_says_so(no_checkpoint_read):
+    with pytest.raises(SystemExit) as exit_:
+        script("sample").main(["ckpt=x", "device=cuda"])
+    assert str(exit_.value.code).startswith("device='cuda' is not valid: expected cpu: torch")
+    assert "sees no CUDA GPU" in str(exit_.value.code)
+
+
+def test_good_options_parse_to_the_values_given():
+    """The other side: what a user may give is taken as given (0 = greedy, top_k 0 = all, null stride)."""
+    sample = script("sample").parse_options({"temperature": "0", "top_k": "0", "tokens": "7", "prompt": " ",
+                                             "cache": "false", "top_p": "1"})
+    assert (sample["temperature"], sample["top_k"], sample["tokens"], sample["prompt"], sample["cache"],
+            sample["top_p"]) == (0.0, 0, 7, " ", False, 1.0)
+    assert sample["device"].type in ("cpu", "cuda")
+    given = script("eval_extrapolation").parse_options(
+        {"multipliers": "[1,2.5]", "lengths": "300", "mode": "sliding", "stride": "null", "precision": "32",
+         "documents": "none,train", "rope_scaling": "none,yarn", "rope_scaling_factor": "2"})
+    assert given == {"multipliers": [1.0, 2.5], "lengths": [300], "modes": ["sliding"], "stride": None,
+                     "precision": "32", "documents": ["none", None], "rope_scaling": [None, "yarn"],
+                     "rope_scaling_factor": 2.0}
+
+
+@pytest.fixture
+def old_run(tmp_path) -> Path:
+    """RUN_DIR/checkpoints/last.ckpt of a run (tests/fixtures: rope, model.block_size=256)."""
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    shutil.copy(FIXTURES / "main-b42b955-rope.ckpt", ckpt_dir / "last.ckpt")
+    shutil.copy(FIXTURES / "main-b42b955-rope.yaml", ckpt_dir / "config.yaml")
+    return ckpt_dir / "last.ckpt"
+
+
+def test_sliding_stride_past_every_eval_length_is_refused_before_the_model_loads(old_run, monkeypatch):
+    """eval.extrapolation.stride=100000 used to train (or load), then skip every length: an empty table."""
+    import pelab.checkpoint
+
+    monkeypatch.setattr(pelab.checkpoint, "load_lit_gpt", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_:
+        script("eval_extrapolation").main([f"ckpt={old_run}", "mode=sliding", "stride=100000", "multipliers=1,2"])
+    # eval lengths 1 x 256 and 2 x 256: a stride of at most 512 scores a window
+    assert str(exit_.value.code) == ("stride must be null (half the eval length) or at most the longest eval length, "
+                                     "512 (eval lengths 256, 512 at a training length of 256): sliding windows "
+                                     "advance by the stride and score its last tokens, got 100000")
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true", "32", "64-true"])
+def test_results_title_says_what_the_precision_computed_in(precision):
+    """The title written above the table names the dtype the evaluation's matmuls ran in: measured
+    here by a matmul under the evaluation's own autocast context."""
+    from _common import precision_ran
+
+    from evaluation.extrapolation import _autocast
+
+    device = torch.device("cpu")
+    with _autocast(precision, device):
+        ran = (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+    expected = str(ran).removeprefix("torch.") + (" autocast" if ran != torch.float32 else "")
+    assert precision_ran(precision, device) == f"{precision} ({expected})"
+
+
+def test_compare_runs_given_a_lightning_metrics_csv_says_what_it_reads(tmp_path):
+    """A Lightning CSVLogger file passed by name used to end in a TypeError inside evaluation/."""
+    metrics = tmp_path / "run" / "csv" / "metrics.csv"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("epoch,step,train/loss,val/loss\n0,9,5.5,\n0,9,,5.4\n")
+    with pytest.raises(SystemExit) as exit_:
+        script("compare_runs").main([str(metrics), "--out", str(tmp_path / "report")])
+    message = str(exit_.value.code)
+    assert message.startswith(f"{metrics} is not a results table (a Lightning CSVLogger metrics file): its columns "
+                              f"are epoch, step, train/loss, val/loss, and extrapolation.csv needs scheme, "), message
+    assert f"give the run or sweep directory ({tmp_path / 'run'})" in message
+    assert not (tmp_path / "report").exists()
+
+
+def compose_sweep(*overrides):
+    import train  # noqa: F401 - registers the resolvers of the sweep subdir
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_slurm_launcher_without_srun_is_refused_and_with_srun_accepted(tmp_path, monkeypatch):
+    """submitit decides whether SLURM is here by finding srun on PATH; a fake srun makes it so."""
+    from pelab.config import ConfigError
+    from pelab.launch_check import check_launcher
+
+    slurm = compose_sweep("hydra/launcher=slurm")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        check_launcher(slurm)
+    assert str(err.value).startswith("hydra/launcher=slurm submits each job through submitit's slurm executor, "
+                                     "which cannot run on this machine (SLURM's srun is not on PATH")
+    assert "hydra/launcher=submitit_local" in str(err.value)
+    check_launcher(compose_sweep("hydra/launcher=submitit_local"))  # runs anywhere
+    check_launcher(compose_sweep())  # Hydra's basic launcher
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    check_launcher(slurm)
+
+
+def test_cli_reports_bad_launcher_and_bad_script_option_in_one_line(tmp_path):
+    """The real command lines: non-zero exit, the line on stderr, no traceback, nothing written."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not (Path(p) / "srun").exists())
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "hydra/launcher=slurm submits each job through submitit's slurm executor" in proc.stderr
+    assert not sweep.exists()
+    proc = subprocess.run([sys.executable, "scripts/sample.py", "ckpt=x", "tokens=ten"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr == "tokens='ten' is not valid: expected an integer >= 1\n"
