@@ -1,126 +1,352 @@
-"""The token cache: a corpus tokenized once into ``{split}.bin`` memmaps plus ``meta.json``.
+"""The token cache: a corpus tokenized once into ``{split}.bin`` memmaps, built by one process.
 
-A corpus is tokenized once with ``datasets.map`` (``tokenize_num_proc`` processes, ids stored
-in the token dtype) and streamed, one Arrow batch at a time, into ``{split}.bin`` memmaps
-(uint16 when the vocabulary fits, else uint32) plus ``meta.json``, written last and
-atomically so an interrupted preparation is redone, never half-read. Nothing holds a whole
-split in RAM, so hub-scale corpora (FineWeb-Edu, OpenWebText) fit as long as the disk does;
-the intermediate Arrow files of the tokenization are deleted once the .bin is written.
+``prepare_token_files(corpus, tokenizer, out_dir)`` returns the cache's metadata, building the
+cache first when it is missing or stale. Layout of ``out_dir`` after a build, and nothing else:
 
-``meta.json`` records the format version, tokenizer name and fingerprint, corpus
-fingerprint, dtype and per-split token counts and document offsets. A cache is reused only
-when all of them match and every ``.bin`` has exactly ``num_tokens x itemsize`` bytes;
-otherwise one line says what differed and the files are rebuilt (meta.json is removed
-first and written last, so a crash never leaves it pointing at half-written bins).
+- ``{split}.bin``: the token ids of every document of the split, each followed by the
+  end-of-text separator (uint16 when the vocabulary fits, else uint32);
+- ``{split}.offsets.npy``: int64, where each document starts (and the end): read as a memmap;
+- ``meta.json``: small, written last and atomically: format version, tokenizer name and
+  fingerprint, vocabulary size, dtype, the corpus's full fingerprint (``corpus_hash``) and its
+  cheap one (``corpus_stat``: paths, sizes and mtimes), and per split the number of tokens
+  and documents, the largest id, the sha256 and the mtime of the ``.bin``;
+- ``build.lock`` while a build holds it (see below).
+
+**Start-up check, O(number of files).** A cache is used as it is when ``meta.json`` matches the
+format, the tokenizer (fingerprint), the dtype and the corpus's *cheap* fingerprint, and every
+file has its recorded size and mtime: nothing is hashed or re-tokenized, and a hub corpus is not
+even opened. When only mtimes differ (a corpus file touched, the cache copied), the full check
+runs once: the corpus's full fingerprint, the sha256 of each ``.bin`` whose mtime moved. If they
+match, ``meta.json`` records the new mtimes and the cache is used; otherwise it is rebuilt, one
+line saying why (a ``.bin`` written in place, its size kept, is caught here: its mtime moves and
+its sha256 differs).
+
+**One builder.** The check-and-build runs under a ``filelock.FileLock`` on
+``out_dir/build.lock``: whichever process (rank, node, sweep job) takes it first builds; the
+others print one line, wait, then find the cache valid and use it. The lock is an OS lock
+(``flock``; on NFS the kernel maps it to a POSIX lock), released when its process dies, so a
+crashed builder blocks nobody; its partial files are replaced by the next build.
+
+**Building.** The corpus is loaded into ``out_dir/build/`` (its Arrow files), read one Arrow
+batch of ``BATCH_DOCUMENTS`` documents at a time, each batch encoded by
+``tokenizer.encode_array`` (one ``encode_batch`` call and one ``np.fromiter``) and appended to
+``{split}.bin.partial``, hashed on the way; ``tokenize_num_proc`` > 1 encodes batches in that many
+threads (the tokenizers release the GIL), written in order. Memory stays at a few batches
+whatever the corpus size. ``build/`` is deleted at the end, so only the files above remain.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import resource
+import shutil
+import socket
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
+from filelock import FileLock, Timeout
 
-from data.tokenizers import Tokenizer
+FORMAT_VERSION = 3  # 2: hashes in meta.json, bytes separator 0x1E; 3: offsets .npy, corpus_stat, .bin sha256
+SPLITS = ("train", "val")
+BATCH_DOCUMENTS = 1000  # documents per encode call
 
-FORMAT_VERSION = 2  # 2: hashes in meta.json, bytes separator 0x1E
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def cache_mismatch(meta: dict, out_dir: Path, tokenizer: Tokenizer, tokenizer_hash: str, corpus_hash: str
-                   ) -> str | None:
-    """What makes the cache described by ``meta`` unusable, or None when it matches. Cheap:
-    compares hashes and file sizes, never re-tokenizes."""
-    if meta.get("version") != FORMAT_VERSION:
-        return f"format version {meta.get('version')}, expected {FORMAT_VERSION}"
-    if meta.get("tokenizer") != tokenizer.name:
-        return f"tokenizer {meta.get('tokenizer')!r}, expected {tokenizer.name!r}"
-    if meta.get("tokenizer_hash") != tokenizer_hash:
-        return (f"tokenizer {tokenizer.name!r} changed (fingerprint {str(meta.get('tokenizer_hash'))[:12]} "
-                f"-> {tokenizer_hash[:12]})")
-    if meta.get("corpus_hash") != corpus_hash:
-        return f"corpus changed (fingerprint {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
-    dtype = token_dtype(tokenizer.vocab_size)
-    if meta.get("dtype") != dtype.name:
-        return f"dtype {meta.get('dtype')}, expected {dtype.name}"
-    for split in ("train", "val"):
-        path = out_dir / f"{split}.bin"
-        expected = meta["splits"][split]["num_tokens"] * dtype.itemsize
-        if not path.is_file():
-            return f"{path.name} is missing"
-        if path.stat().st_size != expected:
-            return (f"{path.name} has {path.stat().st_size} bytes, expected {expected} "
-                    f"({meta['splits'][split]['num_tokens']} tokens x {dtype.itemsize})")
+def corpus_stat(corpus) -> str:
+    """The corpus's cheap fingerprint (``quick_fingerprint``: paths, sizes, mtimes, options);
+    corpora without one are fingerprinted in full."""
+    quick = getattr(corpus, "quick_fingerprint", None)
+    return quick() if quick is not None else corpus.fingerprint()
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def offsets_path(out_dir: Path, split: str) -> Path:
+    return out_dir / f"{split}.offsets.npy"
+
+
+def read_meta(out_dir: Path) -> tuple[dict | None, str | None]:
+    """(meta.json's content, None), or (None, why it cannot be used)."""
+    path = out_dir / "meta.json"
+    if not path.is_file():
+        return None, "no meta.json"
+    try:
+        meta = json.loads(path.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+        return meta, None
+    except (OSError, ValueError) as err:
+        return None, f"meta.json unreadable ({type(err).__name__}: {err})"
+
+
+def cache_mismatch(meta: dict, out_dir: Path, tokenizer, tokenizer_hash: str, stat: str) -> tuple[str | None, bool]:
+    """(what makes the cache unusable, whether a full check may clear it), or (None, False) when
+    it matches. O(number of files): compares meta.json with the tokenizer, the corpus's cheap
+    fingerprint and every file's size and mtime; reads no data."""
+    try:
+        if meta.get("version") != FORMAT_VERSION:
+            return f"format version {meta.get('version')}, expected {FORMAT_VERSION}", False
+        if meta.get("tokenizer") != tokenizer.name:
+            return f"tokenizer {meta.get('tokenizer')!r}, expected {tokenizer.name!r}", False
+        if meta.get("tokenizer_hash") != tokenizer_hash:
+            return (f"tokenizer {tokenizer.name!r} changed (fingerprint {str(meta.get('tokenizer_hash'))[:12]} "
+                    f"-> {tokenizer_hash[:12]})"), False
+        dtype = token_dtype(tokenizer.vocab_size)
+        if meta.get("vocab_size") != tokenizer.vocab_size or meta.get("dtype") != dtype.name:
+            return (f"vocabulary {meta.get('vocab_size')} ({meta.get('dtype')}), expected {tokenizer.vocab_size} "
+                    f"({dtype.name})"), False
+        for split in SPLITS:
+            info = meta["splits"][split]
+            path, offsets = out_dir / f"{split}.bin", offsets_path(out_dir, split)
+            for file in (path, offsets):
+                if not file.is_file():
+                    return f"{file.name} is missing", False
+            expected = info["num_tokens"] * dtype.itemsize
+            if path.stat().st_size != expected:
+                return (f"{path.name} has {path.stat().st_size} bytes, expected {expected} "
+                        f"({info['num_tokens']} tokens x {dtype.itemsize})"), False
+            if not 0 <= info["max_id"] < tokenizer.vocab_size:
+                return f"{path.name} holds id {info['max_id']}, outside the vocabulary of {tokenizer.vocab_size}", False
+        if meta.get("corpus_stat") != stat:
+            return "corpus files changed (paths, sizes or mtimes)", True
+        for split in SPLITS:
+            if (out_dir / f"{split}.bin").stat().st_mtime_ns != meta["splits"][split]["mtime_ns"]:
+                return f"{split}.bin was modified after it was built (mtime)", True
+    except (KeyError, TypeError, AttributeError) as err:  # an incomplete or foreign meta.json
+        return f"meta.json incomplete ({type(err).__name__}: {err})", False
+    return None, False
+
+
+def full_check(meta: dict, out_dir: Path, corpus, everything: bool = False) -> str | None:
+    """The expensive half of the check, run by the lock holder only: the corpus's full
+    fingerprint and the sha256 of every ``.bin`` whose mtime moved (``everything``: of every
+    ``.bin``, and the full fingerprint even when the cheap one matches). None when the cache
+    is intact (then ``meta`` is updated with the new mtimes)."""
+    if everything or meta.get("corpus_stat") != corpus_stat(corpus):
+        corpus_hash = corpus.fingerprint()
+        if corpus_hash != meta.get("corpus_hash"):
+            return f"corpus changed (fingerprint {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
+    for split in SPLITS:
+        path, info = out_dir / f"{split}.bin", meta["splits"][split]
+        mtime = path.stat().st_mtime_ns
+        if everything or mtime != info["mtime_ns"]:
+            digest = file_sha256(path)
+            if digest != info["sha256"]:
+                return (f"{path.name} was modified after it was built (sha256 {digest[:12]}, built as "
+                        f"{info['sha256'][:12]}): corrupted in place?")
+            info["mtime_ns"] = mtime
+    meta["corpus_stat"] = corpus_stat(corpus)
     return None
 
 
-def write_tokens(tokenized: datasets.Dataset, path: Path, dtype: np.dtype, batch_size: int = 8192) -> np.ndarray:
-    """Append the ``ids`` of every row of ``tokenized`` (in row order) to ``path``, one Arrow
-    batch at a time: memory stays at one batch whatever the corpus size. Written to
-    ``path.partial`` and renamed at the end. Returns the number of tokens of every row."""
-    tmp = path.with_name(path.name + ".partial")
-    lengths = [np.zeros(0, dtype=np.int64)]
-    with open(tmp, "wb") as out:
-        for table in tokenized.with_format("arrow").iter(batch_size=batch_size):
-            ids = table.column("ids").combine_chunks()
-            lengths.append(pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64))
-            np.asarray(ids.flatten()).astype(dtype, copy=False).tofile(out)
-    os.replace(tmp, path)
-    return np.concatenate(lengths)
+def with_offsets(meta: dict, out_dir: Path) -> dict:
+    """``meta`` with each split's ``doc_offsets``: the offsets file as a read-only memmap."""
+    for split in SPLITS:
+        meta["splits"][split]["doc_offsets"] = np.load(offsets_path(out_dir, split), mmap_mode="r")
+    return meta
 
 
-def _remove_new_cache_files(result: datasets.Dataset, source: datasets.Dataset) -> None:
-    """Delete the Arrow files ``map`` wrote for ``result``: the .bin is the cache, and for a
-    hub-scale corpus these files are as large as the .bin itself."""
-    keep = {f["filename"] for f in source.cache_files}
-    for f in result.cache_files:
-        if f["filename"] not in keep:
-            Path(f["filename"]).unlink(missing_ok=True)
+def write_meta(meta: dict, out_dir: Path) -> None:
+    plain = {**meta, "splits": {s: {k: v for k, v in info.items() if k != "doc_offsets"}
+                                for s, info in meta["splits"].items()}}
+    tmp = out_dir / "meta.json.partial"
+    tmp.write_text(json.dumps(plain, indent=1))
+    os.replace(tmp, out_dir / "meta.json")
 
 
-def prepare_token_files(corpus, tokenizer: Tokenizer, out_dir: Path, num_proc: int | None = None) -> dict:
-    """Tokenize ``corpus`` into ``out_dir/{train,val}.bin``; reuse them when ``meta.json``
-    matches the corpus, the tokenizer and the files, else say what differed and rebuild."""
-    meta_path = out_dir / "meta.json"
-    tokenizer_hash, corpus_hash = tokenizer.fingerprint(), corpus.fingerprint()
-    if meta_path.exists():
+@contextlib.contextmanager
+def build_lock(out_dir: Path):
+    """Hold ``out_dir/build.lock`` (an OS file lock: released if this process dies); if another
+    process holds it, say so once and wait."""
+    lock = FileLock(out_dir / "build.lock")
+    owner = out_dir / "build.owner"
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
         try:
-            why = cache_mismatch(json.loads(meta_path.read_text()), out_dir, tokenizer, tokenizer_hash, corpus_hash)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:  # unreadable or incomplete meta.json
-            why = f"meta.json unreadable ({type(err).__name__}: {err})"
-        if why is None:
-            return json.loads(meta_path.read_text())
-        print(f"[pelab] token cache {out_dir} is stale: {why}; rebuilding", flush=True)
-        meta_path.unlink()  # first: a crash mid-rebuild must leave no meta.json over half-written bins
-    out_dir.mkdir(parents=True, exist_ok=True)
+            holder = owner.read_text().strip()
+        except OSError:
+            holder = "another process"
+        print(f"[pelab] token cache {out_dir} is being built by {holder}; waiting for it", flush=True)
+        lock.acquire()
+    try:
+        owner.write_text(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}\n")
+        yield
+    finally:
+        owner.unlink(missing_ok=True)
+        lock.release()
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Throughput:
+    """Tokens, wall and CPU seconds of a whole build (fingerprint, load, tokenize, write).
+    With ``reference_tokens`` > 0 (scripts/prepare_data.py), the first batches are also encoded
+    by the tokenizer's raw batch call (``raw_encode_batch``: tiktoken's
+    ``encode_ordinary_batch``) until that many tokens, timed apart and left out of the build's
+    CPU seconds: the ratio of the two rates is how close the build comes to the raw tokenizer
+    on the same text."""
+
+    def __init__(self, reference_tokens: int = 0) -> None:
+        self.tokens, self.reference_tokens, self.built = 0, reference_tokens, False
+        self.raw_tokens, self.raw_cpu = 0, 0.0
+        self.wall, self.cpu = time.perf_counter(), cpu_seconds()
+
+    def reference(self, tokenizer, texts: list[str]) -> None:
+        if self.raw_tokens < self.reference_tokens:
+            start = cpu_seconds()
+            self.raw_tokens += sum(map(len, tokenizer.raw_encode_batch(texts)))
+            self.raw_cpu += cpu_seconds() - start
+
+    def summary(self) -> dict:
+        wall, cpu = time.perf_counter() - self.wall, cpu_seconds() - self.cpu - self.raw_cpu
+        result = {"tokens": self.tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_cpu_s": self.tokens / max(cpu, 1e-9)}
+        if self.raw_cpu > 0:
+            result["raw_tokens_per_cpu_s"] = self.raw_tokens / self.raw_cpu
+            result["fraction_of_raw"] = result["tokens_per_cpu_s"] / result["raw_tokens_per_cpu_s"]
+        return result
+
+    def line(self) -> str:
+        r = self.summary()
+        text = (f"{r['tokens']:,} tokens in {r['wall_s']:.1f} s ({r['tokens'] / max(r['wall_s'], 1e-9) / 1e6:.2f} M "
+                f"tok/s; {r['tokens_per_cpu_s'] / 1e6:.2f} M tok per CPU-s over {r['cpu_s']:.1f} CPU-s)")
+        if "fraction_of_raw" in r:
+            text += (f"; the raw tokenizer call on the first {self.raw_tokens:,} tokens: "
+                     f"{r['raw_tokens_per_cpu_s'] / 1e6:.2f} M tok per CPU-s, so the build runs at "
+                     f"{r['fraction_of_raw']:.0%} of it")
+        return text
+
+
+def encoded_batches(dataset, tokenizer, dtype: np.dtype, separate: bool, num_proc: int | None, stats: Throughput):
+    """(ids, lengths) of every batch of ``dataset``'s documents, in order. With ``num_proc`` > 1,
+    batches are encoded in that many threads, at most 2 x num_proc of them in flight."""
+    batches = (table.column("text").to_pylist()
+               for table in dataset.with_format("arrow").iter(batch_size=BATCH_DOCUMENTS))
+    workers = num_proc or 1
+    if workers == 1:
+        for texts in batches:
+            stats.reference(tokenizer, texts)
+            yield tokenizer.encode_array(texts, dtype, separate)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="pelab-tokenize") as pool:
+        pending: deque = deque()
+        for texts in batches:
+            stats.reference(tokenizer, texts)
+            pending.append(pool.submit(tokenizer.encode_array, texts, dtype, separate))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def write_split(dataset, tokenizer, dtype: np.dtype, separate: bool, out_dir: Path, split: str,
+                num_proc: int | None, stats: Throughput) -> dict:
+    """Tokenize ``dataset`` into ``{split}.bin`` and ``{split}.offsets.npy`` (each written as a
+    .partial and renamed); the split's metadata."""
+    from tqdm.auto import tqdm
+
+    path, offsets = out_dir / f"{split}.bin", offsets_path(out_dir, split)
+    tmp, offsets_tmp = path.with_name(path.name + ".partial"), offsets.with_name(split + ".offsets.partial.npy")
+    starts = np.lib.format.open_memmap(offsets_tmp, mode="w+", dtype=np.int64, shape=(len(dataset) + 1,))
+    starts[0] = 0
+    digest, total, docs, max_id = hashlib.sha256(), 0, 0, -1
+    with open(tmp, "wb") as out, tqdm(total=len(dataset), unit="doc", desc=f"tokenizing {split} ({tokenizer.name})",
+                                      dynamic_ncols=True) as bar:
+        for ids, lengths in encoded_batches(dataset, tokenizer, dtype, separate, num_proc, stats):
+            ids.tofile(out)
+            digest.update(ids)
+            starts[docs + 1 : docs + 1 + len(lengths)] = total + np.cumsum(lengths)
+            total, docs = total + len(ids), docs + len(lengths)
+            if len(ids):
+                max_id = max(max_id, int(ids.max()))
+            stats.tokens += len(ids)
+            bar.update(len(lengths))
+            bar.set_postfix_str(f"{stats.tokens / max(time.perf_counter() - stats.wall, 1e-9) / 1e6:.2f} M tok/s",
+                                refresh=False)
+    if docs != len(dataset):
+        raise RuntimeError(f"{split}: {docs} documents encoded, {len(dataset)} expected")
+    starts.flush()
+    del starts
+    os.replace(offsets_tmp, offsets)
+    os.replace(tmp, path)
+    return {"num_tokens": total, "num_documents": docs, "max_id": max_id, "sha256": digest.hexdigest(),
+            "mtime_ns": path.stat().st_mtime_ns}
+
+
+def build(corpus, tokenizer, out_dir: Path, num_proc: int | None, tokenizer_hash: str, stats: Throughput) -> dict:
+    """Tokenize ``corpus`` into ``out_dir`` (the caller holds the build lock)."""
+    (out_dir / "meta.json").unlink(missing_ok=True)  # first: a crash mid-build leaves no meta.json over half-written bins
+    scratch = out_dir / "build"
+    shutil.rmtree(scratch, ignore_errors=True)  # what a crashed build left
+    stat, corpus_hash = corpus_stat(corpus), corpus.fingerprint()  # full hashing: only when building
     print(f"[pelab] tokenizing {corpus.cache_name} ({tokenizer.name}) into {out_dir}", flush=True)
-    splits = corpus.load(out_dir)
     separate = getattr(corpus, "rows_are_documents", True)
     dtype = token_dtype(tokenizer.vocab_size)
-
-    def encode(batch: dict) -> dict:
-        return {"ids": tokenizer.encode_documents(batch["text"], separate=separate)}
-
     meta = {"version": FORMAT_VERSION, "tokenizer": tokenizer.name, "tokenizer_hash": tokenizer_hash,
             "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token if separate else None,
-            "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": corpus_hash, "splits": {}}
-    for split, dataset in splits.items():
-        # Token ids stored as the .bin's own dtype (2 bytes each for uint16, not Python's int64).
-        # Not from datasets' cache: this runs only on a rebuild, and a local file edited within
-        # one mtime tick would otherwise come back as the old tokens.
-        tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
-                                features=datasets.Features({"ids": datasets.List(datasets.Value(dtype.name))}),
-                                load_from_cache_file=False, desc=f"tokenizing {split} ({tokenizer.name})")
-        lengths = write_tokens(tokenized, out_dir / f"{split}.bin", dtype)
-        _remove_new_cache_files(tokenized, dataset)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        meta["splits"][split] = {"num_tokens": int(offsets[-1]), "doc_offsets": offsets}
-    tmp_meta = meta_path.with_suffix(".json.partial")
-    tmp_meta.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp_meta, meta_path)
+            "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": corpus_hash, "corpus_stat": stat,
+            "splits": {}}
+    try:
+        splits = corpus.load(scratch)
+        for split in SPLITS:
+            meta["splits"][split] = write_split(splits[split], tokenizer, dtype, separate, out_dir, split, num_proc,
+                                                stats)
+        del splits
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # the corpus's Arrow copies: only the token files stay
+    write_meta(meta, out_dir)
+    stats.built = True
+    print(f"[pelab] tokenized {corpus.cache_name} ({tokenizer.name}): {stats.line()}", flush=True)
     return meta
+
+
+def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None = None, verify: bool = False,
+                        stats: Throughput | None = None) -> dict:
+    """The metadata of ``out_dir``'s token cache of ``corpus`` by ``tokenizer``; the cache is
+    built first (by one process: ``build_lock``) when it is missing or stale, saying why.
+    ``verify`` (scripts/prepare_data.py): also compare the corpus's full fingerprint (a hub
+    corpus is opened: its data may have changed upstream) and every ``.bin``'s sha256.
+    ``stats``: filled by a build (``stats.built``)."""
+    out_dir = Path(out_dir)
+    stats = stats if stats is not None else Throughput()
+    tokenizer_hash, stat = tokenizer.fingerprint(), corpus_stat(corpus)
+    meta, why = read_meta(out_dir)
+    if meta is not None and not verify:
+        why, _ = cache_mismatch(meta, out_dir, tokenizer, tokenizer_hash, stat)
+        if why is None:
+            return with_offsets(meta, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with build_lock(out_dir):
+        meta, why = read_meta(out_dir)  # another process may have built it while this one waited
+        checkable = False
+        if meta is not None:
+            why, checkable = cache_mismatch(meta, out_dir, tokenizer, tokenizer_hash, stat)
+            if why is None and not verify:
+                return with_offsets(meta, out_dir)
+            if why is None or checkable:
+                reason = why
+                why = full_check(meta, out_dir, corpus, everything=verify)
+                if why is None:
+                    write_meta(meta, out_dir)
+                    if reason is not None:
+                        print(f"[pelab] token cache {out_dir}: {reason}, but the content is unchanged: used as it is",
+                              flush=True)
+                    return with_offsets(meta, out_dir)
+        if meta is not None or why != "no meta.json":
+            print(f"[pelab] token cache {out_dir} is stale: {why}; rebuilding", flush=True)
+        return with_offsets(build(corpus, tokenizer, out_dir, num_proc, tokenizer_hash, stats), out_dir)

@@ -5,7 +5,10 @@ Each corpus yields rows ``{"text": str}``; the data module tokenizes them with
 a row is a whole document (an end-of-text separator goes after each: Gutenberg books, and
 hub corpora by default) or a line of one running text (no separator: WikiText).
 ``fingerprint()`` is a hash of the corpus content and options, stored with the token cache
-so an edited corpus is detected.
+so an edited corpus is detected; computed only when the cache is built (or a cheap check
+failed). ``quick_fingerprint()`` is the cheap one checked at every start: the options and each
+source file's path, size and mtime (``file_stats``), O(number of files), reading no data and
+opening no hub dataset.
 
 Held-out splits, all deterministic and independent of the seed:
 
@@ -39,6 +42,15 @@ import numpy as np
 _START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? (?P<title>.+?) ?\*\*\*\s*$", re.M)
 _END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG EBOOK", re.M)
 _TRAILER = re.compile(r"\n\s*End of (?:the )?Project Gutenberg.*\Z", re.S | re.I)
+
+
+def file_stats(paths) -> list:
+    """[path, size, mtime_ns] of each file: what ``quick_fingerprint`` compares."""
+    return [[str(p), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths]
+
+
+def quick_key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
 def gutenberg_books(text: str) -> list[tuple[str, str]]:
@@ -98,7 +110,8 @@ class GutenbergCorpus:
         return f"gutenberg-val{self.val_fraction:g}" + ("" if self.sample_by == "document" else "-paragraphs")
 
     def fingerprint(self) -> str:
-        """sha256 of every document's split, title and text (cheap for the 6 MB corpus)."""
+        """sha256 of every document's split, title and text (cheap for the 6 MB corpus: also
+        its start-up check, which stays right for subclasses that choose other documents)."""
         digest = hashlib.sha256()
         if self.sample_by != "document":  # (kept out otherwise: existing caches keep their hashes)
             digest.update(self.sample_by.encode())
@@ -219,6 +232,24 @@ class HubCorpus:
             "HF_DATASETS_CACHE) at it and set HF_HUB_OFFLINE=1. Without either, train on your own files "
             "(data=text data.paths=[...]) or on the embedded corpus: data=gutenberg"
         )
+
+    def local_files(self) -> list[Path]:
+        """The local files this corpus reads: ``data_files`` (globs expanded) or a local dataset
+        directory's files; none for a hub repository."""
+        if self.data_files is not None:
+            values = self.data_files.values() if isinstance(self.data_files, dict) else [self.data_files]
+            patterns = [p for v in values for p in ([v] if isinstance(v, str) else v)]
+            return sorted({Path(m).resolve() for p in patterns for m in glob.glob(os.path.expanduser(p), recursive=True)})
+        if Path(self.path).is_dir():
+            return sorted(p.resolve() for p in Path(self.path).rglob("*") if p.is_file())
+        return []
+
+    def quick_fingerprint(self) -> str:
+        """The options and the stats of the local files, if any: never opens the dataset. A hub
+        repository is identified by its name and config (a new upstream revision is not noticed:
+        delete the token cache, or point data.data_dir elsewhere, to rebuild)."""
+        return quick_key("hub", self.path, self.name, self.train_split, self.val_split, self.text_column,
+                         self.rows_are_documents, self.val_documents, self.data_files, file_stats(self.local_files()))
 
     def fingerprint(self) -> str:
         """sha256 of the options and of the ``datasets`` fingerprints of both splits. Loads the
@@ -380,6 +411,9 @@ class TextFilesCorpus:
         stem = re.sub(r"[^A-Za-z0-9]+", "_", Path(self.paths[0].rstrip("/*")).name or "files").strip("_")
         return f"files-{stem[:40]}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
+    def quick_fingerprint(self) -> str:
+        return quick_key("files", self._options(), file_stats(self.files))
+
     def fingerprint(self) -> str:
         """sha256 over the options and every file's path, size and sha256 (reads every byte
         once)."""
@@ -412,7 +446,9 @@ class TextFilesCorpus:
         dataset = dataset.select_columns([field])
         if field != "text":
             dataset = dataset.rename_column(field, "text")
-        return dataset.cast_column("text", datasets.Value("string"))
+        if dataset.features["text"] != datasets.Value("string"):
+            dataset = dataset.cast_column("text", datasets.Value("string"))
+        return dataset
 
     def load(self, workdir: Path) -> datasets.DatasetDict:
         cache = workdir / "hf_cache"
@@ -422,17 +458,14 @@ class TextFilesCorpus:
         parts = [self._read(builder, files, cache) for builder, files in by_builder.items()]
         documents = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
-        def keyed(batch: dict) -> dict:
-            texts = batch["text"]
-            return {"keep": [bool(t) and not t.isspace() for t in [t or "" for t in texts]],
-                    "key": np.array([document_key(t or "") for t in texts], dtype=np.uint64)}
-
-        documents = documents.map(keyed, batched=True, load_from_cache_file=False, desc="hashing documents",
-                                  features=datasets.Features({"text": datasets.Value("string"),
-                                                              "keep": datasets.Value("bool"),
-                                                              "key": datasets.Value("uint64")}))
-        keep = np.flatnonzero(documents.with_format("numpy")["keep"])
-        keys = np.asarray(documents.with_format("numpy")["key"], dtype=np.uint64)[keep]
+        # One pass over Arrow batches (no map: no second Arrow copy of the text).
+        keep_parts, key_parts = [np.zeros(0, dtype=bool)], [np.zeros(0, dtype=np.uint64)]
+        for table in documents.with_format("arrow").iter(batch_size=10_000):
+            texts = [t or "" for t in table.column("text").to_pylist()]
+            keep_parts.append(np.fromiter((bool(t) and not t.isspace() for t in texts), dtype=bool, count=len(texts)))
+            key_parts.append(np.fromiter(map(document_key, texts), dtype=np.uint64, count=len(texts)))
+        keep = np.flatnonzero(np.concatenate(keep_parts))
+        keys = np.concatenate(key_parts)[keep]
         if len(keep) < 2:
             raise ValueError(f"data.paths holds {len(keep)} non-empty document(s) in {len(self.files)} file(s) "
                              f"({', '.join(map(str, self.files[:3]))}): a held-out split needs at least two; add "

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from data.cache import FORMAT_VERSION, cache_mismatch, prepare_token_files, token_dtype, write_tokens  # noqa: F401
+from data.cache import FORMAT_VERSION, cache_mismatch, prepare_token_files, token_dtype  # noqa: F401
 from data.packing import DocumentOptions, check_document_options
 from data.stream import GlobalSamples, TrainWindows, check_sampling, load_tokens, splitmix64  # noqa: F401
-from data.tokenizers import TOKENIZERS, Tokenizer, cache_dir, get_tokenizer
+from data.tokenizers import Tokenizer, cache_dir, get_tokenizer, tokenizer_file, tokenizer_slug
 
 
 def spread_starts(num_tokens: int, block_size: int, num_windows: int | None) -> np.ndarray:
@@ -169,8 +169,7 @@ class TextDataModule(StreamDataModule):
                                 ("num_workers", num_workers, 0), ("tokenize_num_proc", tokenize_num_proc, 1)):
             if value is not None and value < low:
                 raise ValueError(f"data.{key} must be >= {low}, got {value!r}")
-        if tokenizer not in TOKENIZERS:
-            raise ValueError(f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
+        tokenizer_file(tokenizer)  # a registered name or an existing tokenizer file, else one line naming data.tokenizer
         if val_windows is not None and (isinstance(val_windows, bool) or not isinstance(val_windows, int)
                                         or val_windows < 1):
             raise ValueError(f"data.val_windows must be a positive integer (windows spread over the held-out "
@@ -183,7 +182,7 @@ class TextDataModule(StreamDataModule):
         self.num_workers, self.seed, self.train_samples = num_workers, seed, train_samples
         self.tokenize_num_proc = tokenize_num_proc  # datasets.map processes for big hub corpora
         root = Path(data_dir) if data_dir else cache_dir() / "data"
-        self.token_dir = root / corpus.cache_name / tokenizer
+        self.token_dir = root / corpus.cache_name / tokenizer_slug(tokenizer)
         self.meta: dict | None = None
         self.train_set: TrainWindows | None = None
         self.val_set: ValidationWindows | None = None

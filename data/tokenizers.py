@@ -1,4 +1,4 @@
-"""Tokenizers, all through tiktoken.
+"""Tokenizers: tiktoken encodings by name, or a tokenizer file by path.
 
 - ``gpt2``: GPT-2's r50k BPE (50257 ids, ``<|endoftext|>`` = 50256). tiktoken downloads its
   ranks from a blob store; when that fails (no network), the identical ranks file is taken
@@ -12,6 +12,19 @@
   nothing else, ``encode_documents`` deletes every U+001E character from document text
   before encoding (``encode``, used for prompts, keeps text as given).
 
+A path works too (``data.tokenizer=PATH``, ``tokenizer_spec``):
+
+- a Hugging Face ``tokenizer.json`` (suffix ``.json``), run by the ``tokenizers`` library
+  (``HFTokenizer``); its end-of-text token is the first of ``EOT_NAMES`` among its special
+  tokens (none: documents are not separated);
+- any other file: a tiktoken ranks file (lines ``BASE64 RANK``, e.g. tiktoken's
+  ``cl100k_base.tiktoken`` or Llama 3's ``tokenizer.model``), split with GPT-2's pattern, with
+  ``<|endoftext|>`` added after the last rank as its end-of-text token.
+
+Above 65,536 ids the token files are uint32 (data/cache.py). A path that does not exist, a file
+that is neither, or ids that do not fit the vocabulary are refused with one line naming
+``data.tokenizer`` before any data is read.
+
 Documents are separated by appending ``eot_token`` after each one (gpt2: ``<|endoftext|>``,
 bytes: 0x1E). ``fingerprint()`` identifies what a tokenizer produces (vocabulary, ranks,
 special tokens, separator, the encoding of a fixed probe) so token caches built by another
@@ -20,17 +33,23 @@ tokenizer under the same name are detected.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -41,31 +60,80 @@ BYTES_EOT = 0x1E  # ASCII record separator: the bytes tokenizer's end-of-text (s
 _PROBE = "Hello world!  It's 3.14159 -- naïve café, Ωμέγα, 東京, 🙂\n\n\tend\x1e<|endoftext|>"
 
 
-@dataclass(frozen=True)
-class Tokenizer:
+class DocumentEncoder:
+    """What every tokenizer adds to its ``encode_batch``: documents with their separator, as
+    lists or as one flat array (the token cache's path). Subclasses provide ``name``,
+    ``eot_token``, ``eot_char``, ``vocab_size`` and ``encode_batch``."""
+
     name: str
-    encoding: tiktoken.Encoding
-    eot_token: int | None  # appended after each document when the encoding has one
+    eot_token: int | None  # appended after each document when the tokenizer has one
     # A text character that ordinary encoding maps to eot_token (bytes: "\x1e"): deleted from
     # documents so the separator only ever appears between them.
     eot_char: str | None = None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def raw_encode_batch(self, texts: list[str]) -> list:
+        """The backend's own batch call, nothing around it: the reference the token cache's
+        throughput is compared with (scripts/prepare_data.py)."""
+        raise NotImplementedError
+
+    def _document_texts(self, texts: list[str]) -> list[str]:
+        return texts if self.eot_char is None else [t.replace(self.eot_char, "") for t in texts]
+
+    def encode_documents(self, texts: list[str], separate: bool = True) -> list[list[int]]:
+        """Each text encoded, ``eot_char`` removed, and (``separate``) ``eot_token`` appended."""
+        eot = [self.eot_token] if separate and self.eot_token is not None else []
+        return [ids + eot for ids in self.encode_batch(self._document_texts(texts))]
+
+    def encode_array(self, texts: list[str], dtype: np.dtype, separate: bool = True
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """``encode_documents`` flattened into one ``dtype`` array, and each document's length
+        (its separator included): no per-document list copies, one pass of ``np.fromiter``."""
+        texts = self._document_texts(texts)
+        array_encoder = getattr(self, "array_encoder", None)
+        encoded = [array_encoder(t) for t in texts] if array_encoder is not None else self.encode_batch(texts)
+        eot = [self.eot_token] if separate and self.eot_token is not None else []
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + len(eot)
+        if array_encoder is not None:  # arrays already: concatenate them, separators between
+            eot_array = np.array(eot, dtype=dtype)
+            pieces = list(itertools.chain.from_iterable(zip(encoded, itertools.repeat(eot_array)))) if eot else encoded
+            return (np.concatenate(pieces, dtype=dtype) if pieces else np.zeros(0, dtype)), lengths
+        pieces = itertools.chain.from_iterable(zip(encoded, itertools.repeat(eot))) if eot else encoded
+        ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=int(lengths.sum()))
+        return ids, lengths
+
+
+@dataclass(frozen=True)
+class Tokenizer(DocumentEncoder):
+    """A tiktoken encoding (the registry's ``gpt2`` and ``bytes``, or a ranks file)."""
+
+    name: str
+    encoding: tiktoken.Encoding
+    eot_token: int | None  # appended after each document when the encoding has one
+    eot_char: str | None = None
+    # Optional: text -> the same ids as encode(), as a numpy array, faster (the bytes tokenizer's
+    # are its UTF-8 bytes); the token cache uses it when given.
+    array_encoder: Callable[[str], np.ndarray] | None = None
 
     @property
     def vocab_size(self) -> int:
         return self.encoding.n_vocab
 
+    def __post_init__(self) -> None:
+        if self.array_encoder is not None and self.array_encoder(_PROBE).tolist() != self.encode(_PROBE):
+            object.__setattr__(self, "array_encoder", None)  # not this encoding's shortcut (a replaced encoding)
+
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(texts, num_threads=1)
+        # encode_ordinary_batch(num_threads=1)'s output without its per-call thread pool
+        return [self.encoding.encode_ordinary(text) for text in texts]
 
-    def encode_documents(self, texts: list[str], separate: bool = True) -> list[list[int]]:
-        """Each text encoded, ``eot_char`` removed, and (``separate``) ``eot_token`` appended."""
-        if self.eot_char is not None:
-            texts = [t.replace(self.eot_char, "") for t in texts]
-        eot = [self.eot_token] if separate and self.eot_token is not None else []
-        return [ids + eot for ids in self.encode_batch(texts)]
+    def raw_encode_batch(self, texts: list[str]) -> list:
+        return self.encoding.encode_ordinary_batch(texts, num_threads=1)
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
@@ -163,14 +231,148 @@ def bytes_encoding() -> tiktoken.Encoding:
     )
 
 
+# Special tokens taken as a tokenizer.json's end-of-text, first found first (GPT-2 and most BPEs,
+# Llama 3, SentencePiece conversions, Gemma).
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+class HFTokenizer(DocumentEncoder):
+    """A Hugging Face ``tokenizer.json``, run by the ``tokenizers`` library. Special tokens in
+    the text are encoded as ordinary text (like tiktoken's ``encode_ordinary``): only the
+    separator the cache appends marks a document boundary."""
+
+    def __init__(self, path: Path, key: str = "data.tokenizer") -> None:
+        try:
+            from tokenizers import Tokenizer as Backend
+        except ImportError as err:
+            raise ValueError(f"{key}={str(path)!r} is a tokenizer.json: that needs the `tokenizers` package "
+                             f"(pip install tokenizers)") from err
+        try:
+            self.backend = Backend.from_file(str(path))
+        except Exception as err:
+            raise ValueError(f"{key}={str(path)!r} is not a readable Hugging Face tokenizer.json: "
+                             f"{type(err).__name__}: {err}") from err
+        self.backend.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, not a separator
+        self.name, self.path, self.eot_char = str(path), path, None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))
+        if len(ids) == 0 or ids.min() < 0 or ids.max() >= 2**32:
+            raise ValueError(f"{key}={str(path)!r}: token ids must lie in [0, 2^32) and there must be some, got "
+                             f"{len(ids)} ids" + (f" in [{ids.min()}, {ids.max()}]" if len(ids) else ""))
+        self._vocab_size = int(ids.max()) + 1  # the embedding covers every id, gaps included
+        specials = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        self.eot_token = next((specials[n] for n in EOT_NAMES if n in specials), None)
+        self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._encode_batch(texts, add_special_tokens=False)]
+
+    def raw_encode_batch(self, texts: list[str]) -> list:
+        return self._encode_batch(texts, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def fingerprint(self) -> str:
+        key = {"kind": "tokenizer.json", "name": self.name, "vocab_size": self.vocab_size, "eot_token": self.eot_token,
+               "json": hashlib.sha256(self.backend.to_str().encode()).hexdigest(),
+               "probe": self.encode_documents([_PROBE])}
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+
+    def __getstate__(self) -> dict:  # picklable (DataLoader workers, spawn): the backend is rebuilt from its JSON
+        state = dict(self.__dict__, backend=self.backend.to_str())
+        del state["_encode_batch"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self.__dict__.update(state, backend=Backend.from_str(state["backend"]))
+        self.backend.encode_special_tokens = True
+        self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+
+
+def ranks_file_tokenizer(path: Path, key: str = "data.tokenizer") -> Tokenizer:
+    """A tiktoken ranks file (lines ``BASE64 RANK``, ranks 0..N-1) split with GPT-2's pattern;
+    ``<|endoftext|>`` = N is its end-of-text token. Read here, not by tiktoken's loader, which
+    caches local files by path and would miss an edit."""
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    ranks: dict[bytes, int] = {}
+    try:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (ValueError, binascii.Error) as err:
+        raise ValueError(f"{key}={str(path)!r} is neither a Hugging Face tokenizer.json (suffix .json) nor a tiktoken "
+                         f"ranks file (lines 'BASE64 RANK'): line {number}: {line[:60]!r}") from err
+    values = sorted(ranks.values())
+    if not values or values != list(range(len(values))):
+        raise ValueError(f"{key}={str(path)!r}: the ranks must be 0..N-1, each once; found {len(values)} distinct "
+                         f"tokens with ranks {values[:1]}..{values[-1:]}")
+    eot = len(ranks)
+    encoding = tiktoken.Encoding(name=path.name, pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": eot}, explicit_n_vocab=eot + 1)
+    return Tokenizer(str(path), encoding, eot)
+
+
+def utf8_ids(text: str) -> np.ndarray:
+    """The bytes tokenizer's ids of ``text`` (its UTF-8 bytes), as tiktoken gives them: lone
+    surrogates become U+FFFD as in ``Encoding.encode_ordinary``."""
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        data = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+    return np.frombuffer(data, dtype=np.uint8)
+
+
 _BUILDERS = {
     "gpt2": lambda: Tokenizer("gpt2", gpt2_encoding(), GPT2_EOT),
-    "bytes": lambda: Tokenizer("bytes", bytes_encoding(), BYTES_EOT, chr(BYTES_EOT)),
+    "bytes": lambda: Tokenizer("bytes", bytes_encoding(), BYTES_EOT, chr(BYTES_EOT), utf8_ids),
 }
 TOKENIZERS = tuple(_BUILDERS)
 
 
-def get_tokenizer(name: str) -> Tokenizer:
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown tokenizer {name!r}; valid choices: {', '.join(TOKENIZERS)}")
-    return _BUILDERS[name]()
+def tokenizer_file(spec: str, key: str = "data.tokenizer") -> Path | None:
+    """None for a registered name; else the tokenizer file ``spec`` names (a directory stands
+    for its tokenizer.json). A clear error, naming ``key``, for anything else: cheap (no file
+    is parsed), so configs are checked before any data is read."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{key} must be one of {', '.join(TOKENIZERS)} or the path of a tokenizer file, got {spec!r}")
+    if spec in _BUILDERS:
+        return None
+    path = Path(os.path.expanduser(spec)).resolve()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{key} must be one of {', '.join(TOKENIZERS)} or the path of a tokenizer file (a Hugging "
+                         f"Face tokenizer.json or a tiktoken ranks file), got {spec!r}: no such file ({path})")
+    return path
+
+
+def tokenizer_slug(spec: str) -> str:
+    """The token cache's folder for tokenizer ``spec``: the name, or a file's stem and a hash of its path."""
+    path = tokenizer_file(spec)
+    if path is None:
+        return spec
+    stem = re.sub(r"[^A-Za-z0-9]+", "_", path.stem).strip("_")[:40]
+    return f"{stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+
+
+def get_tokenizer(spec: str, key: str = "data.tokenizer") -> DocumentEncoder:
+    """A registered tokenizer by name, or a tokenizer file by path (see the module docstring)."""
+    path = tokenizer_file(spec, key)
+    if path is None:
+        return _BUILDERS[spec]()
+    if path.suffix.lower() == ".json":
+        return HFTokenizer(path, key)
+    return ranks_file_tokenizer(path, key)

@@ -142,29 +142,43 @@ def test_held_out_by_hash_keeps_one_document_each_side():
         held_out_by_hash(np.array([1], dtype=np.uint64), 0.5)
 
 
-def test_fingerprint_and_cache_follow_file_edits(tmp_path, capsys):
+def test_fingerprint_and_cache_follow_file_edits(tmp_path, capsys, monkeypatch):
     paths = write_txt(tmp_path / "c", docs(6))
     corpus = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.3)
     tok, out = get_tokenizer("bytes"), tmp_path / "tokens"
-    before = corpus.fingerprint()
+    before, quick = corpus.fingerprint(), corpus.quick_fingerprint()
     assert TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.3).fingerprint() == before
     assert TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.4).fingerprint() != before
+    assert TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.4).quick_fingerprint() != quick
     prepare_token_files(corpus, tok, out)
     capsys.readouterr()
 
-    # same length, same mtime: only the bytes differ (datasets alone would serve its cached copy)
+    # same length, only the bytes differ; the edit moves the mtime (1 s on: coarse clocks)
     stat = paths[2].stat()
     old = paths[2].read_text()
     new = old.replace("doc 2", "DOC 2")
     assert len(new) == len(old) and new != old
     paths[2].write_text(new)
-    os.utime(paths[2], ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert corpus.fingerprint() != before
+    os.utime(paths[2], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert corpus.fingerprint() != before and corpus.quick_fingerprint() != quick
     meta = prepare_token_files(corpus, tok, out)
     assert "corpus changed" in capsys.readouterr().out
     written = read_documents(out, meta, "train") + read_documents(out, meta, "val")
     assert new.encode() + bytes([SEP]) in written and old.encode() + bytes([SEP]) not in written
-    # unchanged: reused without a word
+
+    # unchanged: reused without a word, and without reading the files (sizes and mtimes only)
+    import data.corpus
+
+    monkeypatch.setattr(data.corpus.TextFilesCorpus, "fingerprint", lambda self: pytest.fail("files were hashed"))
+    prepare_token_files(corpus, tok, out)
+    assert "token cache" not in capsys.readouterr().out
+    monkeypatch.undo()
+    # touched, content unchanged: hashed once, said so, not rebuilt
+    built = (out / "train.bin").stat().st_mtime_ns
+    os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    prepare_token_files(corpus, tok, out)
+    assert "content is unchanged: used as it is" in capsys.readouterr().out
+    assert (out / "train.bin").stat().st_mtime_ns == built
     prepare_token_files(corpus, tok, out)
     assert "token cache" not in capsys.readouterr().out
 
@@ -250,34 +264,38 @@ def test_hub_code_path_on_local_parquet_holds_out_evenly_and_shards(tmp_path):
         expected = [ids for i in rows for ids in tok.encode(texts[i]) + [tok.eot_token]]
         assert np.fromfile(one / f"{split}.bin", dtype=np.uint16).tolist() == expected
         assert (one / f"{split}.bin").read_bytes() == (two / f"{split}.bin").read_bytes()
-        assert meta1["splits"][split] == meta2["splits"][split]
+        same = ("num_tokens", "num_documents", "max_id", "sha256")
+        assert [meta1["splits"][split][k] for k in same] == [meta2["splits"][split][k] for k in same]
+        assert np.array_equal(meta1["splits"][split]["doc_offsets"], meta2["splits"][split]["doc_offsets"])
     assert not list(one.glob("*.partial")) and not list(two.glob("*.partial"))
     with pytest.raises(ValueError, match=r"has 50 rows: data\.corpus\.val_documents=50"):
         HubCorpus("parquet", data_files=str(tmp_path / "train.parquet"), val_split=None, val_documents=50).load()
 
 
-def test_streamed_writer_uses_small_batches(tmp_path, monkeypatch):
-    """The .bin is written batch by batch: with 7-row batches the bins equal one-shot writing."""
-    import data.cache as dm
+@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])  # an array shortcut (bytes) and lists (gpt2)
+def test_streamed_writer_uses_small_batches(tmp_path, monkeypatch, tokenizer):
+    """The .bin is written batch by batch: with 7-document batches (some batches straddling
+    nothing but the split) the files equal one-shot writing and the tokenizer's own encoding."""
+    import data.cache
 
     texts = docs(40)
     write_jsonl(tmp_path / "c" / "a.jsonl", texts)
     corpus = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2)
-    tok = get_tokenizer("bytes")
+    tok = get_tokenizer(tokenizer)
     whole = prepare_token_files(corpus, tok, tmp_path / "whole")
-    original = dm.write_tokens
-    batches = []
-
-    def small(tokenized, path, dtype, batch_size=8192):
-        batches.append(len(tokenized))
-        return original(tokenized, path, dtype, batch_size=7)
-
-    monkeypatch.setattr(dm, "write_tokens", small)
-    small_meta = prepare_token_files(corpus, tok, tmp_path / "small")
-    assert len(batches) == 2 and max(batches) > 7
-    assert small_meta["splits"] == whole["splits"]
+    encoded = []
+    monkeypatch.setattr(data.cache, "BATCH_DOCUMENTS", 7)
+    monkeypatch.setattr(type(tok), "encode_array", lambda self, t, *a: encoded.append(len(t)) or
+                        type(tok).__mro__[1].encode_array(self, t, *a))
+    small = prepare_token_files(corpus, tok, tmp_path / "small")
+    assert max(encoded) == 7 and sum(encoded) == 40 and len(encoded) >= 6
     for split in ("train", "val"):
         assert (tmp_path / "whole" / f"{split}.bin").read_bytes() == (tmp_path / "small" / f"{split}.bin").read_bytes()
+        assert np.array_equal(whole["splits"][split]["doc_offsets"], small["splits"][split]["doc_offsets"])
+        tokens = np.fromfile(tmp_path / "small" / f"{split}.bin", dtype=np.uint16)
+        offsets = small["splits"][split]["doc_offsets"]
+        documents = [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+        assert documents == [tok.encode(t) + [tok.eot_token] for t in split_texts(corpus, tmp_path / split)[split]]
 
 
 OFFLINE_SNIPPET = """
@@ -342,5 +360,5 @@ def test_train_py_on_own_files_writes_extrapolation_table(tmp_path):
     rows = read_csv(run / "extrapolation" / "extrapolation.csv")
     assert [(r.eval_length, r.ok) for r in rows] == [(32, True), (64, True)]
     assert all(1 < r.ppl < 300 for r in rows)
-    meta = json.loads(next((tmp_path / "cache" / "data").glob("files-corpus-*/bytes/meta.json")).read_text())
-    assert len(meta["splits"]["train"]["doc_offsets"]) - 1 + len(meta["splits"]["val"]["doc_offsets"]) - 1 == 40
+    cache = next((tmp_path / "cache" / "data").glob("files-corpus-*/bytes"))
+    assert sum(len(np.load(cache / f"{split}.offsets.npy")) - 1 for split in ("train", "val")) == 40

@@ -86,5 +86,6 @@ def test_fingerprint_identifies_the_tokenizer():
 
 
 def test_unknown_tokenizer_lists_choices():
-    with pytest.raises(ValueError, match=r"'gpt3'.*gpt2, bytes"):
+    with pytest.raises(ValueError, match=r"data\.tokenizer must be one of gpt2, bytes or the path of a tokenizer "
+                                         r"file.*got 'gpt3': no such file"):
         get_tokenizer("gpt3")
