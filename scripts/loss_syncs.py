@@ -54,7 +54,8 @@ class Meter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in SPARSE:  # gather / scatter_add_ touch index-many elements of self, not all of it
             x, index = args[0], args[2]
-            self.bytes += index.nbytes + 2 * index.numel() * x.element_size() * (2 if func is not ATEN.gather.default else 1)
+            touched = index.numel() * x.element_size() * (1 if func is ATEN.gather.default else 2)
+            self.bytes += index.nbytes + 2 * touched
         elif not func.is_view and func not in METADATA:  # inputs read (an out= buffer is not), outputs written
             read = [*args, *(v for k, v in kwargs.items() if k != "out")]
             written = out if isinstance(out, (tuple, list)) else (out,)

@@ -35,12 +35,37 @@ def _syncs(func, args, kwargs) -> bool:
 
 class HostSyncs(TorchDispatchMode):
     """Counts host-reading operators and all operators; runs pelab's custom op's Python body
-    under the same mode (an opaque op's inner operators are otherwise not dispatched to it)."""
+    under the same mode (an opaque op's inner operators are otherwise not dispatched to it).
+    ``Tensor.tolist`` / ``numpy`` read a CPU tensor's memory without an operator: counted by
+    wrapping them while the mode is active."""
+
+    UNDISPATCHED = ("tolist", "numpy")
 
     def __init__(self):
         super().__init__()
         self.syncs: list[str] = []
         self.ops: list[str] = []
+        self._depth = 0  # (re-entered inside the custom op)
+        self._saved: dict = {}
+
+    def __enter__(self):
+        self._depth += 1
+        if self._depth == 1:
+            self._saved = {name: torch.Tensor.__dict__.get(name) for name in self.UNDISPATCHED}
+            for name in self.UNDISPATCHED:
+                def counted(t, *a, _name=name, _method=getattr(torch.Tensor, name), **k):
+                    self.syncs.append(f"Tensor.{_name}")
+                    return _method(t, *a, **k)
+                setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._depth -= 1
+        if self._depth == 0:
+            for name, own in self._saved.items():  # (tolist, numpy are TensorBase's: no own attribute)
+                setattr(torch.Tensor, name, own) if own is not None else delattr(torch.Tensor, name)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,7 +110,8 @@ def route_loss(route, h, w, t, V, autocast=None, grad_output=1.0, chunk_size=64)
     """Loss and gradients of ``route`` as GPT.forward runs it (``full``: its two lines)."""
     h = h.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
-    with forced_loss_route(route), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+    amp = torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None)
+    with forced_loss_route(route), amp:
         assert loss_route(V, h) == route
         if use_chunked_loss(V, h):
             loss = chunked_cross_entropy(h, w, t, vocab_size=V, chunk_size=chunk_size)
@@ -97,6 +123,23 @@ def route_loss(route, h, w, t, V, autocast=None, grad_output=1.0, chunk_size=64)
 
 
 # -- host synchronisations ---------------------------------------------------------------------
+
+
+def test_counter_sees_what_syncs_on_cuda():
+    """Each of these reads a device value on the host on CUDA (what set_sync_debug_mode reports);
+    gather / where / masked_fill / sum do not."""
+    x, mask = torch.arange(6.0), torch.tensor([True, False] * 3)
+    syncing = [lambda: x.sum().item(), lambda: bool(x.any()), lambda: int(x[0]), lambda: x.tolist(),
+               lambda: x.nonzero(), lambda: x[mask], lambda: x.clone().__setitem__(mask, 0.0),
+               lambda: torch.equal(x, x), lambda: x.unique(), lambda: x.numpy()]
+    for fn in syncing:
+        with HostSyncs() as mode:
+            fn()
+        assert mode.syncs, fn
+    with HostSyncs() as mode:
+        x.gather(0, torch.tensor([1, 2])), torch.where(mask, x, 0.0), x.masked_fill(mask, 0.0), x.sum()
+        torch._assert_async(x.sum() > 0)  # a device-side assert on CUDA
+    assert mode.syncs == []
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16])
