@@ -268,8 +268,8 @@ _no_autocast = contextlib.nullcontext()
 
 
 def _loss_and_grads_impl(hidden: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, ignore_index: int,
-                    chunk_size: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool, sync_free: bool = False
-                    ) -> tuple[Tensor, Tensor, Tensor]:
+                         chunk_size: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool,
+                         sync_free: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, d loss / d hidden, d loss / d weight); a gradient not asked for is an empty tensor.
     An opaque op: torch.compile calls it as it is (the CPU chunk loop reads sizes and flags on the
     host, which a traced graph cannot), so a compiled model keeps one graph. ``sync_free``: no
