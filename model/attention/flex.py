@@ -4,6 +4,12 @@ Compiled on CUDA (one kernel per shape); eager elsewhere (on CPU, forward only).
 throughout the scores, so position terms keep float32 accuracy. No attention dropout. Query
 chunks attend the full-length K/V with the chunk's offset in the BlockMask (fully masked key
 blocks are skipped), so every chunk of a length shares one compiled kernel.
+
+Inductor builds flex's backward only for a score_mod that indexes each captured tensor which
+requires gradients once (``validate_joint_graph``; tests/model/test_flex_joint_graph.py checks
+every scheme on CPU). A scheme whose elementwise form does not (``flex_reads_bias``: FIRE's
+unrolled MLP) gets, under autograd, its ``bias()`` computed outside the kernel and read once
+per score: (H, Tq, Tk) float32, or (B, H, Tq, Tk) with per-sequence positions, as a float mask.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class FlexState:
     k_positions: Tensor
     offset: int | None = None  # query row i is token offset + i of the keys (None: the last Tq tokens)
     documents: Any = None  # packed documents: this forward's (or chunk's) document BlockMask, else None
+    table: Tensor | None = None  # (H, Tq, Tk) or (B, H, Tq, Tk) float32 bias read instead of score, or None
 
 
 class Flex(AttentionBackend):
@@ -55,7 +62,10 @@ class Flex(AttentionBackend):
         documents = None
         if terms.documents and not chunked:  # built once per forward, shared by every layer
             documents = self.document_mask(terms.k_documents, terms.q_positions.shape[-1], None)
-        return FlexState(score, terms.q_positions, terms.k_positions, documents=documents)
+        table = None
+        if terms.with_bias and torch.is_grad_enabled() and getattr(terms.pe, "flex_reads_bias", False):
+            table = terms.pe.bias(*terms.bias_positions())  # once per forward, shared by every layer
+        return FlexState(score, terms.q_positions, terms.k_positions, documents=documents, table=table)
 
     def chunk(self, state: FlexState, terms: Terms, s: int, e: int) -> FlexState:
         """Rows [s, e) against all Tk keys: the BlockMask's offset hides the keys they do not see."""
@@ -63,7 +73,8 @@ class Flex(AttentionBackend):
         documents = None
         if terms.documents:
             documents = self.document_mask(terms.k_documents, e - s, offset)
-        return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset, documents)
+        table = None if state.table is None else state.table[..., s:e, :]
+        return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset, documents, table)
 
     @staticmethod
     def document_mask(documents: Tensor, Tq: int, offset: int | None):
@@ -124,7 +135,17 @@ class Flex(AttentionBackend):
 
         B, Tq, Tk = q.shape[0], q.shape[2], k.shape[2]
         score_mod = None
-        if state.score is not None:
+        if state.table is not None and state.table.dim() == 3:  # one bias for the batch
+            table = state.table
+
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s + table[h, q_idx, kv_idx]
+        elif state.table is not None:  # per-sequence positions
+            table = state.table
+
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s + table[b, h, q_idx, kv_idx]
+        elif state.score is not None:
             score = state.score
             qp = (state.q_positions if state.q_positions.dim() == 2 else state.q_positions[None]).expand(B, -1)
             kp = (state.k_positions if state.k_positions.dim() == 2 else state.k_positions[None]).expand(B, -1)

@@ -19,6 +19,12 @@ schemes, also sees absolute position through the normaliser.
 
 The bias is computed in float32 with autocast off: the MLP's Linear layers would otherwise
 run in bf16 under mixed precision, and the bias must be float32 until the mask is cast.
+
+FlexAttention under autograd reads ``bias()``, computed outside the kernel, once per score
+(``flex_reads_bias``): the elementwise form ``bias_score`` reads every MLP weight once per
+hidden unit, and Inductor's flex backward refuses a score_mod that indexes a tensor which
+requires gradients more than once. ``bias_score`` serves flex without autograd (evaluation
+at any length, no (H, T, T) tensor).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from model.pe.base import PositionEncoding, distance_bias, relative_distance
 
 
 class FIRE(PositionEncoding, name="fire"):
+    # flex under autograd reads bias() once per score instead of bias_score (model/attention/flex.py)
+    flex_reads_bias = True
+
     def __init__(
         self,
         config: GPTConfig,
@@ -91,13 +100,17 @@ class FIRE(PositionEncoding, name="fire"):
 
     def bias_score(self):
         """Elementwise form: the MLP unrolled over its hidden units (pointwise ops only, so
-        a compiled FlexAttention kernel can inline it), in float32."""
-        psi, threshold, eps = self.psi, self.threshold, self.eps
+        a compiled FlexAttention kernel can inline it), in float32. Forward only: it indexes
+        the weights once per hidden unit, which flex's backward refuses (``flex_reads_bias``).
+        The threshold is captured with shape (1,): torch 2.11's flex lowering fails on a 0-dim
+        captured tensor."""
+        psi, eps = self.psi, self.eps
+        threshold = self.threshold.reshape(1)
         w1, b1 = self.mlp[0].weight[:, 0].float(), self.mlp[0].bias.float()
         w2, b2 = self.mlp[2].weight.float(), self.mlp[2].bias.float()
 
         def score(q: Tensor, k: Tensor, head: Tensor) -> Tensor:
-            x = psi((q - k).float()) / (psi(torch.maximum(q.float(), threshold)) + eps)
+            x = psi((q - k).float()) / (psi(torch.maximum(q.float(), threshold[0])) + eps)
             out = b2[head]
             for u in range(w1.shape[0]):
                 out = out + torch.relu(x * w1[u] + b1[u]) * w2[head, u]

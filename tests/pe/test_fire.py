@@ -84,3 +84,46 @@ def test_fire_loads_checkpoints_with_scalar_parameters():
     p = leaf_params(pe)
     ref = naive_fire_bias(p, positions.tolist(), positions.tolist()).detach()
     torch.testing.assert_close(pe.bias(positions, positions).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [[list(range(4, 16))] * 2, [list(range(12)), [0, 1, 2, 0, 1, 9, 10, 11, 12, 13, 30, 31]]],
+                         ids=["shared", "per-sequence"])
+def test_fire_trains_through_flex_with_the_reference_gradients(monkeypatch, rows):
+    """FIRE's CUDA training route: flex under autograd, compiled (here on CPU by dynamo with the
+    eager backend; CPU flex computes its backward densely). Output and the gradients of all of
+    FIRE's parameters against float64 autograd on the formula, with queries on both sides of
+    the threshold L = 0.75 * 8 = 6 (the normaliser changes with the query past it)."""
+    from model.attention import BACKENDS
+    from model.positions import layer_contexts
+    from tests.naive import naive_softmax_attention
+
+    torch._dynamo.reset()
+    flex = BACKENDS["flex"]
+    monkeypatch.setattr(flex, "compile_devices", ("cpu",))
+    monkeypatch.setattr(flex, "compile_backend", "eager")
+    monkeypatch.setattr(flex, "_compiled", None)
+    torch.manual_seed(3)
+    pe = SCHEMES["fire"](attention_config(block_size=8))
+    with torch.no_grad():
+        pe.c.fill_(0.4)
+        pe.threshold_multiplier.fill_(0.75)
+    positions = torch.tensor(rows[0]) if rows[0] == rows[1] else torch.tensor(rows)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(3))  # CPU flex: no q/k/v gradient
+    weights = torch.randn(2, 4, 12, 8, generator=g, dtype=torch.float64)
+    out = flex(q, k, v, layer_contexts(pe, 1, positions, flex)[0].state, 0.0)
+    (out.double() * weights).sum().backward()
+    p = leaf_params(pe)
+    refs = [naive_softmax_attention(q[b:b + 1].double(), k[b:b + 1].double(), v[b:b + 1].double(),
+                                    naive_fire_bias(p, rows[b], rows[b], pe.eps)[None]) for b in range(2)]
+    ref = torch.cat(refs).view(2, 12, 4, 8).transpose(1, 2)
+    torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    (ref * weights).sum().backward()
+    for name, param in pe.named_parameters():
+        want = p[name].grad
+        if name == "mlp.2.bias":  # shifts a whole row: softmax ignores it
+            assert param.grad.abs().max() < 1e-5
+            continue
+        assert want.abs().max() > 1e-4, name
+        torch.testing.assert_close(param.grad.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
