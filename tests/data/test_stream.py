@@ -194,25 +194,24 @@ def test_bad_sampling_is_one_line_before_data(tmp_path, monkeypatch):
 
     for where in (data.cache, data.datamodule):
         monkeypatch.setattr(where, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
-    cfg = compose_config(["data.sampling=bogus"], tmp_path)
+    (cfg,) = compose_configs(tmp_path, ["data.sampling=bogus"])
     with pytest.raises(ConfigError, match=r"^data\.sampling='bogus' is not valid; allowed: random, epoch$"):
         validate_config(cfg)
 
 
-def compose_config(overrides, tmp_path):
+def compose_configs(tmp_path, *overrides):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*overrides, f"paths.output_dir={tmp_path / 'out'}"])
+        return [compose("config", overrides=[*o, f"paths.output_dir={tmp_path / 'out'}"]) for o in overrides]
 
 
 def test_gpu_presets_load_with_workers(tmp_path):
-    for trainer in ("gpu", "ddp", "fsdp"):
-        assert compose_config([f"trainer={trainer}"], tmp_path).data.num_workers == 4, trainer
-        assert compose_config([f"trainer={trainer}", "data=synthetic"], tmp_path).data.num_workers == 4, trainer
-        assert compose_config([f"trainer={trainer}", "data.num_workers=1"], tmp_path).data.num_workers == 1
-    assert compose_config([], tmp_path).data.num_workers == 0  # CPU runs: unchanged
-    assert "loader" not in compose_config(["trainer=gpu"], tmp_path).trainer  # nothing for Lightning's Trainer
+    cpu, gpu, ddp, fsdp, synthetic, given = compose_configs(
+        tmp_path, [], ["trainer=gpu"], ["trainer=ddp"], ["trainer=fsdp"], ["trainer=fsdp", "data=synthetic"],
+        ["trainer=ddp", "data.num_workers=1"])
+    assert [c.data.num_workers for c in (cpu, gpu, ddp, fsdp, synthetic, given)] == [0, 4, 4, 4, 4, 1]
+    assert "loader" not in gpu.trainer and gpu.trainer.accelerator == "gpu"  # nothing extra for Lightning's Trainer
 
 
 @pytest.mark.parametrize("node_rank, calls", [(0, 1), (1, 0)])
