@@ -83,7 +83,7 @@ class TrainWindows(Dataset):
         if self._permutation is None or self._permutation[0] != epoch:
             dtype = np.uint32 if self.num_windows <= 2**32 else np.int64
             order = np.arange(self.num_windows, dtype=dtype)
-            np.random.default_rng([self.seed, epoch]).shuffle(order)
+            np.random.default_rng([self.seed & _MASK64, epoch]).shuffle(order)  # numpy seeds are >= 0
             self._permutation = (epoch, order)
         return self._permutation[1]
 

@@ -154,6 +154,8 @@ def test_epoch_sampling_visits_every_window_once_per_epoch(tokens):
     assert [again.start(g) for g in range(2 * W - 5, 2 * W + 5)] == epochs[1][-5:] + epochs[2][:5]
     other = TrainWindows(tokens, "uint32", 64, seed=6, sampling="epoch")
     assert [other.start(g) for g in range(W)] != epochs[0]
+    negative = TrainWindows(tokens, "uint32", 64, seed=-1, sampling="epoch")  # a seed numpy alone would refuse
+    assert sorted(negative.start(g) for g in range(W)) == sorted(epochs[0])
     x, y = windows[7]
     s = epochs[0][7]
     assert x.tolist() == list(range(s, s + 64)) and y.tolist() == list(range(s + 1, s + 65))
