@@ -272,8 +272,7 @@ def test_hub_code_path_on_local_parquet_holds_out_evenly_and_shards(tmp_path):
         HubCorpus("parquet", data_files=str(tmp_path / "train.parquet"), val_split=None, val_documents=50).load()
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])  # an array shortcut (bytes) and lists (gpt2)
-def test_streamed_writer_uses_small_batches(tmp_path, monkeypatch, tokenizer):
+def test_streamed_writer_uses_small_batches(tmp_path, monkeypatch, tokenizer="bytes"):
     """The .bin is written batch by batch: with 7-document batches (some batches straddling
     nothing but the split) the files equal one-shot writing and the tokenizer's own encoding."""
     import data.cache

@@ -1,0 +1,98 @@
+"""Build a data config's token cache ahead of training (on a CPU node, before the GPU job).
+
+    python scripts/prepare_data.py                                   # the default data (embedded corpus)
+    python scripts/prepare_data.py data=fineweb_edu data.tokenize_num_proc=16
+    python scripts/prepare_data.py data=text data.paths=[corpus/] data.tokenizer=/models/llama3/tokenizer.json
+    PELAB_CACHE=/scratch/pelab python scripts/prepare_data.py data=openwebtext
+
+The arguments are train.py's overrides, composed from conf/ the same way (Hydra's compose
+API: nothing is written but the cache), so the cache lands where the training run looks for
+it (``data.data_dir``, else ``$PELAB_CACHE/data``) and that run tokenizes nothing. Give the
+data overrides of the sweep (not its ``-m`` lists): every job of the sweep then finds the
+cache built. An existing cache is verified in full (the corpus's full fingerprint, opening a
+hub corpus; each token file's sha256) and rebuilt if anything differs. Several copies may run
+at once, on any nodes sharing the directory: one builds, the others wait and reuse it
+(data/cache.py).
+
+Prints a progress bar with tokens/s while building, then the build's tokens per CPU-second
+against the tokenizer's raw batch call (tiktoken's ``encode_ordinary_batch``) timed on the first
+``REFERENCE_TOKENS`` tokens of the same text.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from _common import ROOT
+
+REFERENCE_TOKENS = 2_000_000
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import pelab.run  # noqa: F401 - registers the resolvers conf/ uses, as train.py does
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3", job_name="prepare_data"):
+        return hydra_compose("config", overrides=overrides)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    if any(a in ("-m", "--multirun") or a.startswith("hydra/") for a in argv):
+        print("prepare_data.py takes train.py's overrides for one data config, not a sweep (-m): give the "
+              "data=... overrides the sweep's jobs share", file=sys.stderr)
+        return 2
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from data.cache import Throughput, prepare_token_files
+    from data.datamodule import build_datamodule
+    from pelab.config import ConfigError, build
+
+    try:
+        cfg = compose(argv)
+        datamodule = build("data", build_datamodule, cfg.data)
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        print(f"prepare_data.py: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    if not hasattr(datamodule, "token_dir"):
+        print(f"prepare_data.py: this data config ({cfg.data.get('_target_')}) makes its samples on the fly: there is "
+              f"no token cache to prepare", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = datamodule.tokenizer  # a tokenizer file is read here: its errors name data.tokenizer
+        stats = Throughput(reference_tokens=REFERENCE_TOKENS)
+        meta = prepare_token_files(datamodule.corpus, tokenizer, datamodule.token_dir, datamodule.tokenize_num_proc,
+                                   verify=True, stats=stats)
+    except (ValueError, RuntimeError) as err:
+        print(f"prepare_data.py: {err}", file=sys.stderr)
+        return 1
+    out: Path = datamodule.token_dir
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    tokens = sum(meta["splits"][s]["num_tokens"] for s in meta["splits"])
+    counts = ", ".join(f"{s} {meta['splits'][s]['num_tokens']:,} tokens / {meta['splits'][s]['num_documents']:,} "
+                       f"documents" for s in meta["splits"])
+    print(f"[pelab] token cache {out}: {'built' if stats.built else 'verified, already complete'}; {counts}; "
+          f"{meta['dtype']}, vocabulary {meta['vocab_size']:,}; {human_bytes(size)} on disk "
+          f"({size / max(tokens, 1):.2f} bytes per token)")
+    if stats.built:
+        print(f"[pelab] throughput: {stats.line()}")
+    print("[pelab] train.py with the same data overrides uses this cache as it is (no tokenization)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
