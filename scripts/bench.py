@@ -39,6 +39,9 @@ OPTIONS = {
     "documents": "none (default), mask or both: each scheme also timed on packed documents, document_mask "
                  "(both: and document_positions); its row has step_ratio_vs_same_scheme",
     "doc_length": "mean document length of those packed windows in tokens (default: a quarter of block_size)",
+    "documents_schemes": "comma-separated schemes that get the documents rows (default: every scheme of the config)",
+    "warmup_parallel": "paths warmed up (compiled) at once, never timed; the timed rounds stay one path at a time "
+                       "(default 1)",
     "device": "cpu or cuda (default: cuda when available)",
     "out": "also write the JSON lines to this file",
     "smoke": "true: byte-tiny, learned+alibi, 2 steps, 1 round, eager, batch 4, eval at 2x (the test suite's run)",
@@ -94,7 +97,8 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[boo
     model = model_config(cfg, opts["block_size"])
     if opts["documents"] != "none":
         opts["doc_length"] = opts["doc_length_arg"] or max(2, model["block_size"] // 4)
-        schemes = schemes + [f"{s}+{opts['documents']}" for s in schemes]
+        wanted = opts["documents_schemes"] or schemes
+        schemes = schemes + [f"{s}+{opts['documents']}" for s in schemes if s in wanted]
     paths, load_avg = time_paths(model, schemes, precision, compiles, opts, children)
     peak, peak_source = opts["peaks"][precision]
     rows = []
@@ -111,13 +115,21 @@ def main(argv: list[str]) -> int:
     args = parse_key_values(argv, OPTIONS)
     if truthy(args.get("smoke", "false")):
         args = SMOKE | args
+    configs = configs_of(args)
+    documents_schemes = schemes_of(args["documents_schemes"]) if "documents_schemes" in args else None
+    if documents_schemes:  # checked before anything is built
+        if args.get("documents", "none") == "none":
+            raise SystemExit("documents_schemes= needs documents=mask or documents=both")
+        for cfg, schemes in configs:
+            if extra := sorted(set(documents_schemes) - set(schemes)):
+                raise SystemExit(f"documents_schemes: {extra} not among the schemes of config {cfg} "
+                                 f"({', '.join(schemes)})")
     import torch
 
     from benchkit.harness import Children, peak_flops, quiet
-    from benchkit.report import print_table
+    from benchkit.report import print_table, print_targets
 
     quiet()
-    configs = configs_of(args)
     precisions = [{"bf16": "bf16-mixed", "32-true": "32", "fp32": "32"}.get(p, p)
                   for p in split_list(args.get("precision", "bf16-mixed"))]
     for p in precisions:
@@ -133,11 +145,13 @@ def main(argv: list[str]) -> int:
             "loop": truthy(args.get("loop", "true")),
             "documents": args.get("documents", "none"),
             "doc_length_arg": int(args["doc_length"]) if "doc_length" in args else None,
+            "documents_schemes": documents_schemes,
+            "warmup_parallel": int(args.get("warmup_parallel", 1)),
             "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
     if opts["documents"] not in ("none", "mask", "both"):
         raise SystemExit(f"documents={opts['documents']!r}: expected none, mask or both")
-    if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:
-        raise SystemExit("rounds, steps and warmup must be >= 1")
+    if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1 or opts["warmup_parallel"] < 1:
+        raise SystemExit("rounds, steps, warmup and warmup_parallel must be >= 1")
     # the matmul peak is measured first, on a machine the bench has not loaded yet
     opts["peaks"] = {p: peak_flops(opts["device"], p) for p in precisions}
     children = Children()
@@ -164,6 +178,7 @@ def main(argv: list[str]) -> int:
         if out:
             out.close()
     print_table(rows)
+    print_targets(rows)
     return 0
 
 

@@ -139,6 +139,17 @@ def usage() -> str:
     return f"{__doc__.strip()}\n\noptions (key=value):\n{describe_options(OPTIONS)}"
 
 
+def _number(args: dict, key: str, default, kind, allowed: str):
+    """``args[key]`` as ``kind`` (> 0), else a clear error naming the key, the value and what is allowed."""
+    try:
+        value = kind(args.get(key, default))
+    except ValueError:
+        value = None
+    if value is None or value <= 0:
+        raise SystemExit(f"{key}={args.get(key)!r}: expected {allowed}")
+    return value
+
+
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help", "help") for arg in argv):
         print(usage())
@@ -157,7 +168,7 @@ def main(argv: list[str]) -> int:
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.get("out") or ROOT / "outputs" / "gpu_check" / stamp).resolve()
     work = Path(args.get("work") or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}").resolve()
-    workers = int(args.get("workers", WORKERS))
+    workers = _number(args, "workers", WORKERS, int, "an integer >= 1")
     every = all_steps(work, sorted(SCHEMES), gpus, workers)
     part = args.get("part")
     plan_only = args.get("plan", "false").lower() in ("1", "true", "yes")
@@ -168,10 +179,10 @@ def main(argv: list[str]) -> int:
         chosen = {s.name for s in select(by_part[part].steps(), args.get("steps"))}
         lanes = [[s for s in lane if s.name in chosen] for lane in by_part[part].lanes]
         lanes = [lane for lane in lanes if lane]
-        budget_s = float(args.get("budget_s", by_part[part].budget_s))
+        budget_s = _number(args, "budget_s", by_part[part].budget_s, float, "seconds > 0")
     else:
         lanes = [select(every, args.get("steps"))]
-        budget_s = float(args.get("budget_s", BUDGET_S))
+        budget_s = _number(args, "budget_s", BUDGET_S, float, "seconds > 0")
     if plan_only or not gpus:
         if not gpus:
             print("[gpu_check] no CUDA device here: nothing is run. On a GPU machine this command runs the plan "

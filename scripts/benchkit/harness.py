@@ -36,8 +36,8 @@ class StepClock:
     ``begin``/the resume) in wall and process-CPU seconds, and at the end of a quota reports
     them over ``conn`` and waits for the next quota; it returns True when the body must stop."""
 
-    def __init__(self, conn, sync) -> None:
-        self.conn, self.sync = conn, sync
+    def __init__(self, conn, sync, release=None) -> None:
+        self.conn, self.sync, self.release = conn, sync, release
         self.times: list[tuple[float, float]] = []
         self._quota, self._last, self._last_cpu = 0, 0.0, 0.0
 
@@ -64,6 +64,8 @@ class StepClock:
             return False
         self.conn.send(("steps", self.times))
         self.times = []
+        if self.release:  # between quotas, untimed (the first step of the next quota is not timed either)
+            self.release()
         return self.wait()
 
 
@@ -79,7 +81,9 @@ def _path_process(conn, kind: str, job: dict) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    clock = StepClock(conn, sync)
+    # on CUDA a waiting path hands its cached blocks back, so that the paths alive at once hold
+    # their weights and optimizer state, and only the running one its activations
+    clock = StepClock(conn, sync, torch.cuda.empty_cache if device == "cuda" else None)
     try:
         body, fpt = path_body(None if kind == "reference" else kind, job)
         conn.send(("ready", fpt))
@@ -123,7 +127,14 @@ class TimedPath:
     def run(self, n: int, skip: int = 0, record: bool = True) -> None:
         """Run skip + n steps now (blocking); the last n are added to ``rounds`` (wall) and
         ``cpu_rounds`` (process CPU time)."""
+        self.start(n, skip)
+        self.collect(skip, record)
+
+    def start(self, n: int, skip: int = 0) -> None:
+        """Send the quota of skip + n steps without waiting (``collect`` waits)."""
         self.conn.send(skip + n)
+
+    def collect(self, skip: int = 0, record: bool = True) -> None:
         steps = self._receive("steps")
         self.times += [w for w, _ in steps]
         self.cpu += [c for _, c in steps]
@@ -186,8 +197,13 @@ def time_paths(model: dict, schemes: list[str], precision: str, compiles: list[b
                 paths[name, compile_] = TimedPath(f"{name}{'+compile' if compile_ else ''}", name, job, children)
         load_start = load1()
         order = list(paths)
-        for p in order:
-            paths[p].run(opts["warmup"], record=False)
+        # warm-up (compilation, when compiled) of warmup_parallel paths at once: never timed
+        at_once = max(1, opts.get("warmup_parallel", 1))
+        for i in range(0, len(order), at_once):
+            for p in order[i:i + at_once]:
+                paths[p].start(opts["warmup"])
+            for p in order[i:i + at_once]:
+                paths[p].collect(record=False)
         for r in range(opts["rounds"]):
             # every path at every place of the order in turn; the first step after a switch
             # (other processes' data in the caches, this one's OpenMP team asleep) is not timed

@@ -116,6 +116,8 @@ def run_all(steps: list[Step], out: Path, env: dict, deadline: float, gpus: int,
             outcome = results[step.name] = run_step(step, out, env, deadline, gpus)
             say(f"[gpu_check] {step.name}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
                 + f", {outcome.seconds:.0f} s")
+            for target in outcome.numbers.get("targets", []):  # the bench's performance targets
+                say(f"[gpu_check]   target {target}")
             if finished:
                 finished(outcome)
 
@@ -260,7 +262,7 @@ def _short(numbers: dict) -> str:
     """The key numbers of a step in one cell (nested tables and long lists left to the JSON)."""
     parts = []
     for key, value in numbers.items():
-        if key in ("failures", "routes", "rows", "schemes", "problems"):
+        if key in ("failures", "routes", "rows", "schemes", "problems", "targets", "documents"):
             continue
         if isinstance(value, float):
             value = f"{value:.4g}"
@@ -282,8 +284,11 @@ def markdown(report: dict) -> str:
         + (f", **{s['running']} still running**" if s.get("running") else "")
         + f" in {report['wall_s']:.0f} s (budget {report['budget_s']:.0f} s"
         + (f", part {report['part']}" if report.get("part") else "") + "). Protocol and tolerances: docs/gpu.md.", "",
-        "| step | status | seconds | key numbers | reason |", "|---|---|---|---|---|",
     ]
+    judged = [t for step in report["steps"] for t in step["numbers"].get("targets", [])]
+    if judged:  # the GPU performance targets (the bench steps): reported, never a step's failure
+        lines += ["## Performance targets", "", *[f"- {t}" for t in judged], ""]
+    lines += ["| step | status | seconds | key numbers | reason |", "|---|---|---|---|---|"]
     for step in report["steps"]:
         lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | {_short(step['numbers'])} | "
                      f"{step['reason'].replace('|', '/')} |")
@@ -298,6 +303,11 @@ def markdown(report: dict) -> str:
                 + "|"]
             lines += [f"| {name} | " + " | ".join(str(v) for v in row.values()) + " |"
                       for name, row in n["schemes"].items()]
+        if n.get("documents"):
+            lines += ["", f"## {step['name']}: packed documents against the same scheme", "",
+                      "| scheme+documents | step_ms | step ratio | mean doc length |", "|---|---|---|---|"]
+            lines += [f"| {name} | {row['step_ms']} | {row['step_ratio_vs_same_scheme']} | {row['doc_length']} |"
+                      for name, row in n["documents"].items()]
         if n.get("rows"):
             lines += ["", f"## {step['name']}: rows", "", "```", *[json.dumps(r) for r in n["rows"]], "```"]
     lines += ["", "Every step's command, timeout and numbers: gpu_check.json; its output: logs/STEP.log in logs.tgz.",

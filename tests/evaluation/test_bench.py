@@ -20,7 +20,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.jsonl"
     env = dict(os.environ, WANDB_MODE="offline")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "smoke=true", "eval_factor=1,2",
-                           f"out={out}"],
+                           "warmup_parallel=2", f"out={out}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     printed = [json.loads(line.removeprefix("BENCH_JSON ")) for line in proc.stdout.splitlines()
@@ -47,6 +47,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
             assert [(c["length"], c["batch"]) for c in row["eval_curve"]] == [(256, 1), (512, 1)]
             assert row["eval_length"] == 512 and isinstance(row["eval_mem_exponent"], float)
     assert "| config |" in proc.stdout  # the table
+    assert "[bench] performance targets: judged on CUDA rows only (none here)" in proc.stdout
 
 
 def test_bench_rejects_unknown_options() -> None:
@@ -92,3 +93,14 @@ def test_scheme_lists_come_from_the_registry() -> None:
     assert configs_of({"configs": "byte-tiny:alibi+nope,gpt2-tiny"}) == [("byte-tiny", ["alibi", "nope"]),
                                                                         ("gpt2-tiny", every)]
     assert configs_of({"configs": "byte-tiny:alibi", "schemes": "rope"}) == [("byte-tiny", ["rope"])]
+
+
+def test_documents_schemes_must_be_benched_schemes_with_documents() -> None:
+    _import_like_the_script()
+    import pytest
+    from bench import main
+
+    with pytest.raises(SystemExit, match="documents_schemes= needs documents=mask or documents=both"):
+        main(["configs=byte-tiny:learned+rope", "documents_schemes=rope"])
+    with pytest.raises(SystemExit, match=r"documents_schemes: \['t5'\] not among the schemes of config byte-tiny"):
+        main(["configs=byte-tiny:learned+rope", "documents=mask", "documents_schemes=rope,t5"])

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
+from benchkit import report  # noqa: E402
 from gpucheck import runner, steps  # noqa: E402
 from model.pe import SCHEMES  # noqa: E402
 
@@ -98,7 +99,8 @@ def test_steps_are_selected_by_name_or_group(tmp_path):
     every = steps.all_steps(tmp_path, sorted(SCHEMES), 1)
     train = gpu_check.select(every, "train")
     assert {s.name for s in train} == {f"train_{s}" for s in SCHEMES} | {f"train_{e}" for e in steps.TRAIN_EXTRAS}
-    assert [s.name for s in gpu_check.select(every, "bench,cuda_tests")] == ["cuda_tests", "bench"]
+    assert [s.name for s in gpu_check.select(every, "bench_core,cuda_tests")] == ["cuda_tests", "bench_core"]
+    assert [s.name for s in gpu_check.select(every, "bench")] == ["bench_core", "bench_bias_documents"]  # a group
     with pytest.raises(SystemExit, match="unknown steps"):
         gpu_check.select(every, "nonsense")
 
@@ -257,21 +259,47 @@ def test_train_output_and_bench_rows_are_read(tmp_path):
                        "mfu_peak": "989.4 TFLOP/s: NVIDIA H100 80GB HBM3 as H100 SXM, dense bf16 (docs/gpu.md)"}
     status, reason, _ = step.parse(steps.Result(0, 10.0, "[pelab] val loss nan (ppl nan)", tmp_path))
     assert status == "fail" and "finite" in reason
-    rows = [{"path": "reference", "scheme": "learned", "step_ms": 20.0},
-            {"path": "pelab", "scheme": "learned", "step_ms": 21.0, "mfu": 0.4, "peak_tflops": 989.4,
-             "peak_source": "dense bf16"},
-            {"path": "pelab", "scheme": "rope", "step_ms": 22.0, "mfu": 0.38},
-            {"path": "pelab", "scheme": "alibi", "step_ms": 24.2, "mfu": 0.35},
-            {"path": "pelab", "scheme": "rope_alibi", "step_ms": 26.4, "mfu": 0.33}]
-    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    status, _, numbers = steps.parse_bench(steps.Result(0, 100.0, "", tmp_path))
-    assert status == "pass"
-    assert numbers["alibi_over_rope_step_time"] == 1.1 and numbers["rope_alibi_over_rope_step_time"] == 1.2
-    assert numbers["reference_step_ms"] == 20.0 and numbers["peak"].startswith("989.4 TFLOP/s")
+    # the bench's rows: two runs, each with rope; the targets judged by hand
+    cuda = {"config": "gpt2-gpt2", "precision": "bf16-mixed", "compile": True, "block_size": 1024, "device": "cuda"}
+    first = [{"path": "reference", "scheme": "learned", "step_ms": 20.0, "mfu": 0.5},
+             {"path": "pelab", "scheme": "learned", "step_ms": 21.0, "mfu": 0.44, "peak_tflops": 989.4,
+              "peak_source": "dense bf16"},
+             {"path": "pelab", "scheme": "rope", "step_ms": 22.0, "mfu": 0.38},
+             {"path": "pelab", "scheme": "alibi", "step_ms": 23.1, "mfu": 0.35},
+             {"path": "pelab", "scheme": "rope_alibi", "step_ms": 26.4, "mfu": 0.33}]
+    second = [{"path": "reference", "scheme": "learned", "step_ms": 20.0, "mfu": 0.5},
+              {"path": "pelab", "scheme": "rope", "step_ms": 20.0, "mfu": 0.4},
+              {"path": "pelab", "scheme": "t5", "step_ms": 21.0, "mfu": 0.38},
+              {"path": "pelab-documents", "scheme": "rope", "documents": "mask", "doc_length": 256, "step_ms": 24.0,
+               "step_ratio_vs_same_scheme": 1.2, "mfu": 0.3},
+              {"path": "pelab-documents", "scheme": "t5", "documents": "mask", "doc_length": 256, "step_ms": 16.0,
+               "step_ratio_vs_same_scheme": 0.76, "mfu": 0.4}]
+    bench, more = steps.bench_steps(tmp_path)
+    assert "documents=mask" in more.command and "warmup_parallel=3" in bench.command
+    for step, rows in ((bench, first), (more, second)):
+        rows_file = Path(next(c for c in step.command if c.startswith("out=")).partition("=")[2])
+        rows_file.write_text("".join(json.dumps(cuda | r) + "\n" for r in rows))
+    status, _, numbers = bench.parse(steps.Result(0, 100.0, "", tmp_path))
+    assert status == "pass" and numbers["reference_step_ms"] == 20.0 and numbers["peak"].startswith("989.4 TFLOP/s")
+    where = "gpt2-gpt2 T=1024 bf16-mixed compiled"
+    assert numbers["targets"] == [
+        f"FAIL MFU >= 45% (gpt2-124M, context 1024, pelab learned; {where}): MFU 0.440; the independent reference 0.500",
+        f"PASS alibi step <= 1.10x rope's ({where}): 23.10 ms / 22.00 ms = 1.050",
+        f"FAIL rope_alibi step <= 1.10x rope's ({where}): 26.40 ms / 22.00 ms = 1.200"]
+    status, _, numbers = more.parse(steps.Result(0, 100.0, "", tmp_path))
+    assert status == "fail" and numbers["documents"]["t5+mask"]["step_ratio_vs_same_scheme"] == 0.76  # no alibi row
+    assert numbers["targets"] == [
+        f"PASS t5 step <= 1.10x rope's ({where}): 21.00 ms / 20.00 ms = 1.050",
+        f"FAIL rope with documents=mask (mean length 256) cheaper than causal ({where}): step ratio 1.200 vs the "
+        "same scheme without documents",
+        f"PASS t5 with documents=mask (mean length 256) cheaper than causal ({where}): step ratio 0.760 vs the same "
+        "scheme without documents"]
+    assert not [t for t in report.targets([r | {"device": "cpu"} for r in first])]  # GPU targets only
 
 
 def test_the_report_has_every_step(tmp_path):
-    outcomes = [steps.Outcome(py_step("one", ""), "pass", "", 1.0, {"passed": 3, "worst_error_to_bound": 0.5}),
+    outcomes = [steps.Outcome(py_step("one", ""), "pass", "", 1.0, {"passed": 3, "worst_error_to_bound": 0.5,
+                                                                    "targets": ["FAIL MFU >= 45%: MFU 0.4"]}),
                 steps.Outcome(py_step("two", ""), "fail", "exit code 1: boom", 2.0,
                               {"failures": [{"test": "t::x", "message": "bad | worse"}]}),
                 steps.Outcome(py_step("three", ""), "skip", "needs 2 GPUs, 1 present")]
@@ -285,6 +313,7 @@ def test_the_report_has_every_step(tmp_path):
     text = md.read_text()
     assert "**1 passed, 1 failed, 1 skipped**" in text and "NVIDIA H100 80GB HBM3" in text
     assert "| two | fail |" in text and "- `t::x`: bad | worse" in text
+    assert "## Performance targets\n\n- FAIL MFU >= 45%: MFU 0.4\n" in text
 
 
 def test_on_a_gpu_machine_it_runs_the_preflight_and_the_steps_and_writes_the_report(tmp_path, monkeypatch, capsys):
@@ -329,6 +358,8 @@ def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monk
     assert len(runner.EXPORTED) <= 8
     with pytest.raises(SystemExit, match="part='3': expected one of 1, 2"):
         gpu_check.main(["part=3"])
+    with pytest.raises(SystemExit, match="workers='x': expected an integer >= 1"):
+        gpu_check.main(["workers=x"])
 
 
 KILLED_PART = """
