@@ -28,7 +28,7 @@ NEEDS = [(m, d, v, carry == "yes", why) for m, d, v, carry, why in
          (line.split(maxsplit=4) for line in _TABLE.strip().splitlines())]
 MINIMUM = {"pyarrow": "24"}  # what a carried package needs of one that is not carried
 SDIST_ONLY = {"antlr4-python3-runtime"}  # no wheel on the index: `pip wheel` builds a pure-Python one
-WHEEL_DIR = ".whl"  # in the repository root, ignored by git (.git/info/exclude)
+WHEEL_DIR = ".whl"  # in the repository root, ignored by git (.gitignore)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
@@ -86,7 +86,6 @@ def install_lines(python_version: str = "3.12") -> list[str]:
     return [
         "# here, in the repository root (its Python may differ from the GPU machine's: wheels are fetched for "
         f"CPython {python_version} x86-64)",
-        f"echo /{WHEEL_DIR}/ >> .git/info/exclude",
         f"python3 -m pip download --no-deps --only-binary=:all: --python-version {python_version} --implementation cp "
         f"{platforms} -d {WHEEL_DIR} " + " ".join(wheels),
         f"python3 -m pip wheel --no-deps -w {WHEEL_DIR} " + " ".join(sdists),
