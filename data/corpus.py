@@ -460,7 +460,7 @@ class TextFilesCorpus:
 
         # One pass over Arrow batches (no map: no second Arrow copy of the text).
         keep_parts, key_parts = [np.zeros(0, dtype=bool)], [np.zeros(0, dtype=np.uint64)]
-        for table in documents.with_format("arrow").iter(batch_size=10_000):
+        for table in documents.with_format("arrow").iter(batch_size=1000):  # memory: one batch of text
             texts = [t or "" for t in table.column("text").to_pylist()]
             keep_parts.append(np.fromiter((bool(t) and not t.isspace() for t in texts), dtype=bool, count=len(texts)))
             key_parts.append(np.fromiter(map(document_key, texts), dtype=np.uint64, count=len(texts)))
