@@ -452,6 +452,21 @@ def _describe(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
+def _strategy_name(cfg) -> str:
+    strategy = cfg.trainer.get("strategy") if "trainer" in cfg else None
+    return str(strategy.get("_target_") if hasattr(strategy, "get") else strategy)
+
+
+def _loads_sharded(cfg) -> bool:
+    """Whether the run's strategy resumes a sharded (torch.distributed.checkpoint) directory."""
+    from hydra.utils import get_class
+
+    try:
+        return issubclass(get_class(_strategy_name(cfg)), LightningFSDPStrategy)
+    except Exception:  # noqa: BLE001 - a strategy name ("ddp", "auto") or no trainer section
+        return _strategy_name(cfg).startswith("fsdp")
+
+
 def check_resume(ckpt_path, cfg) -> dict[str, Any]:
     """``train.py ckpt_path=...``: a usable checkpoint whose scheme and model match the run's config.
 
@@ -460,6 +475,12 @@ def check_resume(ckpt_path, cfg) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf
 
+    if Path(ckpt_path).is_dir() and not _loads_sharded(cfg):
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} is a sharded checkpoint (a directory written by trainer=fsdp with "
+            f"state_dict_type=sharded), which only trainer=fsdp resumes; this run's trainer.strategy is "
+            f"{_strategy_name(cfg)}. Resume it with trainer=fsdp, or start from its weights with "
+            f"init_from={ckpt_path} (a fresh optimizer)")
     ckpt = verified(ckpt_path, "ckpt_path")
     run = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("pe", "model")}
     diffs = config_mismatches(ckpt["hyper_parameters"], run)

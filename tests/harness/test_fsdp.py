@@ -240,3 +240,19 @@ def test_state_dict_type_auto_shards_models_whose_full_state_is_costly():
     assert auto_state_dict_type(355_000_000) == "sharded"  # gpt2_medium: 4.0 GiB
     with pytest.raises(ValueError, match="trainer.strategy.state_dict_type must be auto, full or sharded, got 'shard'"):
         FSDPStrategy(state_dict_type="shard")
+
+
+def test_a_sharded_checkpoint_resumes_under_fsdp_only(fsdp):
+    """A directory passed where a run's strategy expects a file (DDP, one device) is refused in one
+    line before any work, saying what would resume it; under trainer=fsdp it passes the checks."""
+    from pelab.checkpoint import CheckpointError, check_resume
+    from tests.harness.test_train import compose_config
+
+    sharded(fsdp)
+    path = fsdp["dir"] / "sharded" / "step4.ckpt"
+    model = ["model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.block_size=32", f"ckpt_path={path}"]
+    for trainer in ("default", "ddp"):
+        with pytest.raises(CheckpointError, match=rf"ckpt_path={path} is a sharded checkpoint .* only trainer=fsdp "
+                                                  r"resumes; this run's trainer.strategy is \w+\. Resume it with"):
+            check_resume(path, compose_config([f"trainer={trainer}", *model]))
+    assert check_resume(path, compose_config(["trainer=fsdp", *model]))["global_step"] == 4
