@@ -19,7 +19,9 @@ even opened. When only mtimes differ (a corpus file touched, the cache copied), 
 runs once: the corpus's full fingerprint, the sha256 of each ``.bin`` whose mtime moved. If they
 match, ``meta.json`` records the new mtimes and the cache is used; otherwise it is rebuilt, one
 line saying why (a ``.bin`` written in place, its size kept, is caught here: its mtime moves and
-its sha256 differs).
+its sha256 differs). Corpora without a cheap fingerprint (the embedded 6 MB one) are
+fingerprinted in full. ``verify=True`` (scripts/prepare_data.py) runs the full check whatever
+the mtimes: it also sees a hub corpus changed upstream and bit rot that kept the mtime.
 
 **One builder.** The check-and-build runs under a ``filelock.FileLock`` on
 ``out_dir/build.lock``: whichever process (rank, node, sweep job) takes it first builds; the

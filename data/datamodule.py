@@ -180,7 +180,7 @@ class TextDataModule(StreamDataModule):
         self.block_size, self.batch_size = block_size, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers, self.seed, self.train_samples = num_workers, seed, train_samples
-        self.tokenize_num_proc = tokenize_num_proc  # datasets.map processes for big hub corpora
+        self.tokenize_num_proc = tokenize_num_proc  # tokenizer threads for big corpora (data/cache.py)
         root = Path(data_dir) if data_dir else cache_dir() / "data"
         self.token_dir = root / corpus.cache_name / tokenizer_slug(tokenizer)
         self.meta: dict | None = None
