@@ -145,7 +145,8 @@ class GPT(nn.Module):
             span = k_positions if cache is None else cache.span
         dtype = self._compute_dtype(idx.device)
         x = self.embed(idx, positions)
-        backend = self.attention(idx.device, attention, dtype, queries=T)
+        backend = self.attention(idx.device, attention, dtype, queries=T, batch=idx.shape[0],
+                                 documents=documents is not None)
         contexts = layer_contexts(self.pe, len(self.blocks), positions, backend, k_positions, span, dtype,
                                   q_chunk if cache is None else None,
                                   always_mask=past > 0 and T > 1,  # several new tokens after a cache
@@ -203,13 +204,13 @@ class GPT(nn.Module):
     generate = generate  # model/generate.py: KV-cache decoding with top-k / top-p sampling
 
     def attention(self, device: torch.device, name: str | None = None, dtype: torch.dtype = torch.float32,
-                  queries: int | None = None):
+                  queries: int | None = None, batch: int | None = None, documents: bool = False):
         """The attention backend of a forward now: ``name`` or ``model.attention`` resolved
-        for this scheme, device, dtype, dropout, grad mode and number of queries
-        (model/attention/__init__.py)."""
+        for this scheme, device, dtype, dropout, grad mode, number of queries, batch size and
+        packed documents (model/attention/__init__.py)."""
         dropout = self.config.dropout if self.training else 0.0
         return resolve(name or self.config.attention, self.pe, device, dtype, dropout, torch.is_grad_enabled(),
-                       queries)
+                       queries, documents, batch, len(self.blocks))
 
     def attention_backend(self, device: torch.device, name: str | None = None,
                           dtype: torch.dtype = torch.float32) -> str:

@@ -37,21 +37,74 @@ def auto(pe: Any, device: torch.device, dropout: float) -> str:
 
 
 def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
-            grad: bool = False, queries: int | None = None) -> AttentionBackend:
+            grad: bool = False, queries: int | None = None, documents: bool = False, batch: int | None = None,
+            layers: int = 1) -> AttentionBackend:
     """The backend that runs ``name`` (a value of model.attention) for this forward: ``auto``
     decided, a backend that does not apply replaced by the first of its fallbacks that does
     (``math`` applies everywhere), flex for a single query (decoding) served by ``math``, and
     SDPA with a learned bias under autograd on CPU served by ``bias_grad`` (SDPA would take
-    its float32 math path)."""
+    its float32 math path).
+
+    ``documents``: packed documents. On CUDA ``auto`` then takes flex where it applies (no
+    dropout): its document BlockMask skips the blocks with no pair of one document, where SDPA
+    would get a dense (B, 1, T, T) mask and compute every block. CPU routes are unchanged.
+    ``batch`` (with ``queries`` and ``layers``): a CUDA training forward that resolves to
+    ``math`` is refused before any compute when math's float32 (B, H, T, T) tensors would not
+    fit in the device's free memory (``check_math_memory``)."""
     backend = BACKENDS[auto(pe, device, dropout) if name == "auto" else name]
     if backend.name != "flex" and not backend.supports(pe, device, dtype, dropout, grad):  # flex says why
         backend = next(BACKENDS[n] for n in backend.fallback if BACKENDS[n].supports(pe, device, dtype, dropout, grad))
+    if (name == "auto" and documents and device.type == "cuda" and backend.name != "flex"
+            and BACKENDS["flex"].supports(pe, device, dtype, dropout, grad)):
+        backend = BACKENDS["flex"]
     if backend.name == "flex" and queries == 1:  # one decoded token: a compiled kernel per cache length buys nothing
         backend = BACKENDS["math"]
     bias_grad = BACKENDS["bias_grad"]
     if backend.name == "sdpa" and bias_grad.supports(pe, device, dtype, dropout, grad):
         backend = bias_grad
+    if backend.name == "math" and grad and device.type == "cuda" and batch is not None and queries is not None:
+        check_math_memory(name, pe, device, dtype, dropout, batch, queries, layers)
     return backend
+
+
+def math_training_bytes(batch: int, heads: int, queries: int, keys: int, layers: int, dropout: float,
+                        mask_bytes: int = 1) -> int:
+    """Bytes of (B, H, Tq, Tk) tensors the ``math`` backend holds in a training forward: per
+    layer, kept for the backward, the float32 probabilities and, with dropout, the dropped
+    probabilities (float32) and the dropout mask (``mask_bytes`` an element: CUDA's dropout
+    keeps a bool mask, CPU's a float32 one); plus the float32 scores and scores + mask of the
+    layer being computed."""
+    scores = batch * heads * queries * keys
+    return scores * ((8 + mask_bytes if dropout else 4) * layers + 8)
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes this process can still allocate on a CUDA device: the driver's free memory and
+    what the caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_math_memory(name: str, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, batch: int,
+                      queries: int, layers: int) -> None:
+    """Refuse a CUDA training forward on ``math`` whose (B, H, T, T) tensors do not fit, with
+    the estimate and the ways out (before any attention is computed)."""
+    need, free = math_training_bytes(batch, pe.n_head, queries, queries, layers, dropout), free_device_bytes(device)
+    if need <= free:
+        return
+    gib = 2 ** 30
+    route = "model.attention=math" if name == "math" else f"model.attention={name} with pe={pe.name} resolves to math"
+    why = (f"model.dropout={dropout} in {str(dtype).removeprefix('torch.')}: flex has no attention dropout and SDPA "
+           f"needs a float32 mask in float32 compute" if name != "math" and dropout else "")
+    ways = ["model.dropout=0 (pe's bias on flex)" if dropout and BACKENDS["flex"].fits(pe, device, dtype, True)
+            else None,
+            "trainer.precision=32-true (SDPA with a float32 mask)" if dtype != torch.float32 else None,
+            "another model.attention (sdpa, flex)" if name == "math" else None,
+            "a smaller data.batch_size or model.block_size"]
+    raise ValueError(
+        f"{route}{' (' + why + ')' if why else ''}, which keeps float32 (B, H, T, T) attention tensors per layer: "
+        f"about {need / gib:.1f} GiB for batch {batch} x {pe.n_head} heads x T={queries} x {layers} layers, more than "
+        f"the {free / gib:.1f} GiB free on {device}. Ways out: {'; '.join(w for w in ways if w)}")
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> Tensor:
@@ -80,4 +133,4 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> T
 
 
 __all__ = ["AUTO_CPU_KEY_ONLY", "BACKENDS", "CHOICES", "AttentionBackend", "AttentionRecorder", "Terms", "attend",
-           "auto", "resolve"]
+           "auto", "check_math_memory", "math_training_bytes", "resolve"]

@@ -156,3 +156,132 @@ def test_a_block_mask_first_built_under_inference_mode_is_a_normal_tensor():
         mask = flex.block_mask(48, 48, torch.device("cpu"))
     assert not mask.kv_num_blocks.is_inference() and not mask.kv_indices.is_inference()
     assert flex.block_mask(48, 48, torch.device("cpu")) is mask  # cached
+
+
+# --------------------------------------------------------------------------------------
+# packed documents on CUDA: flex's block-sparse document mask, not SDPA's dense one
+# --------------------------------------------------------------------------------------
+
+
+def documents_of(lengths: list[int], batch: int = 2) -> torch.Tensor:
+    """(B, T) document ids of documents of these lengths, packed one after another."""
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(batch, -1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_document_masks_on_cuda_take_flex(precision):
+    """Every scheme's ``auto`` route on CUDA with packed documents is flex (a BlockMask that
+    skips blocks), where flex applies: not with attention dropout (flex has none; the route is
+    then the one without documents). CPU routes and an explicit model.attention are unchanged."""
+    dtype, cpu = DTYPES[precision], torch.device("cpu")
+    for scheme in sorted(SCHEMES):
+        for dropout in (0.0, 0.2):
+            cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout)
+            pe = SCHEMES[scheme](cfg)
+            plain = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16).name
+            routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, documents=True).name
+            assert routed == ("flex" if not dropout else plain), (scheme, dropout, routed)
+            for device, name in ((cpu, "auto"), (CUDA, "sdpa"), (CUDA, "math")):
+                assert (resolve(name, pe, device, dtype, dropout, grad=True, queries=16, documents=True).name
+                        == resolve(name, pe, device, dtype, dropout, grad=True, queries=16).name)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(cfg, SCHEMES["rope"](cfg)).train()  # GPT.hidden hands the forward's batch and documents over
+    assert model.attention(CUDA, dtype=dtype, queries=16, batch=2, documents=True).name == "flex"
+
+
+def test_document_masked_attention_on_the_cuda_route_skips_blocks(monkeypatch, scheme="t5"):
+    """The CUDA route run on CPU (a spy on SDPA and on flex's BlockMask): no dense mask reaches
+    SDPA, the key blocks flex visits fall as documents shrink (one document: causal's 3 of the
+    2 x 2 blocks of 128; two: 2), and the output is the CPU route's (SDPA with the dense mask)."""
+    import torch.nn.attention.flex_attention as fa
+
+    calls, masks, real = sdpa_calls(monkeypatch), [], fa.flex_attention
+    monkeypatch.setattr(fa, "flex_attention", lambda *a, **kw: masks.append(kw["block_mask"]) or real(*a, **kw))
+    cfg = GPTConfig(vocab_size=32, block_size=256, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    model = GPT(cfg, SCHEMES[scheme](cfg)).eval()
+    backend = resolve("auto", model.pe, CUDA, torch.float32, 0.0, queries=256, documents=True)
+    assert backend.name == "flex"
+    x, positions = torch.randn(2, 256, cfg.n_embd), torch.arange(256)
+    visited = []
+    for lengths in ([256], [128, 128], [100, 28, 64, 64]):
+        documents = documents_of(lengths)
+        with torch.no_grad():
+            ctx = layer_contexts(model.pe, 1, positions, backend, documents=documents)[0]
+            y = model.blocks[0](x, ctx)
+            assert not calls
+            mask = masks.pop()
+            visited.append(int(mask.kv_num_blocks.sum() + (0 if mask.full_kv_num_blocks is None
+                                                             else mask.full_kv_num_blocks.sum())))
+            ref_backend = model.attention(torch.device("cpu"), queries=256, batch=2, documents=True)
+            ref = model.blocks[0](x, layer_contexts(model.pe, 1, positions, ref_backend, documents=documents)[0])
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        calls.clear()
+    assert visited == [2 * 3, 2 * 2, 2 * 2]  # per sequence: blocks with a pair of one document
+
+
+# --------------------------------------------------------------------------------------
+# a bias with attention dropout in bf16/fp16 on CUDA: math, refused when it does not fit
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_math_training_bytes_counts_what_math_keeps_for_the_backward(dropout):
+    """The estimate's per-layer part against the (B, H, T, T) tensors the math backend actually
+    saves for the backward (autograd's saved-tensor hooks, distinct storages)."""
+    from model.attention import math_training_bytes
+
+    B, H, T = 2, 3, 20
+    saved = {}
+
+    def pack(t):
+        if t.shape[-2:] == (T, T) and t.numel() == B * H * T * T:
+            saved[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    q, k, v = (torch.randn(B, H, T, 8, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        BACKENDS["math"](q, k, v, mask, dropout)
+    mask_bytes = 4  # CPU's dropout keeps a float32 mask (CUDA's native_dropout a bool one: 1 byte)
+    transient = math_training_bytes(B, H, T, T, 0, dropout, mask_bytes)  # the layer being computed
+    assert sum(saved.values()) == math_training_bytes(B, H, T, T, 1, dropout, mask_bytes) - transient
+    assert sum(saved.values()) == B * H * T * T * (4 + 4 + 4 if dropout else 4)  # probs, dropped probs, mask
+
+
+def test_a_bias_with_dropout_in_bf16_on_cuda_is_refused_when_math_does_not_fit(monkeypatch):
+    """Every scheme whose bf16/fp16 training route with model.dropout > 0 on CUDA is math (a
+    bias with no exact route with dropout) is refused at resolve time, before any compute, with
+    the estimate and the ways out, when math's tensors exceed the free memory; it runs where
+    they fit. At gpt2 size (B 16, 12 heads, T 1024, 12 layers) with dropout: 16*12*1024^2*(9*12
+    + 8) bytes = 21.75 GiB."""
+    import model.attention as attention
+
+    free = {"bytes": 8 * 2 ** 30}
+    monkeypatch.setattr(attention, "free_device_bytes", lambda device: free["bytes"])
+    cfg = GPTConfig(vocab_size=32, block_size=1024, n_layer=12, n_head=12, n_embd=48, dropout=0.1)
+    refused = []
+    for scheme in sorted(SCHEMES):
+        pe = SCHEMES[scheme](cfg)
+        for precision in ("bf16", "fp16"):
+            shape = dict(queries=1024, batch=16, layers=12)
+            if resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True).name != "math":
+                resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape)  # not checked: no math
+                continue
+            refused.append((scheme, precision))
+            with pytest.raises(ValueError) as err:
+                resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape)
+            message = str(err.value)
+            assert f"model.attention=auto with pe={scheme} resolves to math" in message
+            assert "about 21.8 GiB for batch 16 x 12 heads x T=1024 x 12 layers, more than the 8.0 GiB free" in message
+            assert "model.dropout=0" in message and "trainer.precision=32-true" in message
+            # no check without autograd (evaluation), or where it fits, or for fp32 (SDPA)
+            assert resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=False, **shape).name == "math"
+            free["bytes"] = 22 * 2 ** 30
+            assert resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape).name == "math"
+            free["bytes"] = 8 * 2 ** 30
+            assert resolve("auto", pe, CUDA, torch.float32, 0.1, grad=True, **shape).name != "math"
+    assert ("t5", "bf16") in refused and ("fire", "fp16") in refused  # the routes of test_auto_on_cuda_...
+    with pytest.raises(ValueError, match=r"model.attention=math, which keeps .* Ways out: .*another model.attention"):
+        resolve("math", SCHEMES["rope"](cfg), CUDA, torch.bfloat16, 0.0, grad=True, queries=1024, batch=16, layers=12)
