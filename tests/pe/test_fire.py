@@ -86,7 +86,8 @@ def test_fire_loads_checkpoints_with_scalar_parameters():
     torch.testing.assert_close(pe.bias(positions, positions).double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [[list(range(4, 16))] * 2, [list(range(12)), [0, 1, 2, 0, 1, 9, 10, 11, 12, 13, 30, 31]]],
+@pytest.mark.parametrize("rows", [[list(range(4, 16))] * 2,
+                                  [list(range(12)), [0, 1, 2, 0, 1, 9, 10, 11, 12, 13, 30, 31]]],
                          ids=["shared", "per-sequence"])
 def test_fire_trains_through_flex_with_the_reference_gradients(monkeypatch, rows):
     """FIRE's CUDA training route: flex under autograd, compiled (here on CPU by dynamo with the
