@@ -153,6 +153,10 @@ def lock_run_dir(output_dir: Path) -> None:
     lock = FileLock(output_dir / LOCK_FILE, timeout=0)
     try:
         lock.acquire()
+    except (NotImplementedError, PermissionError) as err:  # a filesystem without flock (filelock 3), read-only
+        print(f"[pelab] run dir {output_dir} cannot be locked ({type(err).__name__}: {err}): a second run started "
+              "in it would not be stopped", flush=True)
+        return
     except Timeout:
         try:
             owner = (output_dir / OWNER_FILE).read_text().strip() or "another process"
