@@ -193,8 +193,9 @@ def main(argv: list[str]) -> int:
         print(plan_text(shown, others, gpus, out, work))
         return 0
 
-    from gpucheck.runner import STOP_GRACE_S, Report, child_env, machine, run_lanes
+    from gpucheck.runner import STOP_GRACE_S, Report, child_env, default_sigint, machine, run_lanes
 
+    default_sigint()
     report = Report(out, work, machine(), budget_s, part)
     deadline = report.t0 + budget_s - STOP_GRACE_S  # a step stopped at its deadline ends within the budget
     report.say(f"[gpu_check] {gpus} GPU(s); {f'part {part}; ' if part else ''}report in {out}; work files in "

@@ -19,6 +19,7 @@ from gpucheck.steps import ROOT, Outcome, Result, Step
 
 MIN_START_S = 45  # a step is not started with less of the budget left than this
 TRAIN_PARALLEL = 3  # train.py runs at once (tiny models: the GPU has room; timings are not taken from them)
+HEARTBEAT_S = 30  # the report is also rewritten this often while steps run
 STOP_GRACE_S = 40  # stop_group's SIGINT, SIGTERM, SIGKILL waits: a step ends at most this long after its deadline
 # what the output folder holds, all directly in it: a borrowed GPU machine returns at most 8 files
 EXPORTED = ("gpu_check.json", "gpu_check.md", "gpu_check.log", "cuda-tests.xml", "bench.jsonl", "logs.tgz")
@@ -52,13 +53,18 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def default_sigint() -> None:
-    """In the child before exec: SIGINT back to its default. A runner started in the background
-    by a non-interactive shell has SIGINT ignored, which children inherit, and pytest then
-    never sees the SIGINT that ``stop_group`` sends first."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """SIGINT back to its default in this process, for the steps it starts: a runner started in
+    the background by a non-interactive shell has SIGINT ignored, which children inherit (a
+    handled signal is reset to its default at exec, an ignored one stays ignored), and pytest then
+    never sees the SIGINT that ``stop_group`` sends first. Called once from the main thread before
+    any step starts (not as Popen's preexec_fn: unsafe while other threads run steps)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int) -> Outcome:
+def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int, started=None) -> Outcome:
+    """The step in its own process group, stopped at its timeout or the deadline; ``started(step)``
+    is called once its process runs (its log then holds the command)."""
     if step.gpus > gpus:
         return Outcome(step, "skip", f"needs {step.gpus} GPUs, {gpus} present")
     left = deadline - time.monotonic()
@@ -72,7 +78,9 @@ def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int) -> Ou
         log.write(f"$ {step.shown()}\n")
         log.flush()
         proc = subprocess.Popen(step.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=default_sigint)
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        if started:
+            started(step)
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -111,9 +119,7 @@ def run_all(steps: list[Step], out: Path, env: dict, deadline: float, gpus: int,
         results: dict[str, Outcome] = {}
 
         def one(step: Step) -> None:
-            if started:
-                started(step)
-            outcome = results[step.name] = run_step(step, out, env, deadline, gpus)
+            outcome = results[step.name] = run_step(step, out, env, deadline, gpus, started)
             say(f"[gpu_check] {step.name}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else "")
                 + f", {outcome.seconds:.0f} s")
             for target in outcome.numbers.get("targets", []):  # the bench's performance targets
@@ -142,10 +148,14 @@ def run_lanes(lanes: list[list[Step]], work: Path, env: dict, deadline: float, g
                              finished=report.finished, parallel=parallel)
 
     threads = [threading.Thread(target=lane, args=(i,)) for i in range(len(lanes))]
-    for t in threads:
+    done = threading.Event()
+    beat = threading.Thread(target=report.heartbeat, args=(done,), daemon=True)
+    for t in [*threads, beat]:
         t.start()
     for t in threads:
         t.join()
+    done.set()
+    beat.join()
     return [o for lane_outcomes in results for o in lane_outcomes]
 
 
@@ -180,6 +190,12 @@ class Report:
         with self.lock:
             self.running.pop(outcome.step.name, None)
             self.outcomes.append(outcome)
+            self.write()
+
+    def heartbeat(self, done: threading.Event) -> None:
+        """Rewrite the report every HEARTBEAT_S until ``done``: a part stopped during a long step
+        still returns that step's log up to shortly before."""
+        while not done.wait(HEARTBEAT_S):
             self.write()
 
     def write(self) -> Path:

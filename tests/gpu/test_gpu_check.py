@@ -363,7 +363,8 @@ def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monk
 
 
 KILLED_PART = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a runner started in the background by a non-interactive shell
 sys.path.insert(0, {scripts!r})
 import torch
 import gpu_check
@@ -375,17 +376,19 @@ runner.machine = lambda: {{"host": "h", "python": "3", "torch": "t", "cuda": "c"
                           "gpus": []}}
 gpu_check.preflight = lambda gpus: steps.Outcome(steps.Step("preflight", "preflight", "", [], 60, None), "pass")
 
-def step(name, code, group="test"):
+def step(name, code, group="test", timeout_s=600):
     def parse(result):
         bad = steps.ok_exit(result)
         return (*bad, {{}}) if bad else ("pass", "", {{"said": result.log.strip().splitlines()[-1]}})
-    return steps.Step(name, group, "stand-in", [sys.executable, "-c", code], 600, parse)
+    return steps.Step(name, group, "stand-in", [sys.executable, "-c", code], timeout_s, parse)
 
 def fake_parts(work, schemes, gpus, workers):
     metrics = "import pathlib; p = pathlib.Path({work!r}) / 'train' / 'r' / 'csv'; p.mkdir(parents=True); "
     metrics += "(p / 'metrics.csv').write_text(chr(10).join(['step,train/tokens_per_sec', '1,5.0'])); print('trained')"
     slow = "import os, time; open({pid!r}, 'w').write(str(os.getpid())); print('sleeping', flush=True); time.sleep(600)"
-    lanes = [[step("quick", "print('quick done')"), step("slow", slow)],
+    # stopped at its timeout by SIGINT, which must reach it (else SIGTERM only after 20 s)
+    hung = step("hung", "import time; time.sleep(600)", timeout_s=2)
+    lanes = [[step("quick", "print('quick done')"), hung, step("slow", slow)],
              [step("trained", metrics, "train"), step("broken", "raise SystemExit('broken: reason')")]]
     return {{"1": steps.Part("1", "stand-ins", 540, lanes)}}
 
@@ -409,7 +412,7 @@ def test_a_part_killed_midway_leaves_the_report_of_what_finished(tmp_path):
             time.sleep(0.1)
             if (out / "gpu_check.json").is_file():
                 report = json.loads((out / "gpu_check.json").read_text())
-                if report["summary"].get("running") == 1 and sum(report["summary"].values()) == 5:
+                if report["summary"].get("running") == 1 and sum(report["summary"].values()) == 6:
                     break
         assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
         proc.kill()  # SIGKILL: nothing of gpu_check's own runs after this
@@ -422,6 +425,8 @@ def test_a_part_killed_midway_leaves_the_report_of_what_finished(tmp_path):
     assert statuses["preflight"][0] == "pass" and statuses["quick"][0] == "pass"
     assert statuses["broken"] == ("fail", "exit code 1: broken: reason")
     assert statuses["trained"][0] == "pass" and statuses["slow"][0] == "running"
+    hung = next(s for s in report["steps"] if s["name"] == "hung")
+    assert hung["status"] == "fail" and hung["reason"].startswith("timed out") and hung["seconds"] < 15
     entries = sorted(p.name for p in out.iterdir())
     assert len(entries) <= 8 and all((out / e).is_file() for e in entries), entries
     assert set(entries) <= set(runner.EXPORTED)
