@@ -354,8 +354,9 @@ def _verify_records(path: Path, where: str) -> None:
 
 def _read_sharded(path: Path, where: str, for_resume: bool, verify: bool) -> dict[str, Any]:
     """A sharded checkpoint directory (Lightning's FSDP ``state_dict_type=sharded``): complete,
-    its ``meta.pt`` a pelab checkpoint's, its shards all there (and as long as ``.metadata``
-    says, with ``verify``), the optimizer state in it for a resume."""
+    its ``meta.pt`` a pelab checkpoint's, its shards all there and as long as ``.metadata`` says,
+    the optimizer state in it for a resume. torch.distributed.checkpoint stores no checksums, so
+    ``verify`` adds nothing here."""
     incomplete = sharded_complete(path)
     if incomplete:
         raise CheckpointError(f"{where} is {incomplete}; use another checkpoint such as a step*.ckpt next to it")
