@@ -152,11 +152,11 @@ def targets(rows: list[dict]) -> list[dict]:
     config, precision and compile setting); each document-masked row cheaper than its scheme
     without documents (step ratio < 1)."""
     found = []
-    biased = _bias_schemes()
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if row.get("device") == "cuda":
             groups.setdefault((row["config"], row["precision"], row["compile"], row["block_size"]), []).append(row)
+    biased = _bias_schemes() if groups else set()
     for (cfg, precision, compile_, T), group in groups.items():
         where = f"{cfg} T={T} {precision}{' compiled' if compile_ else ''}"
         plain = {r["scheme"]: r for r in group if r["path"] == "pelab"}
