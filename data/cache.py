@@ -119,7 +119,7 @@ def cache_mismatch(meta: dict, out_dir: Path, tokenizer, tokenizer_hash: str, st
             if path.stat().st_size != expected:
                 return (f"{path.name} has {path.stat().st_size} bytes, expected {expected} "
                         f"({info['num_tokens']} tokens x {dtype.itemsize})"), False
-            if not 0 <= info["max_id"] < tokenizer.vocab_size:
+            if not -1 <= info["max_id"] < tokenizer.vocab_size:  # -1: no tokens
                 return f"{path.name} holds id {info['max_id']}, outside the vocabulary of {tokenizer.vocab_size}", False
         if meta.get("corpus_stat") != stat:
             return "corpus files changed (paths, sizes or mtimes)", True
