@@ -65,7 +65,7 @@ def test_concurrent_preparers_build_once_and_agree(tmp_path):
     ctx = multiprocessing.get_context("fork")
     start, results = ctx.Barrier(3), ctx.Queue()
     out = tmp_path / "shared"
-    procs = [ctx.Process(target=preparer, args=(str(out), str(tmp_path / "c"), start, results, 1.0))
+    procs = [ctx.Process(target=preparer, args=(str(out), str(tmp_path / "c"), start, results, 2.0))
              for _ in range(3)]
     for p in procs:
         p.start()
