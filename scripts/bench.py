@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from _common import parse_key_values, split_list
+from _common import integer, parse_key_values, split_list
 
 OPTIONS = {
     "configs": "comma-separated VOCAB-SIZE[:scheme+scheme...], VOCAB byte|gpt2, SIZE a conf/model file "
@@ -146,12 +146,12 @@ def main(argv: list[str]) -> int:
             "documents": args.get("documents", "none"),
             "doc_length_arg": int(args["doc_length"]) if "doc_length" in args else None,
             "documents_schemes": documents_schemes,
-            "warmup_parallel": int(args.get("warmup_parallel", 1)),
+            "warmup_parallel": integer("warmup_parallel", args.get("warmup_parallel", "1"), minimum=1),
             "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
     if opts["documents"] not in ("none", "mask", "both"):
         raise SystemExit(f"documents={opts['documents']!r}: expected none, mask or both")
-    if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1 or opts["warmup_parallel"] < 1:
-        raise SystemExit("rounds, steps, warmup and warmup_parallel must be >= 1")
+    if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:
+        raise SystemExit("rounds, steps and warmup must be >= 1")
     # the matmul peak is measured first, on a machine the bench has not loaded yet
     opts["peaks"] = {p: peak_flops(opts["device"], p) for p in precisions}
     children = Children()

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, describe_options, parse_key_values
+from _common import ROOT, describe_options, integer, number, parse_key_values
 
 OPTIONS = {
     "part": "1 or 2: one part of the acceptance (plan=true lists them); default: the steps of steps= one after another",
@@ -139,17 +139,6 @@ def usage() -> str:
     return f"{__doc__.strip()}\n\noptions (key=value):\n{describe_options(OPTIONS)}"
 
 
-def _number(args: dict, key: str, default, kind, allowed: str):
-    """``args[key]`` as ``kind`` (> 0), else a clear error naming the key, the value and what is allowed."""
-    try:
-        value = kind(args.get(key, default))
-    except ValueError:
-        value = None
-    if value is None or value <= 0:
-        raise SystemExit(f"{key}={args.get(key)!r}: expected {allowed}")
-    return value
-
-
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help", "help") for arg in argv):
         print(usage())
@@ -168,7 +157,7 @@ def main(argv: list[str]) -> int:
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.get("out") or ROOT / "outputs" / "gpu_check" / stamp).resolve()
     work = Path(args.get("work") or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}").resolve()
-    workers = _number(args, "workers", WORKERS, int, "an integer >= 1")
+    workers = integer("workers", args.get("workers", str(WORKERS)), minimum=1)
     every = all_steps(work, sorted(SCHEMES), gpus, workers)
     part = args.get("part")
     plan_only = args.get("plan", "false").lower() in ("1", "true", "yes")
@@ -179,10 +168,10 @@ def main(argv: list[str]) -> int:
         chosen = {s.name for s in select(by_part[part].steps(), args.get("steps"))}
         lanes = [[s for s in lane if s.name in chosen] for lane in by_part[part].lanes]
         lanes = [lane for lane in lanes if lane]
-        budget_s = _number(args, "budget_s", by_part[part].budget_s, float, "seconds > 0")
+        budget_s = number("budget_s", args.get("budget_s", str(by_part[part].budget_s)), above=0)
     else:
         lanes = [select(every, args.get("steps"))]
-        budget_s = _number(args, "budget_s", BUDGET_S, float, "seconds > 0")
+        budget_s = number("budget_s", args.get("budget_s", str(BUDGET_S)), above=0)
     if plan_only or not gpus:
         if not gpus:
             print("[gpu_check] no CUDA device here: nothing is run. On a GPU machine this command runs the plan "

@@ -358,7 +358,7 @@ def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monk
     assert len(runner.EXPORTED) <= 8
     with pytest.raises(SystemExit, match="part='3': expected one of 1, 2"):
         gpu_check.main(["part=3"])
-    with pytest.raises(SystemExit, match="workers='x': expected an integer >= 1"):
+    with pytest.raises(SystemExit, match="workers='x' is not valid: expected an integer >= 1"):
         gpu_check.main(["workers=x"])
 
 
