@@ -170,6 +170,24 @@ class FSDPStrategy(LightningFSDPStrategy):
     ``meta.pt`` are on disk.
     """
 
+    # Lightning refuses FSDP without a GPU only for its own class (an exact type check in its
+    # accelerator connector); this subclass keeps that refusal, at the same point (building the
+    # Trainer). tests/harness/fsdp_worker.py lifts it to run FSDP on gloo CPU processes.
+    cpu_for_tests = False
+
+    @property
+    def accelerator(self):
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator) -> None:
+        from lightning.pytorch.accelerators import CUDAAccelerator
+
+        if accelerator is not None and not isinstance(accelerator, CUDAAccelerator) and not self.cpu_for_tests:
+            raise ValueError(f"trainer.accelerator: trainer=fsdp (FSDP) needs GPUs, got {type(accelerator).__name__}; "
+                             "set trainer.accelerator=gpu, or use trainer=default / trainer=ddp on this machine")
+        self._accelerator = accelerator
+
     def __init__(self, *args: Any, state_dict_type: str = "auto", **kwargs: Any) -> None:
         if state_dict_type not in ("auto", "full", "sharded"):
             raise ValueError(f"trainer.strategy.state_dict_type must be auto, full or sharded, got "

@@ -220,6 +220,7 @@ def fit(strategy_kwargs: dict, out: Path, ckpt_path=None, seed: int = 0):
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("config", overrides=["trainer=fsdp"])
     strategy = hydra.utils.instantiate(cfg.trainer.strategy, **strategy_kwargs)
+    strategy.cpu_for_tests = True  # (and CPUDeviceFSDP: the CPU as FSDP's device)
     data = L.LightningDataModule()
     data.train_dataloader = lambda: stream_loader(data.trainer)
     torch.manual_seed(seed)

@@ -256,3 +256,14 @@ def test_a_sharded_checkpoint_resumes_under_fsdp_only(fsdp):
                                                   r"resumes; this run's trainer.strategy is \w+\. Resume it with"):
             check_resume(path, compose_config([f"trainer={trainer}", *model]))
     assert check_resume(path, compose_config(["trainer=fsdp", *model]))["global_step"] == 4
+
+
+def test_the_preset_strategy_still_refuses_a_cpu_trainer():
+    """Lightning refuses FSDP on a CPU only for its own class (an exact type check): the subclass
+    keeps the refusal, as one line when the Trainer is built (before any data is read)."""
+    import lightning as L
+
+    from pelab.checkpoint import FSDPStrategy
+
+    with pytest.raises(ValueError, match="trainer.accelerator: trainer=fsdp .FSDP. needs GPUs, got CPUAccelerator"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=FSDPStrategy(), logger=False)
