@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from model.attention.base import Terms
-from model.attention.sdpa import SDPA, default_scale
+from model.attention.sdpa import SDPA, default_scale, mask_dtype
 
 # float32 elements of one tile's (b, H, QUERY_TILE, Tk) tensors: 2 MiB, about one core's L2.
 BLOCK_ELEMENTS = 1 << 19
@@ -168,4 +168,5 @@ class BiasGrad(SDPA):
             return super().__call__(q, k, v, mask, dropout)
         with torch.autocast(v.device.type, enabled=False):
             q, k = q.to(v.dtype), k.to(v.dtype)
-            return attention_with_bias_grad(q, k, v, mask, default_scale(q), bias=bias)
+            mask = mask_dtype(mask, v.dtype)  # float64 for float64 q; the gradient goes back to float32
+            return attention_with_bias_grad(q, k, v, mask, default_scale(q), bias=bias.to(mask.dtype))

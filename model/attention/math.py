@@ -1,4 +1,5 @@
-"""``math``: the attention formula written out in float32, probabilities materialised (probes)."""
+"""``math``: the attention formula written out in float32 (float64 for float64 q), probabilities
+materialised (probes)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ class Math(AttentionBackend):
         return None if chunked else terms.mask(always=True)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float) -> tuple[Tensor, Tensor]:
-        """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32."""
+        """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32 (float64 for float64 v)."""
+        acc = torch.promote_types(v.dtype, torch.float32)
         with torch.autocast(v.device.type, enabled=False):
-            scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
             probs = torch.softmax(scores + mask, dim=-1)
             dropped = F.dropout(probs, dropout) if dropout else probs
-            return torch.matmul(dropped, v.float()).to(v.dtype), probs
+            return torch.matmul(dropped, v.to(acc)).to(v.dtype), probs

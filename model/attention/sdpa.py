@@ -12,13 +12,24 @@ from torch import Tensor
 from model.attention.base import AttentionBackend, Terms
 
 
+def mask_dtype(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A float mask in the wider of its dtype (float32) and the compute dtype: float32 with bf16
+    or fp16 q (the position terms keep float32 accuracy), float64 with float64 q (CPU SDPA's
+    kernels add a float32 mask to float64 scores wrongly from 16 keys on, docs/design.md); a
+    boolean mask as it is."""
+    if mask is None or not mask.is_floating_point():
+        return mask
+    return mask.to(torch.promote_types(mask.dtype, dtype))
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool,
          scale: float | None = None) -> Tensor:
-    """SDPA in the compute dtype of v with a float32 mask added in float32: autocast is off
-    here because it would cast the mask to bf16 (q, k, v already are)."""
+    """SDPA in the compute dtype of v with a float32 mask added in float32 (float64 for float64
+    q, ``mask_dtype``): autocast is off here because it would cast the mask to bf16 (q, k, v
+    already are)."""
     with torch.autocast(v.device.type, enabled=False):
-        return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask, dropout_p=dropout,
-                                              is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask_dtype(mask, v.dtype),
+                                              dropout_p=dropout, is_causal=causal, scale=scale)
 
 
 def default_scale(q: Tensor) -> float:
