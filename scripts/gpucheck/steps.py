@@ -31,10 +31,12 @@ TRAIN_EXTRAS = {
     # what landed after the acceptance was first written, each in one run:
     # packed documents (every paragraph a document): flex's document BlockMask forward and backward
     "t5_documents": ("pe=t5", "data.document_mask=true", "data.corpus.sample_by=paragraph"),
-    # ... and the SDPA routes' bool masks (rope on sdpa, with restarted positions; alibi on sdpa_key)
-    "rope_documents": ("pe=rope", "data.document_mask=true", "data.document_positions=true",
+    # ... and the SDPA routes' bool masks, asked for by name (auto takes flex for documents on CUDA):
+    # rope on sdpa with restarted positions, alibi on sdpa_key
+    "rope_documents": ("pe=rope", "model.attention=sdpa", "data.document_mask=true", "data.document_positions=true",
                        "data.corpus.sample_by=paragraph"),
-    "alibi_documents": ("pe=alibi", "data.document_mask=true", "data.corpus.sample_by=paragraph"),
+    "alibi_documents": ("pe=alibi", "model.attention=sdpa_key", "data.document_mask=true",
+                        "data.corpus.sample_by=paragraph"),
     # attention temperature (a per-query scale of q) with randomized positions
     "rope_temperature_randomized": ("pe=rope", "model.attn_temperature=log_length", "pe.randomize_to=1024"),
     # init_from (train_rope's checkpoint) with training-time RoPE scaling at twice the length

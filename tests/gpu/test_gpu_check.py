@@ -449,8 +449,10 @@ def test_part_1_trains_what_landed_after_the_acceptance_was_written(tmp_path):
     runs = {s.name: s.command for s in lane}
     every = " ".join(" ".join(c) for c in runs.values())
     covering = []
-    for option in ("pe=t5 data.document_mask=true", "pe=rope data.document_mask=true data.document_positions=true",
-                   "pe=alibi data.document_mask=true", "model.attn_temperature=log_length", "pe.randomize_to=",
+    for option in ("pe=t5 data.document_mask=true",
+                   "pe=rope model.attention=sdpa data.document_mask=true data.document_positions=true",
+                   "pe=alibi model.attention=sdpa_key data.document_mask=true", "model.attn_temperature=log_length",
+                   "pe.randomize_to=",
                    "pe.scaling.kind=yarn", "init_from=", "pe=t5 trainer.precision=32-true"):
         assert option in every, option
         covering += [s for s in lane if option in " ".join(s.command) and s not in covering]
@@ -458,6 +460,16 @@ def test_part_1_trains_what_landed_after_the_acceptance_was_written(tmp_path):
     init_from = next(c for cmd in runs.values() for c in cmd if c.startswith("init_from="))
     assert Path(init_from.partition("=")[2]) == steps.run_dir_of(runs["train_rope"]) / "checkpoints" / "last.ckpt"
     assert lane[0].name == "train_rope"
+    # the documents runs take the routes they are for on CUDA, bf16, training (resolve reads only the device type)
+    import torch
+
+    from model.attention import resolve
+    from model.config import GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=32)
+    for scheme, choice, route in (("t5", "auto", "flex"), ("rope", "sdpa", "sdpa"), ("alibi", "sdpa_key", "sdpa_key")):
+        pe = SCHEMES[scheme](cfg)
+        assert resolve(choice, pe, torch.device("cuda"), torch.bfloat16, grad=True, documents=True).name == route
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for step in covering:
             compose("config", overrides=[c for c in step.command[2:] if not c.startswith("hydra.")])
