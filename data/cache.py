@@ -173,16 +173,24 @@ def build_lock(out_dir: Path):
     """Hold ``out_dir/build.lock`` (an OS file lock: released if this process dies); if another
     process holds it, say so once and wait."""
     lock = FileLock(out_dir / "build.lock")
-    owner = out_dir / "build.owner"
+    owner = out_dir / "build.owner"  # written by the holder just after it takes the lock
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        try:
-            holder = owner.read_text().strip()
-        except OSError:
-            holder = "another process"
-        print(f"[pelab] token cache {out_dir} is being built by {holder}; waiting for it", flush=True)
-        lock.acquire()
+        holder, deadline = "", time.monotonic() + 2.0
+        while not holder and time.monotonic() < deadline:  # the holder may not have written it yet
+            with contextlib.suppress(OSError):
+                holder = owner.read_text().strip()
+            if not holder:
+                try:
+                    lock.acquire(timeout=0.1)
+                    break
+                except Timeout:
+                    pass
+        else:
+            print(f"[pelab] token cache {out_dir} is being built by {holder or 'another process'}; waiting for it",
+                  flush=True)
+            lock.acquire()
     try:
         owner.write_text(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}\n")
         yield
