@@ -12,14 +12,16 @@
   nothing else, ``encode_documents`` deletes every U+001E character from document text
   before encoding (``encode``, used for prompts, keeps text as given).
 
-A path works too (``data.tokenizer=PATH``, ``tokenizer_spec``):
+A path works too (``data.tokenizer=PATH``; ``tokenizer_file`` checks it, a directory standing
+for its tokenizer.json):
 
 - a Hugging Face ``tokenizer.json`` (suffix ``.json``), run by the ``tokenizers`` library
   (``HFTokenizer``); its end-of-text token is the first of ``EOT_NAMES`` among its special
   tokens (none: documents are not separated);
 - any other file: a tiktoken ranks file (lines ``BASE64 RANK``, e.g. tiktoken's
   ``cl100k_base.tiktoken`` or Llama 3's ``tokenizer.model``), split with GPT-2's pattern, with
-  ``<|endoftext|>`` added after the last rank as its end-of-text token.
+  ``<|endoftext|>`` added after the last rank as its end-of-text token (a ranks file carries
+  no pattern and no special tokens: for a tokenizer's own, give its tokenizer.json).
 
 Above 65,536 ids the token files are uint32 (data/cache.py). A path that does not exist, a file
 that is neither, or ids that do not fit the vocabulary are refused with one line naming
