@@ -39,7 +39,7 @@ class CausalSelfAttention(nn.Module):
         if ctx.tables is not None:
             q, k = ctx.pe.apply_rotation(q, k, ctx.tables)
         if ctx.q_scale is not None:  # attention temperature, before any backend (model/temperature.py)
-            q = q * ctx.q_scale
+            q = (q * ctx.q_scale).to(q.dtype)  # float32 scale: multiplied in float32, then cast (HF Llama 4)
         return q, k, v
 
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
@@ -151,7 +151,7 @@ class GPT(nn.Module):
                                   q_chunk if cache is None else None,
                                   always_mask=past > 0 and T > 1,  # several new tokens after a cache
                                   nope_layers=self.nope_layers, record=record,
-                                  q_scales=query_scales(self.config, self.pe, positions, dtype), documents=documents)
+                                  q_scales=query_scales(self.config, self.pe, positions, past, documents), documents=documents)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)

@@ -1,18 +1,23 @@
-"""Attention temperature: a per-query scale c(p) of q, so the content logits q.k / sqrt(d) are
-multiplied by c at the query's position p (a position bias, added after, is not scaled).
-Applied in every layer it names, before the attention backend runs, so every backend (sdpa,
-sdpa_key, flex, math, bias_grad), chunked evaluation and KV-cache decoding apply it alike.
+"""Attention temperature: a per-query scale c of q, so the content logits q.k / sqrt(d) are
+multiplied by c (a position bias, added after, is not scaled). Applied in every layer it names,
+before the attention backend runs, so every backend (sdpa, sdpa_key, flex, math, bias_grad),
+chunked evaluation and KV-cache decoding apply it alike. c is computed in float32, q is
+multiplied by it in float32 and the product cast to q's dtype (Hugging Face Llama 4's order).
+Neither kind reads position values: randomized positions (``pe.randomize_to``) and positions that
+restart per document change nothing.
 
 - ``log_length`` (Chiang & Cholak 2022, "Overcoming a Theoretical Limitation of
   Self-Attention", sec. 5: attention logits multiplied by log n, n the input length, at
-  training and test time). Causal form: n = p + 1, the number of keys query p sees, divided
-  by log L so that the scale is 1 at n = L (L = ``attn_temperature_length``, default the
-  training length): c(p) = ln(p + 1) / ln(L); every layer.
+  training and test time). Causal form: n = the number of keys the query sees (token i of a
+  window after ``past`` cached tokens: past + i + 1; under a document mask, its index in its
+  document + 1), divided by log L so that the scale is 1 at n = L (L =
+  ``attn_temperature_length``, default the training length): c = ln(n) / ln(L); every layer.
 - ``llama4`` (Llama 4's ``attn_temperature_tuning``, Hugging Face's Llama4TextAttention):
-  c(p) = 1 + attn_scale * ln(floor((p + 1) / floor_scale) + 1), attn_scale 0.1 and
-  floor_scale 8192 by default; only in the layers without position information (Llama 4's
-  NoPE layers: ``pe.nope_every``, or every layer of a scheme that acts outside attention).
-  c = 1 until p + 1 reaches floor_scale, so small models need a smaller floor.
+  c = 1 + attn_scale * ln(floor((t + 1) / floor_scale) + 1) of the token index t = past + i
+  (HF's ``cache_position``: packed documents and position ids do not reset it), attn_scale
+  0.1 and floor_scale 8192 by default; only in the layers without position information
+  (Llama 4's NoPE layers: ``pe.nope_every``, or every layer of a scheme that acts outside
+  attention). c = 1 until t + 1 reaches floor_scale, so small models need a smaller floor.
 """
 
 from __future__ import annotations
@@ -33,19 +38,37 @@ def check_temperature(config, pe, nope_layers: frozenset[int]) -> None:
                          f"or use a scheme without rotation or bias), got 'llama4'")
 
 
-def query_scales(config, pe, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
-    """(the scale for layers with the scheme, the scale for NoPE layers), each None or a
-    float32-computed tensor in ``dtype`` that broadcasts over q (B, H, T, hd): (T, 1) for
-    (T,) positions, (B, 1, T, 1) for per-sequence (B, T) ones."""
+def keys_seen(T: int, past: int, documents: Tensor | None, device: torch.device) -> Tensor:
+    """The number of keys each of T queries sees: (T,) past + 1.. past + T, or with (B, T)
+    document ids (no cache) (B, T) counts of the earlier tokens of the query's document, itself
+    included (ids in any order: a stable sort groups each document's tokens in token order)."""
+    if documents is None:
+        return torch.arange(past + 1, past + T + 1, device=device)
+    ids, order = documents.sort(dim=-1, stable=True)
+    index = torch.arange(T, device=device).expand_as(ids)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    rank = index - torch.where(first, index, 0).cummax(dim=-1).values  # earlier tokens of the document
+    return torch.empty_like(rank).scatter_(-1, order, rank) + 1
+
+
+def query_scales(config, pe, positions: Tensor, past: int = 0, documents: Tensor | None = None
+                 ) -> tuple[Tensor | None, Tensor | None]:
+    """(the scale for layers with the scheme, the scale for NoPE layers), each None or a float32
+    tensor that broadcasts over q (B, H, T, hd): (T, 1), or (B, 1, T, 1) under a document mask
+    (``log_length``). ``positions``: the T queries' (only their number and device are read);
+    ``past``: tokens already in the KV cache; ``documents``: (B, T) document ids or None."""
     kind = config.attn_temperature
     if kind == "none":
         return None, None
-    n = positions.float() + 1
+    T, device = positions.shape[-1], positions.device
     if kind == "log_length":
+        n = keys_seen(T, past, documents, device).float()
         scale = n.log() / math.log(config.attn_temperature_length or config.block_size)
-    else:  # llama4
-        scale = 1 + config.attn_temperature_scale * torch.log1p(torch.floor(n / config.attn_temperature_floor))
-    scale = (scale[:, None, :, None] if scale.dim() == 2 else scale[:, None]).to(dtype)
+    else:  # llama4, as Hugging Face: log1p(floor((t + 1) / F)) * a + 1 in float32, t the token index
+        t = torch.arange(past, past + T, device=device).float()
+        scale = torch.log1p(torch.floor((t + 1.0) / config.attn_temperature_floor)) * config.attn_temperature_scale + 1.0
+    scale = scale[:, None, :, None] if scale.dim() == 2 else scale[:, None]
     no_position = not (pe.uses_rotate or pe.uses_bias)
     if kind == "llama4":
         return (scale if no_position else None), scale
