@@ -100,7 +100,7 @@ def test_fsdp_preset_builds_a_block_wrapped_full_shard_strategy():
         cfg = compose("config", overrides=["trainer=fsdp", "model=gpt2_medium", "data=gutenberg_gpt2"])
     strategy = hydra.utils.instantiate(cfg.trainer.strategy)
     assert isinstance(strategy, FSDPStrategy) and strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
-    assert strategy._state_dict_type == "full"  # one loadable checkpoint file
+    assert strategy.requested_state_dict_type == "auto"  # sharded above 2 GiB of state (gpt2_medium: 4.2 GiB)
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (24, 16, 1024, 1024)
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
