@@ -151,7 +151,8 @@ class GPT(nn.Module):
                                   q_chunk if cache is None else None,
                                   always_mask=past > 0 and T > 1,  # several new tokens after a cache
                                   nope_layers=self.nope_layers, record=record,
-                                  q_scales=query_scales(self.config, self.pe, positions, past, documents), documents=documents)
+                                  q_scales=query_scales(self.config, self.pe, positions, past, documents),
+                                  documents=documents)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)

@@ -67,7 +67,8 @@ def query_scales(config, pe, positions: Tensor, past: int = 0, documents: Tensor
         scale = n.log() / math.log(config.attn_temperature_length or config.block_size)
     else:  # llama4, as Hugging Face: log1p(floor((t + 1) / F)) * a + 1 in float32, t the token index
         t = torch.arange(past, past + T, device=device).float()
-        scale = torch.log1p(torch.floor((t + 1.0) / config.attn_temperature_floor)) * config.attn_temperature_scale + 1.0
+        floor, a = config.attn_temperature_floor, config.attn_temperature_scale
+        scale = torch.log1p(torch.floor((t + 1.0) / floor)) * a + 1.0
     scale = scale[:, None, :, None] if scale.dim() == 2 else scale[:, None]
     no_position = not (pe.uses_rotate or pe.uses_bias)
     if kind == "llama4":
