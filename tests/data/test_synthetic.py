@@ -288,3 +288,53 @@ def test_curriculum_grows_whole_batches_from_start_to_block_size():
     with pytest.raises(ConfigError, match=r"data.curriculum_start must be null or an integer in \[7, "
                                           r"data.block_size=64\], got 65"):
         SyntheticDataModule("passkey", block_size=64, key_length=3, curriculum_batches=2, curriculum_start=65)
+
+
+# --- the training stream: keyed by the global sample index --------------------------------------
+
+def synthetic_loader(trainer, **options):
+    """One rank's data module (``trainer``: tests/data/test_stream.py's stand-in) and its training batches."""
+    dm = SyntheticDataModule(**options)
+    dm.setup()
+    dm.trainer = trainer
+    return dm, iter(dm.train_dataloader())
+
+
+def digest(batches) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for x, y in batches:
+        h.update(x.numpy().tobytes())
+        h.update(y.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("step, accumulation, keys, expected", [
+    (0, 1, ["049", "408", "855", "495"], "df86d80b37b28cf7"),
+    (3, 2, ["123", "509", "895", "676"], "1a058a78ec3c7f72"),  # resumed after 3 steps of 2 x 4 samples
+])
+def test_one_rank_stream_is_the_one_before_global_keying(step, accumulation, keys, expected):
+    """One rank (world 1): the first three batches recorded from the per-rank code at b794d84, from
+    the start and resumed; the passkey keys of the first batch by hand, the rest as a digest."""
+    from tests.data.test_stream import FakeTrainer
+
+    _, batches = synthetic_loader(FakeTrainer(0, 1, step, accumulation), task="passkey", block_size=32,
+                                  batch_size=4, key_length=3, seed=7)
+    first = [next(batches) for _ in range(3)]
+    assert [bytes(y[y >= 0].tolist()).decode() for y in first[0][1]] == keys
+    assert digest(first) == expected
+
+
+@pytest.mark.parametrize("step, accumulation, lengths, expected", [
+    (0, 1, [9, 15, 21], "e6e357e3d806b915"),  # 9 + 24 * b // 4
+    (1, 2, [21, 27, 33], "fcc0727420c4a689"),
+])
+def test_one_rank_curriculum_is_the_one_before_global_keying(step, accumulation, lengths, expected):
+    from tests.data.test_stream import FakeTrainer
+
+    _, batches = synthetic_loader(FakeTrainer(0, 1, step, accumulation), task="flipflop", block_size=33,
+                                  batch_size=4, seed=5, curriculum_batches=4, curriculum_start=9)
+    first = [next(batches) for _ in range(3)]
+    assert [x.shape[1] for x, _ in first] == lengths
+    assert digest(first) == expected
