@@ -109,36 +109,40 @@ def reference_logits(model, idx: torch.Tensor, positions, documents) -> torch.Te
     return out
 
 
-def run(models: dict, backend: str, dtype: torch.dtype, idx, positions, documents) -> torch.Tensor | None:
+def run(models: dict, backend: str, dtype: torch.dtype, idx, positions, documents, chunk: int | None = None
+        ) -> torch.Tensor | None:
     """Logits in ``dtype`` with the backend ``backend``, or None where it does not run (the
     device, the dtype, the scheme or the grad mode: ``resolve`` would pick another);
     bias_grad under autograd, every other one without. ``models``: the model in each dtype
-    (float32 for the mixed ones)."""
+    (float32 for the mixed ones); ``chunk``: attention in query chunks of this size."""
     grad = backend == "bias_grad"
     mixed = dtype.itemsize < 4
     model = models[torch.float32 if mixed else dtype]
     with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=dtype, enabled=mixed):
         if resolve(backend, model.pe, CPU, dtype, grad=grad, queries=idx.shape[1]).name != backend:
             return None
-        return model.logits(model.hidden(idx, positions, documents=documents, attention=backend)).detach()
+        return model.logits(model.hidden(idx, positions, chunk, documents=documents, attention=backend)).detach()
 
 
-def sweep(backend: str) -> tuple[list[str], list[torch.dtype]]:
-    """(layouts, dtypes) a backend is run in. A backend that runs traced eagerly on CPU (flex:
-    each call traces its score function anew, 0.3 to 1.5 s) gets the one layout that exercises
-    all it reads, per-sequence positions out of token order under a document mask, in float32;
-    its other layouts are in tests/attention/test_document_mask.py and test_backends.py."""
+def sweep(backend: str) -> list[tuple[str, torch.dtype, int | None]]:
+    """(layout, dtype, query chunk) a backend is run in: every layout in every dtype, and in
+    float32 in query chunks of 5 too (long evaluations: each chunk's rows prepared alone). A
+    backend that runs traced eagerly on CPU (flex: each call traces its score function anew, 0.3
+    to 1.5 s) gets the one layout that exercises all it reads, per-sequence positions out of
+    token order under a document mask, in float32; its other layouts are in
+    tests/attention/test_document_mask.py and test_backends.py."""
     compiled_on = getattr(BACKENDS[backend], "compile_devices", None)
     if compiled_on is not None and CPU.type not in compiled_on:
-        return ["randomized+mask"], [torch.float32]
-    return list(LAYOUTS), DTYPES
+        return [("randomized+mask", torch.float32, None)]
+    return [(lay, dtype, None) for lay in LAYOUTS for dtype in DTYPES] + [(lay, torch.float32, 5) for lay in LAYOUTS]
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_every_backend_and_dtype_computes_the_float64_model(name):
     """For each registered scheme, every registered backend that runs it on CPU, every compute
     dtype and every position layout (plain, document mask, document positions, both, randomized,
-    randomized with a mask): the logits of the float64 model scoring each document alone."""
+    randomized with a mask), in float32 also in query chunks: the logits of the float64 model
+    scoring each document alone."""
     _, model, _ = build(name, block_size=32, n_layer=1)
     models = {dtype: copy.deepcopy(model).to(dtype) for dtype in DTYPES if dtype.itemsize >= 4}
     idx = windows(6, T=T, ends=((4, 9), (6,)))
@@ -148,14 +152,14 @@ def test_every_backend_and_dtype_computes_the_float64_model(name):
         ref = reference_logits(model, idx, positions, documents)
         scale = ref.abs().max().item()
         for backend in sorted(BACKENDS):
-            layouts, dtypes = sweep(backend)
-            for dtype in dtypes if lay in layouts else ():
-                out = run(models, backend, dtype, idx, positions, documents)
+            for dtype, chunk in [(d, c) for la, d, c in sweep(backend) if la == lay]:
+                out = run(models, backend, dtype, idx, positions, documents, chunk)
                 if out is None:
                     continue
                 ran.add((backend, dtype))
                 error = (out.double() - ref).abs().max().item() / scale
                 if not error <= TOLERANCE[dtype]:
-                    failures.append(f"{backend} {str(dtype).removeprefix('torch.')} {lay}: {error:.2e}")
+                    failures.append(f"{backend} {str(dtype).removeprefix('torch.')} {lay}"
+                                    f"{f' chunks of {chunk}' if chunk else ''}: {error:.2e}")
     assert not failures, "\n".join(failures)
     assert {("math", d) for d in DTYPES} <= ran
