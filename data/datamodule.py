@@ -107,15 +107,37 @@ class IgnoredPadding(Dataset):
 
 
 class StreamDataModule(L.LightningDataModule):
-    """Loaders shared by the data modules: ``train_set`` is an indexed stream whose ``offset``
-    lets a resumed run continue after the samples already trained on; ``val_set`` is fixed.
-    Subclasses set both in ``setup`` and provide ``batch_size``, ``val_batch_size`` and
-    ``num_workers``."""
+    """Loaders shared by the data modules: ``train_set`` is indexed by the global sample index
+    (data/stream.py), and a run resumed on any number of ranks continues it from the count of
+    samples consumed, kept in the checkpoint; ``val_set`` is fixed. Subclasses set both in
+    ``setup`` and provide ``batch_size``, ``val_batch_size``, ``num_workers`` and ``train_samples``."""
+
+    samples_consumed: int | None = None  # from the checkpoint (load_state_dict); None: from global_step
+    _stream_origin: tuple[int, int, int] | None = None  # (samples consumed, global step, global batch)
 
     def train_dataloader(self) -> DataLoader:
-        if self.trainer is not None:  # resumed: continue after the samples already trained on
-            self.train_set.offset = self.trainer.global_step * self.batch_size * self.trainer.accumulate_grad_batches
-        return self._loader(self.train_set, self.batch_size, drop_last=True)
+        """This rank's share of the global stream (data/stream.py), from the samples the run has
+        consumed: the count saved in the checkpoint, or, for a checkpoint without one, the global
+        step times today's global batch (the same thing unless the global batch changed)."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        step = trainer.global_step if trainer is not None else 0
+        global_batch = self.batch_size * world * (trainer.accumulate_grad_batches if trainer is not None else 1)
+        consumed = self.samples_consumed if self.samples_consumed is not None else step * global_batch
+        self._stream_origin = (consumed, step, global_batch)
+        sampler = GlobalSamples(consumed, rank, world, self.batch_size, self.train_samples)
+        return self._loader(self.train_set, self.batch_size, drop_last=True, sampler=sampler)
+
+    def state_dict(self) -> dict:
+        """Saved in every checkpoint: the training samples consumed so far, counted from the global
+        step (whole optimiser steps), not from the loader, which workers run ahead of."""
+        if self._stream_origin is None or self.trainer is None:
+            return {}
+        consumed, step, global_batch = self._stream_origin
+        return {"samples_consumed": consumed + (self.trainer.global_step - step) * global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples_consumed = state.get("samples_consumed")
 
     def val_dataloader(self) -> DataLoader:
         # Under DDP each rank validates its own share of the windows (N ranks: N times the
@@ -186,8 +208,6 @@ class TextDataModule(StreamDataModule):
         self.meta: dict | None = None
         self.train_set: TrainWindows | None = None
         self.val_set: ValidationWindows | None = None
-        self.samples_consumed: int | None = None  # from the checkpoint (load_state_dict); None: from global_step
-        self._stream_origin: tuple[int, int, int] | None = None  # (samples consumed, global step, global batch)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -216,30 +236,6 @@ class TextDataModule(StreamDataModule):
         dtype = self.meta["dtype"]
         self.train_set = TrainWindows(self.split_path("train"), dtype, self.block_size, self.seed, self.sampling)
         self.val_set = ValidationWindows(self.split_path("val"), dtype, self.block_size, self.val_windows)
-
-    def train_dataloader(self) -> DataLoader:
-        """This rank's share of the global stream (data/stream.py), from the samples the run has
-        consumed: the count saved in the checkpoint, or, for a checkpoint without one, the global
-        step times today's global batch (the same thing unless the global batch changed)."""
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        step = trainer.global_step if trainer is not None else 0
-        global_batch = self.batch_size * world * (trainer.accumulate_grad_batches if trainer is not None else 1)
-        consumed = self.samples_consumed if self.samples_consumed is not None else step * global_batch
-        self._stream_origin = (consumed, step, global_batch)
-        sampler = GlobalSamples(consumed, rank, world, self.batch_size, self.train_samples)
-        return self._loader(self.train_set, self.batch_size, drop_last=True, sampler=sampler)
-
-    def state_dict(self) -> dict:
-        """Saved in every checkpoint: the training samples consumed so far, counted from the global
-        step (whole optimiser steps), not from the loader, which workers run ahead of."""
-        if self._stream_origin is None or self.trainer is None:
-            return {}
-        consumed, step, global_batch = self._stream_origin
-        return {"samples_consumed": consumed + (self.trainer.global_step - step) * global_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples_consumed = state.get("samples_consumed")
 
     def unigram_loss(self, max_tokens: int = 50_000_000) -> float:
         """Cross-entropy (nats) of the train-split unigram distribution on the val split:

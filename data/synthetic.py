@@ -3,9 +3,8 @@
 A sample is ``length`` input ids and ``length`` target ids (the next token at each position,
 as in language modelling) where every target is -1 (ignored by the model's cross-entropy,
 ``ignore_index=-1``) except at the answer tokens. It is a pure function of
-(task, options, split, seed, rank, index, length[, depth]): no files, nothing cached, the same
-on every machine. ``split`` (train / val / test) and ``rank`` (DDP) only select independent
-streams.
+(task, options, split, seed, index, length[, depth]): no files, nothing cached, the same
+on every machine. ``split`` (train / val / test) selects independent streams.
 
 Token layout (ids = bytes; the structural markers are ASCII control bytes that no task's
 text alphabet contains, and 0x1E, the bytes tokenizer's document separator, is not used):
@@ -44,9 +43,11 @@ the answers (so the last answer token is a target, never an input):
   'r', the others 'i' with probability ``p_ignore`` and 'w' or 'r' with (1 - p_ignore)/2
   each (FFL(p_ignore); the paper's default 0.8). Answer: the bit after every 'r'.
 
-``SyntheticDataModule`` serves training samples of length ``block_size`` (sample i on rank r
-is a pure function of (seed, r, i), so a resumed run continues its stream) and a fixed
-validation set; ``evaluation/tasks.py`` measures accuracy at longer lengths on the ``test``
+``SyntheticDataModule`` serves training samples of length ``block_size`` keyed by the global
+sample index, as text data is (data/stream.py: sample g of the ``train`` stream is the run's
+g-th sample over all ranks, so a run resumed on another number of ranks continues the same
+stream, and one rank trains on the samples it did when the key was (rank, per-rank index))
+and a fixed validation set; ``evaluation/tasks.py`` measures accuracy at longer lengths on the ``test``
 stream.
 """
 
@@ -61,7 +62,7 @@ import torch
 from torch.utils.data import Dataset
 
 from data.datamodule import StreamDataModule
-from pelab.config import require
+from model.config import require
 
 VOCAB_SIZE = 256
 PAD, NEEDLE, SEP, QUERY = 0x00, 0x1C, 0x1D, 0x1F
@@ -116,7 +117,9 @@ class Task:
 
     def sample(self, length: int, index: int, seed: int = 0, split: str = "train", rank: int = 0,
                depth: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, targets), both int64 of exactly ``length``; targets -1 except at answers."""
+        """(inputs, targets), both int64 of exactly ``length``; targets -1 except at answers.
+        ``rank`` selects another independent stream; pelab draws every sample with rank 0 (the
+        training stream's ``index`` is the global sample index, which already tells ranks apart)."""
         require(split in SPLITS, "split", split, f"one of {', '.join(SPLITS)}")
         require(isinstance(length, (int, np.integer)) and length >= self.min_length, "length", length,
                 f"an integer >= {self.min_length} (the shortest {self.name} sample)")
@@ -225,28 +228,30 @@ def haystack(split: str) -> np.ndarray:
 
 
 class TaskSamples(Dataset):
-    """Samples ``offset + i`` (i = 0..count-1) of one task's stream, as (inputs, targets) tensors."""
+    """Samples 0 .. count - 1 of one task's ``split`` stream, as (inputs, targets) tensors; for
+    training, index g is the global sample index (data/stream.py's ``GlobalSamples`` picks each
+    rank's)."""
 
-    def __init__(self, task: Task, length: int, count: int, seed: int, split: str, rank: int = 0,
-                 depth: float | None = None, offset: int = 0, length_of=None) -> None:
+    def __init__(self, task: Task, length: int, count: int, seed: int, split: str, depth: float | None = None,
+                 length_of=None) -> None:
         self.task, self.length, self.count = task, length, count
-        self.seed, self.split, self.rank, self.depth = seed, split, rank, depth
-        self.offset = offset  # samples already consumed (a resumed run continues the stream)
+        self.seed, self.split, self.depth = seed, split, depth
         self.length_of = length_of  # sample index -> its length (a curriculum); None: always ``length``
 
     def __len__(self) -> int:
-        return self.count - self.offset
+        return self.count
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        j = self.offset + i
-        length = self.length if self.length_of is None else self.length_of(j)
-        x, y = self.task.sample(length, j, self.seed, self.split, self.rank, self.depth)
+    def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        length = self.length if self.length_of is None else self.length_of(g)
+        x, y = self.task.sample(length, g, self.seed, self.split, 0, self.depth)
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
 class SyntheticDataModule(StreamDataModule):
-    """Training samples of ``block_size`` from (seed, rank, i); ``val_samples`` fixed validation
-    samples (the ``val`` stream, rank 0: the same in every run, resume and rank).
+    """Training samples of ``block_size``: sample g of the ``train`` stream for the run's global
+    sample g (the loader, its resume and the checkpointed count are ``StreamDataModule``'s, as
+    for text); ``val_samples`` fixed validation samples (the ``val`` stream: the same in every
+    run, resume and rank).
 
     There is no held-out text to score perplexity on (niah's haystack is the corpus, but its
     score is retrieval): ``held_out_text`` is False, ``split_path`` refuses with a message, and
@@ -307,9 +312,11 @@ class SyntheticDataModule(StreamDataModule):
         return VOCAB_SIZE
 
     def curriculum_length(self, index: int) -> int:
-        """Training length of sample ``index``: the same for a whole batch, growing linearly from
-        ``curriculum_start`` to ``block_size`` over the first ``curriculum_batches`` batches (per
-        rank; a resumed run continues it), then ``block_size``. Short samples first: the key is
+        """Training length of global sample ``index``: the same for a whole batch, growing linearly
+        from ``curriculum_start`` to ``block_size`` over the first ``curriculum_batches`` batches
+        of ``batch_size`` samples counted over all ranks (the first ``curriculum_batches *
+        batch_size`` samples of the run, whatever the rank count; on one rank, its first
+        ``curriculum_batches`` micro-batches), then ``block_size``. Short samples first: the key is
         near the question, so retrieval is learned at short range before it has to reach L."""
         batch = index // self.batch_size
         if batch >= self.curriculum_batches:
@@ -321,10 +328,9 @@ class SyntheticDataModule(StreamDataModule):
                          "on (evaluation/tasks.py measures accuracy vs length and depth instead)")
 
     def setup(self, stage: str | None = None) -> None:
-        rank = self.trainer.global_rank if self.trainer is not None else 0
-        self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", rank,
-                                     self.depth, length_of=self.curriculum_length if self.curriculum_batches else None)
-        self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", 0, self.depth)
+        self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", self.depth,
+                                     length_of=self.curriculum_length if self.curriculum_batches else None)
+        self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", self.depth)
 
     def unigram_loss(self, samples: int = 2048) -> float:
         """Cross-entropy (nats) of the answer tokens of ``samples`` training samples, as a unigram

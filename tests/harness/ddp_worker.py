@@ -20,19 +20,17 @@ BLOCK, STEPS, GLOBAL_ROWS = 32, 4, 8
 
 
 class GlobalBatchRows(Dataset):
-    """Rank r's sample i = row r * batch + i % batch of global step i // batch."""
+    """Global sample g = row g (data/stream.py's keying): step s trains on rows s * GLOBAL_ROWS
+    onwards whatever the number of ranks."""
 
-    def __init__(self, path: Path, batch: int, rank: int) -> None:
+    def __init__(self, path: Path) -> None:
         self.tokens = load_tokens(path, "uint16")
-        self.batch, self.rank, self.offset = batch, rank, 0
 
     def __len__(self) -> int:
-        return STEPS * self.batch - self.offset
+        return STEPS * GLOBAL_ROWS
 
-    def __getitem__(self, i: int):
-        step, j = divmod(i + self.offset, self.batch)
-        row = step * GLOBAL_ROWS + self.rank * self.batch + j
-        start = row * 97 % (len(self.tokens) - BLOCK - 1)
+    def __getitem__(self, g: int):
+        start = g * 97 % (len(self.tokens) - BLOCK - 1)
         chunk = torch.from_numpy(self.tokens[start : start + BLOCK + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 
@@ -41,9 +39,10 @@ class Windows(StreamDataModule):
     def __init__(self, path: Path, batch: int) -> None:
         super().__init__()
         self.path, self.batch_size, self.val_batch_size, self.num_workers = path, batch, 4, 0
+        self.train_samples = STEPS * GLOBAL_ROWS
 
     def setup(self, stage: str) -> None:
-        self.train_set = GlobalBatchRows(self.path, self.batch_size, self.trainer.global_rank)
+        self.train_set = GlobalBatchRows(self.path)
         self.val_set = ValidationWindows(self.path, "uint16", BLOCK, 22)  # 22: the ranks get 11 windows each
 
 
