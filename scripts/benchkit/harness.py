@@ -219,7 +219,9 @@ def time_paths(model: dict, schemes: list[str], precision: str, compiles: list[b
 def peak_flops(device: str, precision: str) -> tuple[float, str]:
     """The device's peak FLOP/s in the compute dtype: on CUDA the dense peak train/mfu uses
     (pelab.callbacks.device_peak), else measured here as the best of repeated 2048^3 matmuls
-    (CPU MFU is relative to the achievable rate)."""
+    (CPU MFU is relative to the achievable rate). A CPU without native bf16 takes over a minute
+    per 2048^3 bf16 matmul: the size stops growing where one matmul would pass 2 s, and the
+    trials stop after a few seconds."""
     import torch
 
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
@@ -229,11 +231,21 @@ def peak_flops(device: str, precision: str) -> tuple[float, str]:
         peak = device_peak(torch.device("cuda"), precision)
         if peak:
             return peak
-    n, trials = 2048, 12
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    (a @ b).sum().item()  # first call: kernel selection, page faults
-    best = float("inf")
-    for _ in range(trials):
+    trials, budget_s = 12, 5.0
+    n = 256
+    while True:  # grow to 2048 while the next size's matmul is predicted under 2 s
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+        (a @ b).sum().item()  # first call: kernel selection, page faults
+        t0 = time.perf_counter()
+        (a @ b).sum().item()
+        if n == 2048 or (time.perf_counter() - t0) * 8 > 2.0:
+            break
+        n *= 2
+    best, start = float("inf"), time.perf_counter()
+    for done in range(trials):
+        if done >= 2 and time.perf_counter() - start > budget_s:
+            trials = done
+            break
         t0 = time.perf_counter()
         (a @ b).sum().item()
         best = min(best, time.perf_counter() - t0)
