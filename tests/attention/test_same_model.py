@@ -20,6 +20,16 @@ from tests.naive import SLOPES_4, leaf_params, naive_alibi_bias, naive_scheme_bi
 from tests.tiny import build, schemes_where
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes, hundreds of forwards: one intra-op thread (a second one only adds its
+    fork/join to every op: 3 to 10 times slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 # schemes whose only position term is a bias (the naive loop below has no rotation)
 BIAS_ONLY = schemes_where(lambda pe: pe.uses_bias and not (pe.uses_rotate or pe.uses_embed))
 
