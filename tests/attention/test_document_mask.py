@@ -222,7 +222,8 @@ def test_flex_document_block_mask_skips_blocks_of_other_documents():
 @pytest.mark.parametrize("name", [n for n in SCHEMES_ALL if SCHEMES[n].bias_of_distance])
 def test_bias_of_distance_is_shift_invariant(name):
     """A scheme that declares its bias a function of p_i - p_j (document masks then compute it
-    at token order's positions) gives the same bias at positions shifted by any amount."""
+    at token order's positions where the positions step by one inside every document) gives
+    the same bias at positions shifted by any amount."""
     _, model, _ = build(name)
     p = torch.tensor([[0, 1, 2, 3, 0, 1], [3, 4, 0, 1, 2, 3]])
     with torch.no_grad():
