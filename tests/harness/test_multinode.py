@@ -2,7 +2,6 @@
 MASTER_ADDR/PORT as a cluster launcher sets them) train from one fresh shared token cache: it is
 prepared once, and training equals a one-node 2-process run of the same config."""
 
-import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
