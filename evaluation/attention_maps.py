@@ -8,9 +8,9 @@ attention backend, which takes the softmax explicitly in float32 and records it:
     stats = head_summaries(probs)                # {layer: {"distance": (H,), "entropy": (H,)}}
     fig = plot_attention_grid(probs)             # layers x heads, log colour scale
 
-``AttentionMaps`` is the Lightning callback (conf/callbacks/default.yaml) that does this on
-a fixed validation sample every N validations and at the end of training, outside any
-training step.
+``pelab.probes.AttentionMaps`` is the Lightning callback (conf/callbacks/default.yaml) that
+does this on a fixed validation sample every N validations and at the end of training,
+outside any training step.
 
 The probe against length (``evaluate_probe``, ``eval.probe``, run when training ends in its own
 pass) measures per layer and head the attention entropy and mean distance at L ... 16 L:
@@ -27,17 +27,15 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
-import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from evaluation.extrapolation import LengthSweepOptions
+from evaluation.sweep import LengthSweepOptions, write_rows
 from model.attention import AttentionRecorder
+from model.config import require
 from model.gpt import uncompiled
 from model.positions import resolve_positions
 
@@ -48,7 +46,6 @@ __all__ = [
     "head_summaries",
     "summary_metrics",
     "plot_attention_grid",
-    "AttentionMaps",
 ]
 
 
@@ -235,147 +232,6 @@ def plot_attention_grid(
 
 
 # --------------------------------------------------------------------------------------
-# the Lightning callback
-# --------------------------------------------------------------------------------------
-
-
-def _first_loader(loaders: Any) -> Any:
-    if isinstance(loaders, Mapping):
-        return next(iter(loaders.values()), None)
-    if isinstance(loaders, (list, tuple)):
-        return loaders[0] if loaders else None
-    return loaders
-
-
-class AttentionMaps(L.Callback):
-    """Attention heatmaps and per-head summaries on a fixed validation sample.
-
-    Every ``every_n_validations`` validation runs (sanity checks excluded) and once when
-    training ends, on global rank zero: take the first window of
-    ``trainer.datamodule.val_set`` (else of the first validation dataloader's dataset),
-    truncated to ``sample_length``; run ``attention_probs`` in eval mode under no_grad; save
-    ``{default_root_dir or log_dir}/{output_subdir}/step{global_step:06d}.png``; log it to
-    every ``WandbLogger`` as ``attention/maps``; log ``attention/L{l}H{h}/distance`` and
-    ``.../entropy`` to every logger. The work happens at validation epoch end (inside the
-    validation window, so throughput timing excludes it) and never in a training step.
-
-    ``layers``: layers to analyse (default all); ``heads``: heads to plot (default the first
-    ``max_heads_plotted``); summaries cover every head of the analysed layers.
-    """
-
-    def __init__(
-        self,
-        every_n_validations: int = 1,
-        layers: list[int] | None = None,
-        heads: list[int] | None = None,
-        sample_length: int | None = None,
-        output_subdir: str = "attention",
-        max_heads_plotted: int = 16,
-    ) -> None:
-        if every_n_validations < 1:
-            raise ValueError(f"every_n_validations must be >= 1, got {every_n_validations}")
-        if sample_length is not None and sample_length < 1:
-            raise ValueError(f"sample_length must be >= 1 or None, got {sample_length}")
-        if max_heads_plotted < 1:
-            raise ValueError(f"max_heads_plotted must be >= 1, got {max_heads_plotted}")
-        self.every_n_validations = every_n_validations
-        self.layers = None if layers is None else list(layers)
-        self.heads = None if heads is None else list(heads)
-        self.sample_length = sample_length
-        self.output_subdir = output_subdir
-        self.max_heads_plotted = max_heads_plotted
-        self.validations = 0  # completed (non-sanity) validation runs
-        self._warned_sharded = False
-        self._sample: Tensor | None = None
-        self._last_step: int | None = None
-        self.last_path: Path | None = None
-        self.last_metrics: dict[str, float] = {}
-
-    # -- hooks -----------------------------------------------------------------------
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        self.validations += 1
-        if self.validations % self.every_n_validations == 0:
-            self.run(trainer, pl_module)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._last_step != trainer.global_step:
-            self.run(trainer, pl_module)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"validations": self.validations}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.validations = int(state_dict.get("validations", 0))
-
-    # -- work ------------------------------------------------------------------------
-
-    def sample(self, trainer: L.Trainer) -> Tensor | None:
-        """The fixed (1, T) validation sample, taken once and cached."""
-        if self._sample is None:
-            dataset = getattr(trainer.datamodule, "val_set", None) if trainer.datamodule is not None else None
-            if dataset is None:
-                dataset = getattr(_first_loader(trainer.val_dataloaders), "dataset", None)
-            if dataset is None or len(dataset) == 0:
-                return None
-            item = dataset[0]
-            x = item[0] if isinstance(item, (tuple, list)) else item
-            x = torch.as_tensor(x).reshape(-1)
-            self._sample = x[: self.sample_length].unsqueeze(0).clone()
-        return self._sample
-
-    def output_dir(self, trainer: L.Trainer) -> Path:
-        return Path(trainer.default_root_dir or trainer.log_dir) / self.output_subdir
-
-    def run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_step = trainer.global_step
-        if not trainer.is_global_zero:
-            return
-        from evaluation.end_of_training import sharded_parameters
-
-        if sharded_parameters(trainer):  # rank zero alone cannot run a forward over weight shards
-            if not self._warned_sharded:
-                rank_zero_warn(f"AttentionMaps: skipped under {type(trainer.strategy).__name__} (the weights are "
-                               f"sharded across ranks); remove it with ~callbacks.attention_maps")
-                self._warned_sharded = True
-            return
-        idx = self.sample(trainer)
-        if idx is None:
-            rank_zero_warn("AttentionMaps: no validation sample available; skipping attention maps")
-            return
-        gpt = uncompiled(getattr(pl_module, "model", pl_module))
-        idx = idx.to(pl_module.device)
-        step = trainer.global_step
-        documents = getattr(pl_module, "val_documents", None)  # packed documents as validation reads them
-        positions, document_ids = documents.layout(idx) if documents is not None else (None, None)
-        with eval_mode(pl_module):
-            result = eager_attention_pass(gpt, idx, positions, layers=self.layers, documents=document_ids)
-        # per-document positions: distances and axes in tokens (inside a document they are the same)
-        shown = result.positions if result.positions.dim() == 1 else None
-        summaries = head_summaries(result.probs, shown)
-        self.last_metrics = summary_metrics(summaries)
-
-        n_head = next(iter(result.probs.values())).shape[1]
-        heads = self.heads if self.heads is not None else list(range(n_head))
-        heads = heads[: self.max_heads_plotted]
-        scheme = getattr(getattr(gpt, "pe", None), "name", "")
-        title = " ".join(filter(None, ["attention", scheme, f"step {step}", f"(T={idx.shape[1]})"]))
-        fig = plot_attention_grid(result.probs, heads=heads, title=title, positions=shown)
-        path = self.output_dir(trainer) / f"step{step:06d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        self.last_path = path
-        del fig, result
-
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_image(key="attention/maps", images=[str(path)], step=step)
-            logger.log_metrics(self.last_metrics, step=step)
-
-
-# --------------------------------------------------------------------------------------
 # the attention probe against length: entropy and distance per layer and head at L ... 16 L
 # --------------------------------------------------------------------------------------
 
@@ -447,8 +303,6 @@ class ProbeConfig(LengthSweepOptions):
     q_chunk: int = 256  # query chunk of the math forward: bounds the probabilities held at once
 
     def __post_init__(self) -> None:
-        from pelab.config import require
-
         for name in ("samples", "rows", "q_chunk"):
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"eval.probe.{name}",
@@ -559,8 +413,6 @@ def plot_probe(rows: Sequence[ProbeRow], title: str = "Attention against length"
 def save_probe(rows: Sequence[ProbeRow], out_dir: Path, title: str) -> dict[str, Path]:
     """probe.csv + probe.png in ``out_dir``."""
     import matplotlib.pyplot as plt
-
-    from evaluation.extrapolation import write_rows
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"csv": write_rows(rows, out_dir / "probe.csv", ProbeRow), "png": out_dir / "probe.png"}

@@ -15,11 +15,9 @@ message. Nothing is clamped and no number comes from fewer or shorter windows th
 
 from __future__ import annotations
 
-import contextlib
-import csv
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar, Iterator, Sequence
 
@@ -29,35 +27,13 @@ import torch
 from data.packing import MODES as DOCUMENT_MODES
 from data.packing import DocumentOptions
 from evaluation.position_loss import PositionSums, bin_rows
+from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, distributed_sum, eval_positions,
+                              read_rows, shard_of, why_not_randomized, write_rows)
+from model.config import require
 from model.gpt import GPT, uncompiled
 from model.pe.rope_scaling import ROPE_SCALINGS
-from model.pe.schedule import random_positions
-from pelab.config import require
 
 MODES = ("nonoverlapping", "sliding")
-#: Positions the model sees at evaluation: 0..T-1, or (a ``pe.randomize_to=N`` model) a sorted
-#: random subset of [0, N) per sequence as in training (Ruoss et al. 2023), seeded per window.
-POSITION_MODES = ("sequential", "randomized")
-
-
-class LengthSweepOptions:
-    """What the evaluation configs share: lengths as multiples of the training length plus
-    absolute ones, and construction from a config dict that refuses unknown keys."""
-
-    section: ClassVar[str]
-    multipliers: Sequence[float]
-    lengths: Sequence[int]
-
-    def eval_lengths(self, train_length: int) -> list[int]:
-        return sorted({int(round(m * train_length)) for m in self.multipliers} | {int(n) for n in self.lengths})
-
-    @classmethod
-    def from_dict(cls, values: dict):
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - {"enabled"})
-        if unknown:
-            raise ValueError(f"unknown {cls.section} option(s) {unknown}; valid: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in values.items() if k in known})
 
 
 @dataclass
@@ -130,20 +106,6 @@ class ExtrapolationRow:
         return self.status == "ok"
 
 
-def eval_positions(mode: str, starts: Sequence[int], length: int, randomize_to: int | None, seed: int,
-                   device: torch.device) -> torch.Tensor | None:
-    """None (0..T-1) for ``sequential``; for ``randomized`` (len(starts), length) positions, each
-    row a sorted random subset of [0, randomize_to) drawn from (seed, length, window start), so
-    the draws do not depend on batching or on the rank that scores the window."""
-    if mode == "sequential":
-        return None
-    rows = []
-    for s in starts:
-        generator = torch.Generator().manual_seed(hash((int(seed), int(length), int(s))) & (2**63 - 1))
-        rows.append(random_positions(1, length, randomize_to, generator))
-    return torch.cat(rows).to(device)
-
-
 def window_starts(num_tokens: int, length: int, stride: int) -> range:
     """Starts of windows [s, s + length] (length inputs + the one extra target) that fit."""
     return range(0, num_tokens - length, stride)
@@ -176,33 +138,6 @@ def scored_windows(num_tokens: int, length: int, mode: str, stride: int | None, 
     return starts, step
 
 
-def _autocast(precision: str, device: torch.device):
-    if "bf16" in str(precision):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if str(precision).startswith("16"):
-        return torch.autocast(device.type, dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
-def shard_of(distributed: bool) -> tuple[int, int]:
-    """(rank, world size) of this process when ``distributed`` and a process group is up, else (0, 1)."""
-    import torch.distributed as dist
-
-    if distributed and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def distributed_sum(values: list[float]) -> list[float]:
-    """Element-wise sum over the ranks of the process group, in float64."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    summed = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(summed)
-    return summed.tolist()
-
-
 def _batches(starts: range, size: int) -> Iterator[range]:
     for i in range(0, len(starts), size):
         yield starts[i : i + size]
@@ -233,7 +168,7 @@ def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: i
         chunk = np.stack([tokens[s : s + length + 1] for s in group]).astype(np.int64)
         xy = torch.from_numpy(chunk).to(device)
         where = eval_positions(positions, group, length, randomize_to, seed, device)
-        with _autocast(precision, device):
+        with autocast(precision, device):
             restarted, docs = documents.layout(xy[:, :-1])
             nll = gpt.token_nll(xy[:, :-1], xy[:, 1:], where if restarted is None else restarted, q_chunk=q_chunk,
                                 documents=docs)
@@ -275,7 +210,7 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
                     row = ExtrapolationRow(gpt.pe.name, scaling or "none", train_length, length, mode,
                                            window_step(length, mode, config.stride), 0, math.nan, math.nan, 0.0,
                                            positions=config.positions, documents=documents.mode)
-                    row.status = (_why_not_randomized(config.positions, randomize_to, length)
+                    row.status = (why_not_randomized(config.positions, randomize_to, length)
                                   or _why_not_scored(gpt.pe, row, len(tokens)) or "ok")
                     if row.ok:
                         sums = _score_row(gpt, tokens, row, config, distributed, randomize_to, documents)
@@ -288,16 +223,6 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
     finally:
         gpt.train(was_training)
     return rows
-
-
-def _why_not_randomized(positions: str, randomize_to: int | None, length: int) -> str | None:
-    if positions != "randomized":
-        return None
-    if randomize_to is None:
-        return "not applicable: eval.positions=randomized needs a model trained with pe.randomize_to"
-    if length > randomize_to:
-        return f"not applicable: {length} randomized positions do not fit in [0, pe.randomize_to={randomize_to})"
-    return None
 
 
 def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
@@ -352,25 +277,6 @@ def format_row(row: ExtrapolationRow) -> str:
 
 
 COLUMNS = [f.name for f in fields(ExtrapolationRow)]
-
-
-def write_rows(rows: Sequence, path: Path, row_type: type) -> Path:
-    """Result rows (dataclass instances of ``row_type``) as a CSV with one column per field."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[f.name for f in fields(row_type)])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
-    return path
-
-
-def read_rows(path: Path, row_type: type) -> list:
-    """The rows ``write_rows`` wrote, fields cast back to their declared int/float/str types."""
-    types = {f.name: f.type for f in fields(row_type)}
-    casts = {"int": int, "float": float, "str": str}
-    with open(path, newline="") as f:
-        return [row_type(**{k: casts[types[k]](v) for k, v in r.items() if k in types}) for r in csv.DictReader(f)]
 
 
 def write_csv(rows: Sequence[ExtrapolationRow], path: Path) -> Path:

@@ -20,6 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
+from evaluation.sweep import read_rows, write_rows
+
 
 class PositionSums:
     """Summed NLL and target counts per window position of one eval length."""
@@ -82,14 +84,10 @@ def bin_rows(sums: PositionSums, head: dict, per_octave: int = 4) -> list[Positi
 
 
 def write_csv(rows: Sequence[PositionLossRow], path: Path) -> Path:
-    from evaluation.extrapolation import write_rows
-
     return write_rows(rows, path, PositionLossRow)
 
 
 def read_csv(path: Path) -> list[PositionLossRow]:
-    from evaluation.extrapolation import read_rows
-
     return read_rows(path, PositionLossRow)
 
 

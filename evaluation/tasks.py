@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from data.synthetic import Task
-from evaluation.extrapolation import (POSITION_MODES, LengthSweepOptions, _autocast, _why_not_randomized,
-                                      eval_positions, read_rows, write_rows)
+from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows,
+                              why_not_randomized, write_rows)
+from model.config import require
 from model.gpt import GPT, uncompiled
-from pelab.config import require
 
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: A run learned its task when the exact match at the training length, over held-out samples
@@ -115,7 +115,7 @@ def score_batch(gpt: GPT, inputs: torch.Tensor, targets: torch.Tensor, q_chunk: 
     device = next(gpt.parameters()).device
     inputs, targets = inputs.to(device), targets.to(device)
     answer = targets >= 0
-    with _autocast(precision, device):
+    with autocast(precision, device):
         h = gpt.hidden(inputs, positions, q_chunk=q_chunk)
         predicted = gpt.logits(h[answer]).argmax(dim=-1)  # only the answer positions reach the LM head
     right = predicted == targets[answer]
@@ -139,7 +139,7 @@ def evaluate_tasks(gpt: GPT, task: Task, train_length: int, config: TaskEvalConf
             for depth in depths:
                 row = TaskRow(task.name, gpt.pe.name, train_length, length, depth, 0, math.nan, math.nan, 0.0,
                               positions=config.positions)
-                row.status = (_why_not_randomized(config.positions, randomize_to, length)
+                row.status = (why_not_randomized(config.positions, randomize_to, length)
                               or _why_not_scored(gpt.pe, task, length) or "ok")
                 if row.ok:
                     _score_row(gpt, task, row, config, seed, randomize_to)
@@ -439,27 +439,3 @@ def log_to_wandb(rows: Sequence[TaskRow], run, png: Path | None = None, prefix: 
         run.summary[key] = value
     if rows and rows[0].learned:
         run.summary[f"{prefix}/{rows[0].task}/learned_at_train_length"] = rows[0].learned == "yes"
-
-
-def run_task_evaluation(options: dict, module, datamodule, loggers: list, output_dir: Path, step: int
-                        ) -> list[TaskRow]:
-    """The end-of-training task evaluation (rank zero): the accuracy table of the trained model
-    on the data module's task, CSV/PNG/markdown under ``output_dir/tasks``, W&B table and chart.
-    ``options``: ``eval.tasks`` (``enabled: false`` skips); the training length is the model's."""
-    from pelab.loggers import log_results
-
-    options = dict(options)
-    if not options.pop("enabled", True):
-        return []
-    config = TaskEvalConfig.from_dict(options)
-    train_length = module.config.block_size
-    rows = evaluate_tasks(module.model, datamodule.task, train_length, config, seed=datamodule.seed,
-                          randomize_to=getattr(module, "randomize_to", None))
-    paths = save_results(rows, output_dir / "tasks",
-                         title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")
-    log_results(loggers, log_to_wandb, rows, paths["png"], summary_metrics(rows), step)
-    verdict = {"yes": "learned", "no": "NOT learned", "": "not measured"}[rows[0].learned if rows else ""]
-    print(f"[pelab] task accuracy table: {paths['csv']} (+ .png, .md{', heatmap.png/.csv' if 'heatmap' in paths else ''}); "
-          f"task {verdict} at the training length (criterion: exact match >= {100 * LEARNED_THRESHOLD:g}% on "
-          f"held-out samples)", flush=True)
-    return rows

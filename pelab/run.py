@@ -200,7 +200,7 @@ def summary(trainer, identity: RunIdentity, output_dir: Path, loggers: list) -> 
     lines = [f"[pelab] run {identity.name!r} finished at step {trainer.global_step}"]
     if val_loss is not None:
         line = f"[pelab] val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f})"
-        if "val/unigram_loss" in metrics:  # evaluation/end_of_training.py
+        if "val/unigram_loss" in metrics:  # pelab/probes.py EndOfTrainingEvaluation
             baseline = float(metrics["val/unigram_loss"])
             line += f"; unigram baseline {baseline:.4f} (ppl {math.exp(baseline):.2f})"
         lines.append(line)

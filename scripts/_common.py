@@ -180,7 +180,7 @@ def device_arg(value: str | None):
     return device
 
 
-# trainer.precision values the evaluation scripts run (evaluation/extrapolation.py _autocast): autocast
+# trainer.precision values the evaluation scripts run (evaluation/sweep.py autocast): autocast
 # for the 16-bit ones, float32 otherwise. float64 is not one: the model's weights stay float32.
 EVAL_PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "32")
 
@@ -190,9 +190,9 @@ def precision_ran(precision, device) -> str:
     ``bf16-mixed (bfloat16 autocast)``, ``32 (float32)``."""
     import torch
 
-    from evaluation.extrapolation import _autocast
+    from evaluation.sweep import autocast
 
-    context = _autocast(precision, device)
+    context = autocast(precision, device)
     dtype = str(context.fast_dtype).removeprefix("torch.") + " autocast" if isinstance(context, torch.autocast) \
         else "float32"
     return f"{precision} ({dtype})"

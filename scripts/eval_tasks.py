@@ -41,7 +41,7 @@ SYNTHETIC = "data.synthetic.SyntheticDataModule"
 def parse_options(args: dict[str, str]) -> dict:
     """The TaskEvalConfig options given on the command line, each value checked (one line naming
     the option, before the checkpoint is read)."""
-    from evaluation.extrapolation import POSITION_MODES
+    from evaluation.sweep import POSITION_MODES
 
     options: dict = {}
     if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's

@@ -15,7 +15,6 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from evaluation.attention_maps import (
-    AttentionMaps,
     attention_probs,
     eager_attention_pass,
     head_summaries,
@@ -24,8 +23,9 @@ from evaluation.attention_maps import (
 )
 from model.config import GPTConfig
 from model.gpt import GPT
-from pelab.config import ConfigError
+from pelab.config import ConfigError, build
 from pelab.lit import LitGPT
+from pelab.probes import AttentionMaps
 from model.pe import SCHEMES
 
 
@@ -370,7 +370,7 @@ def test_evaluate_probe_rows_files_and_statuses(tmp_path):
     import numpy as np
 
     from evaluation.attention_maps import ProbeConfig, ProbeRow, evaluate_probe, probe_windows, save_probe
-    from evaluation.extrapolation import read_rows
+    from evaluation.sweep import read_rows
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(0)
@@ -387,4 +387,4 @@ def test_evaluate_probe_rows_files_and_statuses(tmp_path):
     learned = evaluate_probe(GPT(cfg, SCHEMES["learned"](cfg)), probe_windows(tokens), 8, config, log=lambda _: None)
     assert learned[-1].status == "not applicable: pe=learned has 8 positions"
     with pytest.raises(ConfigError, match="eval.probe.rows must be an integer >= 1, got 0"):
-        ProbeConfig(rows=0)
+        build("eval.probe", ProbeConfig.from_dict, {"rows": 0})  # a ValueError in evaluation/, shown as a ConfigError

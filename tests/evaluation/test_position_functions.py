@@ -1,4 +1,4 @@
-"""The learned position functions plotted at the end of training (evaluation/position_functions.py)
+"""The learned position functions plotted at the end of training (pelab/probes.py, evaluation/position_functions.py)
 against the parameters by hand: T5's table rows, KERPLE's kernel, RoPE's frequency factors."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from evaluation.position_functions import PositionFunctions
 from model.config import GPTConfig
 from pelab.lit import LitGPT
+from pelab.probes import PositionFunctions
 from model.pe import SCHEMES
 from tests.tiny import has_parameters, schemes_where
 

@@ -12,11 +12,12 @@ import torch
 
 from data.synthetic import SyntheticDataModule, Task
 from evaluation.tasks import (
-    TaskEvalConfig, TaskRow, evaluate_tasks, markdown_table, mean_over_depths, read_csv, run_task_evaluation,
+    TaskEvalConfig, TaskRow, evaluate_tasks, markdown_table, mean_over_depths, read_csv,
     save_results, summary_metrics,
 )
 from model import GPT, GPTConfig
 from model.pe import SCHEMES
+from pelab.probes import run_task_evaluation
 
 ROOT = Path(__file__).resolve().parents[2]
 

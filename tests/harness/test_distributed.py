@@ -116,7 +116,7 @@ def test_end_of_training_evaluation_says_it_is_skipped_under_fsdp(tmp_path):
 
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from evaluation.end_of_training import EndOfTrainingEvaluation
+    from pelab.probes import EndOfTrainingEvaluation
 
     class Data:
         def unigram_loss(self):
@@ -140,7 +140,7 @@ def test_attention_maps_say_they_are_skipped_under_fsdp(tmp_path):
 
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from evaluation.attention_maps import AttentionMaps
+    from pelab.probes import AttentionMaps
 
     trainer = SimpleNamespace(strategy=FSDPStrategy(), global_step=3, is_global_zero=True,
                               default_root_dir=str(tmp_path), log_dir=None)

@@ -128,10 +128,10 @@ def test_results_title_says_what_the_precision_computed_in(precision):
     here by a matmul under the evaluation's own autocast context."""
     from _common import precision_ran
 
-    from evaluation.extrapolation import _autocast
+    from evaluation.sweep import autocast
 
     device = torch.device("cpu")
-    with _autocast(precision, device):
+    with autocast(precision, device):
         ran = (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
     expected = str(ran).removeprefix("torch.") + (" autocast" if ran != torch.float32 else "")
     assert precision_ran(precision, device) == f"{precision} ({expected})"
