@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import LengthSweepOptions, write_rows
 from model.attention import AttentionRecorder
 from model.config import require
@@ -432,12 +433,9 @@ def probe_metrics(rows: Sequence[ProbeRow], prefix: str = "probe") -> dict[str, 
     return metrics
 
 
-def log_probe_to_wandb(rows: Sequence[ProbeRow], run, png: Path | None = None, prefix: str = "probe") -> None:
+def probe_loggable(rows: Sequence[ProbeRow], png: Path | None = None, prefix: str = "probe") -> Logged:
     """A table, entropy- and distance-vs-log2(length) charts (one line per layer, mean over heads), the PNG."""
-    import wandb
-
-    columns = [f.name for f in fields(ProbeRow)]
-    payload = {f"{prefix}/table": wandb.Table(columns=columns, data=[[getattr(r, c) for c in columns] for r in rows])}
+    logged = Logged(tables={f"{prefix}/table": table(rows, [f.name for f in fields(ProbeRow)])})
     ok = [r for r in rows if r.ok]
     layers = sorted({r.layer for r in ok})
     lengths = sorted({r.eval_length for r in ok})
@@ -445,12 +443,11 @@ def log_probe_to_wandb(rows: Sequence[ProbeRow], run, png: Path | None = None, p
         for field in ("entropy", "distance"):
             ys = [[float(np.mean([getattr(r, field) for r in ok if r.layer == layer and r.eval_length == n]))
                    for n in lengths] for layer in layers]
-            payload[f"{prefix}/{field}_vs_length"] = wandb.plot.line_series(
+            logged.charts[f"{prefix}/{field}_vs_length"] = LineSeries(
                 xs=[math.log2(n) for n in lengths], ys=ys, keys=[f"layer {layer}" for layer in layers],
                 title=f"attention {field} vs eval length", xname="log2(eval length)")
-    if png is not None and Path(png).exists():
-        payload[f"{prefix}/plot"] = wandb.Image(str(png))
-    run.log(payload)
+    logged.add_image(f"{prefix}/plot", png)
+    return logged
 
 
 def probe_windows(tokens: np.ndarray | None = None, task=None, seed: int = 0) -> Callable[[int, int], Tensor | str]:

@@ -27,6 +27,7 @@ import torch
 from data.packing import MODES as DOCUMENT_MODES
 from data.packing import DocumentOptions
 from evaluation.position_loss import PositionSums, bin_rows
+from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, distributed_sum, eval_positions,
                               read_rows, shard_of, why_not_randomized, write_rows)
 from model.config import require
@@ -359,13 +360,10 @@ def save_results(rows: Sequence[ExtrapolationRow], out_dir: Path, title: str) ->
     return paths
 
 
-def log_to_wandb(rows: Sequence[ExtrapolationRow], run, png: Path | None = None, prefix: str = "extrapolation",
-                 series_by: Sequence[str] = ("mode", "rope_scaling")) -> None:
-    """A wandb.Table, a ppl-vs-length line chart per series, the log-x PNG, and summary scalars."""
-    import wandb
-
-    table = wandb.Table(columns=COLUMNS, data=[[getattr(r, c) for c in COLUMNS] for r in rows])
-    payload = {f"{prefix}/table": table}
+def loggable(rows: Sequence[ExtrapolationRow], png: Path | None = None, prefix: str = "extrapolation",
+             series_by: Sequence[str] = ("mode", "rope_scaling")) -> Logged:
+    """The table, a ppl-vs-log2(length) line chart per series, the log-x PNG, and summary scalars."""
+    logged = Logged(tables={f"{prefix}/table": table(rows, COLUMNS)})
     series: dict[str, list[ExtrapolationRow]] = {}
     for r in rows:
         if r.ok:
@@ -374,13 +372,9 @@ def log_to_wandb(rows: Sequence[ExtrapolationRow], run, png: Path | None = None,
         lengths = sorted({r.eval_length for points in series.values() for r in points})
         ys = [[next((r.ppl for r in points if r.eval_length == n), float("nan")) for n in lengths]
               for points in series.values()]
-        # W&B line charts have no log axis setting: plot against log2(length) instead.
-        payload[f"{prefix}/ppl_vs_length"] = wandb.plot.line_series(
+        logged.charts[f"{prefix}/ppl_vs_length"] = LineSeries(
             xs=[math.log2(n) for n in lengths], ys=ys, keys=list(series),
             title="perplexity vs eval length", xname="log2(eval length)")
-    if png is not None and Path(png).exists():
-        payload[f"{prefix}/plot"] = wandb.Image(str(png))
-    run.log(payload)
-    for r in rows:
-        if r.ok:
-            run.summary[f"{prefix}/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}"] = r.ppl
+    logged.add_image(f"{prefix}/plot", png)
+    logged.summary = {f"{prefix}/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl for r in rows if r.ok}
+    return logged

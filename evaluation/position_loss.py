@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import read_rows, write_rows
 
 
@@ -163,20 +164,14 @@ def save_results(rows: Sequence[PositionLossRow], out_dir: Path, title: str) -> 
     return paths
 
 
-def log_to_wandb(rows: Sequence[PositionLossRow], run, png: Path | None = None,
-                 prefix: str = "extrapolation") -> None:
+def loggable(rows: Sequence[PositionLossRow], png: Path | None = None, prefix: str = "extrapolation") -> Logged:
     """A line chart of NLL against log2(position), one line per curve, the table and the PNG."""
-    import wandb
-
     curves = _curves(rows, curve_keys(rows))
-    payload = {f"{prefix}/position_loss_table":
-               wandb.Table(columns=COLUMNS, data=[[getattr(r, c) for c in COLUMNS] for r in rows])}
+    logged = Logged(tables={f"{prefix}/position_loss_table": table(rows, COLUMNS)})
     if curves:
-        # W&B line charts have no log axis setting: plot against log2(position) instead.
-        payload[f"{prefix}/position_loss"] = wandb.plot.line_series(
+        logged.charts[f"{prefix}/position_loss"] = LineSeries(
             xs=[[math.log2(r.x) for r in points] for points in curves.values()],
             ys=[[r.loss for r in points] for points in curves.values()], keys=list(curves),
             title="mean NLL by token position", xname="log2(token position)")
-    if png is not None and Path(png).exists():
-        payload[f"{prefix}/position_loss_plot"] = wandb.Image(str(png))
-    run.log(payload)
+    logged.add_image(f"{prefix}/position_loss_plot", png)
+    return logged

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from data.synthetic import Task
+from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows,
                               why_not_randomized, write_rows)
 from model.config import require
@@ -415,27 +416,22 @@ def summary_metrics(rows: Sequence[TaskRow], prefix: str = "tasks") -> dict[str,
     return metrics
 
 
-def log_to_wandb(rows: Sequence[TaskRow], run, png: Path | None = None, prefix: str = "tasks") -> None:
-    """A wandb.Table, an accuracy-vs-length line chart (one line per depth), the PNG, summary scalars."""
-    import wandb
-
-    payload = {f"{prefix}/table": wandb.Table(columns=COLUMNS, data=[[getattr(r, c) for c in COLUMNS] for r in rows])}
+def loggable(rows: Sequence[TaskRow], png: Path | None = None, prefix: str = "tasks") -> Logged:
+    """The table, an accuracy-vs-log2(length) line chart (one line per depth), the PNG and the
+    heatmap beside it, summary scalars."""
+    logged = Logged(tables={f"{prefix}/table": table(rows, COLUMNS)})
     series = _series(rows)
     if series:
         lengths = sorted({r.eval_length for points in series.values() for r in points})
         ys = [[next((r.accuracy for r in points if r.eval_length == n), float("nan")) for n in lengths]
               for points in series.values()]
-        # W&B line charts have no log axis setting: plot against log2(length) instead.
-        payload[f"{prefix}/accuracy_vs_length"] = wandb.plot.line_series(
+        logged.charts[f"{prefix}/accuracy_vs_length"] = LineSeries(
             xs=[math.log2(n) for n in lengths], ys=ys, keys=list(series),
             title="exact-match accuracy vs eval length", xname="log2(eval length)")
     if png is not None and Path(png).exists():
-        payload[f"{prefix}/plot"] = wandb.Image(str(png))
-        heatmap = Path(png).with_name("heatmap.png")
-        if heatmap.exists():
-            payload[f"{prefix}/heatmap"] = wandb.Image(str(heatmap))
-    run.log(payload)
-    for key, value in summary_metrics(rows, prefix).items():
-        run.summary[key] = value
+        logged.add_image(f"{prefix}/plot", png)
+        logged.add_image(f"{prefix}/heatmap", Path(png).with_name("heatmap.png"))
+    logged.summary = summary_metrics(rows, prefix)
     if rows and rows[0].learned:
-        run.summary[f"{prefix}/{rows[0].task}/learned_at_train_length"] = rows[0].learned == "yes"
+        logged.summary[f"{prefix}/{rows[0].task}/learned_at_train_length"] = rows[0].learned == "yes"
+    return logged

@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.logger import DummyExperiment
 from omegaconf import DictConfig
 
+from evaluation.results import Logged
 from pelab.redact import redact, redact_text
 
 
@@ -125,16 +126,27 @@ class SafeWandbLogger(WandbLogger):
         return self.run_safely(close) or f"[pelab] {self.failure}"
 
 
-def log_results(loggers: list, to_wandb: Callable[..., None], rows: list, png: Path, metrics: dict[str, float],
-                step: int) -> None:
-    """An evaluation table to every logger: W&B runs get the table, chart and PNG through
-    ``to_wandb(rows, run, png=...)`` (a W&B failure loses only W&B: the files on disk stand),
-    the others the summary ``metrics``."""
+def log_to_wandb(logged: Logged, run) -> None:
+    """One probe's tables, line charts and images in one ``run.log``, then its summary scalars."""
+    import wandb
+
+    payload = {key: wandb.Table(columns=columns, data=data) for key, (columns, data) in logged.tables.items()}
+    payload.update({key: wandb.plot.line_series(xs=c.xs, ys=c.ys, keys=c.keys, title=c.title, xname=c.xname)
+                    for key, c in logged.charts.items()})
+    payload.update({key: wandb.Image(str(path)) for key, path in logged.images.items()})
+    run.log(payload)
+    for key, value in logged.summary.items():
+        run.summary[key] = value
+
+
+def log_results(loggers: list, logged: Logged, metrics: dict[str, float], step: int) -> None:
+    """An evaluation's results to every logger: W&B runs get ``logged`` (tables, charts, PNGs;
+    a W&B failure loses only W&B: the files on disk stand), the others the summary ``metrics``."""
     for logger in loggers:
         if isinstance(logger, SafeWandbLogger):
-            logger.run_safely(to_wandb, rows, logger.experiment, png=png)
+            logger.run_safely(log_to_wandb, logged, logger.experiment)
         elif isinstance(logger, WandbLogger):
-            to_wandb(rows, logger.experiment, png=png)
+            log_to_wandb(logged, logger.experiment)
         else:
             logger.log_metrics(metrics, step=step)
 

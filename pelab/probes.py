@@ -29,9 +29,9 @@ from data.datamodule import load_tokens
 from evaluation import position_loss
 from evaluation import tasks as task_eval
 from evaluation.attention_maps import (ProbeConfig, eager_attention_pass, eval_mode, evaluate_probe, head_summaries,
-                                       log_probe_to_wandb, plot_attention_grid, probe_metrics, probe_windows,
-                                       save_probe, summary_metrics)
-from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, log_to_wandb, save_results
+                                       plot_attention_grid, probe_loggable, probe_metrics, probe_windows, save_probe,
+                                       summary_metrics)
+from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, loggable, save_results
 from evaluation.position_functions import plot_functions
 from model.gpt import uncompiled
 from pelab.loggers import log_results
@@ -85,10 +85,10 @@ class EndOfTrainingEvaluation(L.Callback):
                 paths = save_results(rows, output_dir / "extrapolation", title=title)
                 metrics = {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}"
                            + ("" if r.documents == "none" else f"/documents={r.documents}"): r.ppl for r in rows if r.ok}
-                log_results(trainer.loggers, log_to_wandb, rows, paths["png"], metrics, step)
+                log_results(trainer.loggers, loggable(rows, paths["png"]), metrics, step)
                 if by_position:
                     where = position_loss.save_results(by_position, output_dir / "extrapolation", title=title)
-                    log_results(trainer.loggers, position_loss.log_to_wandb, by_position, where["png"], {}, step)
+                    log_results(trainer.loggers, position_loss.loggable(by_position, where["png"]), {}, step)
                 print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md, position_loss.csv/.png)", flush=True)
         if not trainer.is_global_zero:
             return
@@ -111,7 +111,7 @@ class EndOfTrainingEvaluation(L.Callback):
         train_length = pl_module.config.block_size
         rows = evaluate_probe(pl_module.model, windows, train_length, config)
         paths = save_probe(rows, output_dir / "attention_probe", title=f"pe={pl_module.pe_name}, trained at {train_length}")
-        log_results(loggers, log_probe_to_wandb, rows, paths["png"], probe_metrics(rows), step)
+        log_results(loggers, probe_loggable(rows, paths["png"]), probe_metrics(rows), step)
         print(f"[pelab] attention probe: {paths['csv']} (+ .png)", flush=True)
 
 
@@ -129,7 +129,7 @@ def run_task_evaluation(options: dict, module, datamodule, loggers: list, output
                                     randomize_to=getattr(module, "randomize_to", None))
     paths = task_eval.save_results(rows, output_dir / "tasks",
                                    title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")
-    log_results(loggers, task_eval.log_to_wandb, rows, paths["png"], task_eval.summary_metrics(rows), step)
+    log_results(loggers, task_eval.loggable(rows, paths["png"]), task_eval.summary_metrics(rows), step)
     verdict = {"yes": "learned", "no": "NOT learned", "": "not measured"}[rows[0].learned if rows else ""]
     threshold = 100 * task_eval.LEARNED_THRESHOLD
     print(f"[pelab] task accuracy table: {paths['csv']} (+ .png, .md{', heatmap.png/.csv' if 'heatmap' in paths else ''}); "

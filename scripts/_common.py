@@ -71,21 +71,20 @@ def load_run_config(ckpt: Path, needed_for: str):
     return OmegaConf.load(path)
 
 
-def log_rows_to_new_wandb_run(rows, png: Path, out: Path, prefix: str, series_by=("mode", "rope_scaling"),
-                              **init) -> None:
-    """One W&B run holding an extrapolation table and chart; offline (and said so) when the
-    server cannot be reached or there are no credentials, as train.py does."""
+def log_to_new_wandb_run(logged, out: Path, **init) -> None:
+    """One W&B run holding an evaluation's tables and charts (``logged``: evaluation.results.Logged);
+    offline (and said so) when the server cannot be reached or there are no credentials, as
+    train.py does."""
     import os
 
     import wandb
 
-    from evaluation.extrapolation import log_to_wandb
-    from pelab.loggers import wandb_offline_reason
+    from pelab.loggers import log_to_wandb, wandb_offline_reason
 
     why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
     try:  # the results are already on disk: a W&B failure must not turn into a failed command
         run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)
-        log_to_wandb(rows, run, png=png, prefix=prefix, series_by=series_by)
+        log_to_wandb(logged, run)
         run.finish()
     except Exception as err:  # noqa: BLE001 - whatever W&B raises
         print(f"[pelab] W&B logging failed: {type(err).__name__}: {err}; the results are in {out}", file=sys.stderr)

@@ -37,9 +37,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
-from _common import log_rows_to_new_wandb_run
+from _common import log_to_new_wandb_run
 
-from evaluation.extrapolation import ExtrapolationRow, markdown_table, plot_rows, read_csv, write_csv
+from evaluation.extrapolation import ExtrapolationRow, loggable, markdown_table, plot_rows, read_csv, write_csv
 from evaluation import tasks as task_eval
 from evaluation.stats import ALPHA, mean_ci, welch_test
 
@@ -543,15 +543,12 @@ def main(argv: list[str]) -> int:
     if args.wandb:
         group = args.group or _group_of([*files, *task_files])
         if wandb_rows:
-            log_rows_to_new_wandb_run(wandb_rows, out / "comparison.png", out, prefix="comparison",
-                                      series_by=("scheme", "mode"), project=args.project, group=group,
-                                      job_type="compare", name="comparison")
+            log_to_new_wandb_run(loggable(wandb_rows, out / "comparison.png", prefix="comparison",
+                                          series_by=("scheme", "mode")),
+                                 out, project=args.project, group=group, job_type="compare", name="comparison")
         if task_pairs:
-            from eval_tasks import log_task_rows_to_new_wandb_run
-
-            log_task_rows_to_new_wandb_run(label_rows(task_pairs), out / "comparison_tasks.png", out,
-                                           project=args.project, group=group, job_type="compare",
-                                           name="comparison-tasks")
+            log_to_new_wandb_run(task_eval.loggable(label_rows(task_pairs), out / "comparison_tasks.png"), out,
+                                 project=args.project, group=group, job_type="compare", name="comparison-tasks")
     return 0
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from _common import (EVAL_PRECISIONS, ROOT, bad_value, checkpoint_arg, choice, device_arg, flag, integer, is_null,
-                     join_torchrun_group, load_run_config, log_rows_to_new_wandb_run, number, numbers, parse_key_values,
+                     join_torchrun_group, load_run_config, log_to_new_wandb_run, number, numbers, parse_key_values,
                      precision_ran, split_list)
 
 OPTIONS = {
@@ -136,10 +136,12 @@ def main(argv: list[str]) -> int:
     print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
 
     if log_wandb:
-        log_rows_to_new_wandb_run(rows, paths["png"], out, prefix="extrapolation",
-                                  project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
-                                  name=f"{cfg.get('run_name') or module.pe_name}-extrapolation",
-                                  config={"ckpt": str(ckpt), **options})
+        from evaluation.extrapolation import loggable
+
+        log_to_new_wandb_run(loggable(rows, paths["png"], prefix="extrapolation"), out,
+                             project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
+                             name=f"{cfg.get('run_name') or module.pe_name}-extrapolation",
+                             config={"ckpt": str(ckpt), **options})
     return 0
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from _common import (EVAL_PRECISIONS, bad_value, checkpoint_arg, choice, device_arg, flag, integer, load_run_config,
-                     number, numbers, parse_key_values, precision_ran)
+                     log_to_new_wandb_run, number, numbers, parse_key_values, precision_ran)
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py on data=synthetic (required)",
@@ -109,28 +109,12 @@ def main(argv: list[str]) -> int:
     print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
 
     if log_wandb:
-        log_task_rows_to_new_wandb_run(rows, paths["png"], out, project=cfg.get("project", "pelab"), group=cfg.get("group"),
-                              job_type="eval", name=f"{cfg.get('run_name') or module.pe_name}-tasks",
-                              config={"ckpt": str(ckpt), "seed": seed, **options})
+        from evaluation.tasks import loggable
+
+        log_to_new_wandb_run(loggable(rows, paths["png"]), out, project=cfg.get("project", "pelab"),
+                             group=cfg.get("group"), job_type="eval", name=f"{cfg.get('run_name') or module.pe_name}-tasks",
+                             config={"ckpt": str(ckpt), "seed": seed, **options})
     return 0
-
-
-def log_task_rows_to_new_wandb_run(rows, png: Path, out: Path, **init) -> None:
-    """As _common.log_rows_to_new_wandb_run, whose logging function is the extrapolation table's:
-    one W&B run, offline (and said so) without credentials or a route to the server."""
-    import os
-
-    import wandb
-
-    from evaluation.tasks import log_to_wandb
-    from pelab.loggers import wandb_offline_reason
-
-    why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
-    run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)
-    log_to_wandb(rows, run, png=png)
-    run.finish()
-    print(f"[pelab] W&B offline run in {out / 'wandb'} ({why}; upload later with wandb sync)" if why
-          else f"[pelab] W&B run: {run.url}")
 
 
 if __name__ == "__main__":

@@ -113,16 +113,17 @@ def test_wandb_payload_has_a_line_per_length(tokens, tmp_path):
                               log=lambda _: None, position_rows=by_position)
     paths = save_results(by_position, tmp_path, "t")
 
-    class Run:  # what log_to_wandb calls on a W&B run
+    class Run:  # what pelab.loggers.log_to_wandb calls on a W&B run
         payload = {}
 
         def log(self, payload):
             self.payload.update(payload)
 
-    from evaluation.position_loss import log_to_wandb
+    from evaluation.position_loss import loggable
+    from pelab.loggers import log_to_wandb
 
     run = Run()
-    log_to_wandb(by_position, run, png=paths["png"])
+    log_to_wandb(loggable(by_position, png=paths["png"]), run)
     chart = run.payload["extrapolation/position_loss"]
     assert sorted(set(chart.table.get_column("lineKey"))) == ["16", "32"]
     assert {"extrapolation/position_loss_table", "extrapolation/position_loss_plot"} <= set(run.payload)

@@ -457,13 +457,15 @@ def test_scripts_wandb_failure_keeps_the_results(tmp_path, monkeypatch, capsys):
     import wandb
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    from _common import log_rows_to_new_wandb_run
+    from _common import log_to_new_wandb_run
+
+    from evaluation.extrapolation import loggable
 
     def broken_init(*args, **kwargs):
         raise OSError("read-only file system")
 
     monkeypatch.setattr(wandb, "init", broken_init)
-    log_rows_to_new_wandb_run([], tmp_path / "none.png", tmp_path, prefix="extrapolation")  # no exception
+    log_to_new_wandb_run(loggable([], tmp_path / "none.png"), tmp_path)  # no exception
     assert "[pelab] W&B logging failed: OSError: read-only file system" in capsys.readouterr().err
 
 
