@@ -68,23 +68,6 @@ def test_impossible_tokens_per_step_is_named(tokens_per_step, why):
         accumulation_for(tokens_per_step, 16, 1024, 8, 2)
 
 
-def test_rank_zero_alone_prepares_the_token_cache(tmp_path):
-    """Two DDP ranks on an empty cache: one preparation (Lightning calls prepare_data on local
-    rank zero, the other rank waits at the barrier and then finds the finished cache)."""
-    cache = tmp_path / "cache"
-    args = ["train.py", f"hydra.run.dir={tmp_path / 'run'}", "trainer.accelerator=cpu", "trainer.devices=2",
-            "trainer.strategy=ddp", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
-            "data.batch_size=2", "trainer.max_steps=2", "trainer.val_check_interval=2",
-            "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", "eval.extrapolation.enabled=false",
-            "~callbacks.attention_maps", "~callbacks.position_functions", "logger=csv", f"data.data_dir={cache}"]
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    output = proc.stdout + proc.stderr
-    assert output.count("[pelab] tokenizing gutenberg") == 1, output[-3000:]
-    assert len(list(cache.glob("gutenberg*/bytes/meta.json"))) == 1 and "finished at step 2" in proc.stdout
-
-
 def test_fsdp_preset_builds_a_block_wrapped_full_shard_strategy():
     """Lightning 2.6 refuses FSDP without a GPU, so on CPU the preset is checked as far as it
     can be: it composes with the model presets and builds the strategy Lightning will run."""

@@ -20,7 +20,8 @@ def free_port() -> int:
 def test_two_nodes_prepare_once_and_train_as_one_node_with_two_processes(tmp_path):
     """The one-node run (2 processes, Lightning starts the second) and the two nodes (1 process
     each, started by hand as a cluster's launcher would, on one data_dir and run dir) run side
-    by side, each on a fresh cache; float32 on gloo: the same weights, losses and data position."""
+    by side, each on a fresh cache; float32 on gloo: the same weights, losses and data position.
+    Both also show that global rank zero alone tokenizes (prepare_data_per_node is off)."""
     write_txt(tmp_path / "corpus", docs(40))
     args = ["data=text", f"data.paths=[{tmp_path / 'corpus'}]", "trainer.accelerator=cpu", "trainer.strategy=ddp",
             "trainer.precision=32", "model.n_head=2", "logger=csv", "~callbacks.position_functions",
