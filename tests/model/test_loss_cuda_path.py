@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.loss as loss_mod
+from tests.model.test_loss import make  # (hidden, head weight, targets) of one seed
 from model.loss import (FULL_LOGITS_MAX_ELEMENTS, LOSS_ROUTE_ENV, chunked_cross_entropy, forced_loss_route,
                         loss_route, parse_loss_route, use_chunked_loss)
 
@@ -76,16 +77,6 @@ class HostSyncs(TorchDispatchMode):
             with self:
                 return loss_mod._loss_and_grads_impl(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-def make(N, C, V, Vp, ignore_every=0, scale=1.0, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, C, generator=g)
-    w = torch.randn(Vp, C, generator=g) * scale
-    t = torch.randint(0, V, (N,), generator=g)
-    if ignore_every:
-        t[::ignore_every] = -1
-    return h.to(device), w.to(device), t.to(device)
 
 
 def naive64(h, w, t, V, round_to=None, grad_output=1.0):
