@@ -16,9 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.loss as loss_mod
-from tests.model.test_loss import make  # (hidden, head weight, targets) of one seed
 from model.loss import (FULL_LOGITS_MAX_ELEMENTS, LOSS_ROUTE_ENV, chunked_cross_entropy, forced_loss_route,
                         loss_route, parse_loss_route, use_chunked_loss)
+from tests.model.test_loss import make  # (hidden, head weight, targets) of one seed
 
 ATEN = torch.ops.aten
 #: operators that hand a device value to the host (beyond the tagged ones): bool(t), equal
