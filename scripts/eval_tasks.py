@@ -112,7 +112,8 @@ def main(argv: list[str]) -> int:
         from evaluation.tasks import loggable
 
         log_to_new_wandb_run(loggable(rows, paths["png"]), out, project=cfg.get("project", "pelab"),
-                             group=cfg.get("group"), job_type="eval", name=f"{cfg.get('run_name') or module.pe_name}-tasks",
+                             group=cfg.get("group"), job_type="eval",
+                             name=f"{cfg.get('run_name') or module.pe_name}-tasks",
                              config={"ckpt": str(ckpt), "seed": seed, **options})
     return 0
 
