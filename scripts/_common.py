@@ -146,6 +146,20 @@ def numbers(key: str, value: str, parse, allowed: str) -> list:
         bad_value(key, value, allowed)
 
 
+def eval_lengths(args: dict[str, str], example_multipliers: str) -> dict:
+    """``multipliers=`` and ``lengths=`` given together replace the run's eval lengths: both parsed,
+    at least one length in all (an empty dict when neither is given)."""
+    if "multipliers" not in args and "lengths" not in args:
+        return {}
+    options = {"multipliers": numbers("multipliers", args.get("multipliers", ""), lambda k, v: number(k, v, above=0),
+                                      f"positive numbers, e.g. {example_multipliers}"),
+               "lengths": numbers("lengths", args.get("lengths", ""), lambda k, v: integer(k, v, minimum=1),
+                                  "positive integers, e.g. 300,1000")}
+    if not options["multipliers"] + options["lengths"]:
+        bad_value("multipliers", args.get("multipliers", ""), "at least one eval length (or lengths=...)")
+    return options
+
+
 def flag(key: str, value: str) -> bool:
     word = value.strip().lower()
     if word not in ("true", "false", "1", "0", "yes", "no"):

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (EVAL_PRECISIONS, ROOT, bad_value, checkpoint_arg, choice, device_arg, flag, integer, is_null,
-                     join_torchrun_group, load_run_config, log_to_new_wandb_run, number, numbers, parse_key_values,
+from _common import (EVAL_PRECISIONS, ROOT, checkpoint_arg, choice, device_arg, eval_lengths, flag, integer, is_null,
+                     join_torchrun_group, load_run_config, log_to_new_wandb_run, number, parse_key_values,
                      precision_ran, split_list)
 
 OPTIONS = {
@@ -46,14 +46,7 @@ def parse_options(args: dict[str, str]) -> dict:
     naming the option, before the checkpoint or any data is read)."""
     from evaluation.extrapolation import DOCUMENT_MODES, MODES, POSITION_MODES, ROPE_SCALINGS
 
-    options: dict = {}
-    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
-        options["multipliers"] = numbers("multipliers", args.get("multipliers", ""),
-                                         lambda k, v: number(k, v, above=0), "positive numbers, e.g. 1,2,4,8,16")
-        options["lengths"] = numbers("lengths", args.get("lengths", ""), lambda k, v: integer(k, v, minimum=1),
-                                     "positive integers, e.g. 300,1000")
-        if not options["multipliers"] + options["lengths"]:
-            bad_value("multipliers", args.get("multipliers", ""), "at least one eval length (or lengths=...)")
+    options: dict = eval_lengths(args, "1,2,4,8,16")  # lengths given here replace the run's
     if "mode" in args:
         options["modes"] = [choice("mode", m, MODES) for m in split_list(args["mode"])]
     for key, parse, allowed in (("stride", integer, "an integer >= 1, or null (half the eval length)"),

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (EVAL_PRECISIONS, bad_value, checkpoint_arg, choice, device_arg, flag, integer, load_run_config,
+from _common import (EVAL_PRECISIONS, checkpoint_arg, choice, device_arg, eval_lengths, flag, integer, load_run_config,
                      log_to_new_wandb_run, number, numbers, parse_key_values, precision_ran)
 
 OPTIONS = {
@@ -43,14 +43,7 @@ def parse_options(args: dict[str, str]) -> dict:
     the option, before the checkpoint is read)."""
     from evaluation.sweep import POSITION_MODES
 
-    options: dict = {}
-    if "multipliers" in args or "lengths" in args:  # lengths given here replace the run's
-        options["multipliers"] = numbers("multipliers", args.get("multipliers", ""),
-                                         lambda k, v: number(k, v, above=0), "positive numbers, e.g. 1,2,4,8")
-        options["lengths"] = numbers("lengths", args.get("lengths", ""), lambda k, v: integer(k, v, minimum=1),
-                                     "positive integers, e.g. 300,1000")
-        if not options["multipliers"] + options["lengths"]:
-            bad_value("multipliers", args.get("multipliers", ""), "at least one eval length (or lengths=...)")
+    options: dict = eval_lengths(args, "1,2,4,8")  # lengths given here replace the run's
     if "depths" in args:
         options["depths"] = numbers("depths", args["depths"], lambda k, v: number(k, v, minimum=0, maximum=1),
                                     "numbers in [0, 1], e.g. 0,0.5,1")
