@@ -221,7 +221,12 @@ def test_only_the_first_node_prepares(module, monkeypatch, node_rank, calls):
     """Lightning's own gate (its data connector) on local rank 0 of node 0 and of node 1."""
     import lightning as L
 
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
     monkeypatch.setenv("NODE_RANK", str(node_rank))
+    for gate in (rank_zero_only, utils_rank_zero_only):  # the Trainer sets the process-wide rank: restored after
+        monkeypatch.setattr(gate, "rank", gate.rank)
     dm = rank_module(module, FakeTrainer())
     prepared = []
     monkeypatch.setattr(dm, "prepare_data", lambda: prepared.append(1))
