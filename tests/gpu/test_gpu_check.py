@@ -343,12 +343,20 @@ def test_on_a_gpu_machine_it_runs_the_preflight_and_the_steps_and_writes_the_rep
 
 
 def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
     import torch
 
-    parts = steps.parts(tmp_path, sorted(SCHEMES), 1, 4)
-    assert 1 <= len(parts) <= 2 and all(p.budget_s <= 540 for p in parts.values())
-    lanes = parts["1"].lanes
-    assert [s.name for s in lanes[0]] == ["cuda_tests"] and "-n" in lanes[0][0].command
+    find_spec = importlib.util.find_spec
+    for xdist in (False, True):  # GPU images have pytest-xdist; without it the cuda tests run in one process
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (find_spec("pytest") if xdist else None) if name == "xdist"
+                            else find_spec(name, *a))
+        parts = steps.parts(tmp_path, sorted(SCHEMES), 1, 4)
+        assert 1 <= len(parts) <= 2 and all(p.budget_s <= 540 for p in parts.values())
+        lanes = parts["1"].lanes
+        assert [s.name for s in lanes[0]] == ["cuda_tests"] and ("-n" in lanes[0][0].command) == xdist
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert any(s.group == "train" for s in lanes[1]) and "t5_timing" in {s.name for lane in lanes for s in lane}
     assert [s.group for s in parts["2"].steps()] == ["bench"] * len(parts["2"].steps())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
