@@ -265,9 +265,9 @@ def test_peak_memory_is_lower():
     assert res["chunked"]["peak_mb"] < 0.5 * logits_fp32_mb, res
 
 
-def test_gpt_training_loss_with_gpt2_vocabulary_equals_full_logits():
-    """GPT.forward uses the chunked loss for a large vocabulary: the same loss and gradients as
-    F.cross_entropy on the full logits of the same model (fp32), and no logits returned."""
+def gpt2_vocabulary_model():
+    """A one-layer RoPE GPT at gpt2's vocabulary (50257, padded to 50304) and a batch whose first
+    five targets of row 0 are ignored: (model, idx, targets), seed 0."""
     from model.config import GPTConfig
     from model.gpt import GPT
     from model.pe.rope import RoPE
@@ -278,6 +278,13 @@ def test_gpt_training_loss_with_gpt2_vocabulary_equals_full_logits():
     idx = torch.randint(0, 50257, (2, 16))
     targets = torch.randint(0, 50257, (2, 16))
     targets[0, :5] = -1
+    return gpt, idx, targets
+
+
+def test_gpt_training_loss_with_gpt2_vocabulary_equals_full_logits():
+    """GPT.forward uses the chunked loss for a large vocabulary: the same loss and gradients as
+    F.cross_entropy on the full logits of the same model (fp32), and no logits returned."""
+    gpt, idx, targets = gpt2_vocabulary_model()
     logits, loss = gpt(idx, targets)
     assert logits is None
     loss.backward()

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model.loss as loss_mod
 from model.loss import (FULL_LOGITS_MAX_ELEMENTS, LOSS_ROUTE_ENV, chunked_cross_entropy, forced_loss_route,
                         loss_route, parse_loss_route, use_chunked_loss)
-from tests.model.test_loss import make  # (hidden, head weight, targets) of one seed
+from tests.model.test_loss import gpt2_vocabulary_model, make
 
 ATEN = torch.ops.aten
 #: operators that hand a device value to the host (beyond the tagged ones): bool(t), equal
@@ -232,16 +232,7 @@ def test_autocast_against_float64_of_rounded_operands(route, dtype):
 def test_gpt_forward_takes_the_forced_route():
     """GPT.forward at gpt2's vocabulary: each route gives float64's loss and gradients (every
     parameter), and only ``full`` returns logits."""
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from model.pe.rope import RoPE
-
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=50257, block_size=16, n_layer=1, n_head=2, n_embd=16, pad_vocab_multiple=64)
-    gpt = GPT(config, RoPE(config))
-    idx = torch.randint(0, 50257, (2, 16))
-    targets = torch.randint(0, 50257, (2, 16))
-    targets[0, :5] = -1
+    gpt, idx, targets = gpt2_vocabulary_model()
     h = gpt.hidden(idx)
     want_loss, want_h, want_w = naive64(h.flatten(0, 1), gpt.lm_head.weight, targets.flatten(), 50257)
     h.backward(want_h.float().view_as(h))  # the rest of the network, through float64's d loss / d h
