@@ -27,6 +27,7 @@ import torch
 from data.packing import MODES as DOCUMENT_MODES
 from data.packing import DocumentOptions
 from evaluation.position_loss import PositionSums, bin_rows
+from evaluation.plots import length_axis
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, distributed_sum, eval_positions,
                               read_rows, shard_of, why_not_randomized, write_rows)
@@ -309,17 +310,13 @@ def plot_rows(rows: Sequence[ExtrapolationRow], series_by: Sequence[str] = ("mod
     for label, points in sorted(series.items()):
         points.sort(key=lambda r: r.eval_length)
         ax.plot([r.eval_length for r in points], [r.ppl for r in points], marker="o", label=label)
-    for train_length in sorted({r.train_length for r in rows}):
-        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
-    ax.set_xscale("log", base=2)
+    length_axis(ax, (r.train_length for r in rows))
     ppls = [r.ppl for r in rows if r.ok]
     if ppls and max(ppls) > 3 * min(ppls):  # log-y only when the range needs it
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("evaluation length (tokens); dotted: training length")
     ax.set_ylabel("perplexity")
     ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
     if series:
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from evaluation.plots import length_axis
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import read_rows, write_rows
 
@@ -139,13 +140,9 @@ def plot_rows(rows: Sequence[PositionLossRow], title: str = "Loss by token posit
     for label, points in _curves(rows, by or curve_keys(rows)).items():
         xs, ys = smoothed(points)
         ax.plot(xs, ys, label=label, linewidth=1.2)
-    for train_length in sorted({r.train_length for r in rows}):
-        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("token position in the window; dotted: training length")
+    length_axis(ax, (r.train_length for r in rows), label="token position in the window")
     ax.set_ylabel("mean NLL (nats)")
     ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
     if rows:
         ax.legend(fontsize=7, title=" ".join(by or curve_keys(rows)), title_fontsize=7)
     fig.tight_layout()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from data.synthetic import Task
+from evaluation.plots import length_axis
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows,
                               why_not_randomized, write_rows)
@@ -268,14 +269,10 @@ def plot_rows(rows: Sequence[TaskRow], title: str = "Task accuracy"):
         points.sort(key=lambda r: r.eval_length)
         ax.plot([r.eval_length for r in points], [r.accuracy for r in points], marker="o", label=label,
                 linewidth=2.5 if label.endswith(" mean") else 1.2)
-    for train_length in sorted({r.train_length for r in rows}):
-        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
-    ax.set_xscale("log", base=2)
+    length_axis(ax, (r.train_length for r in rows))
     ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("evaluation length (tokens); dotted: training length")
     ax.set_ylabel("exact-match accuracy")
     ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
     if any(r.ok for r in rows):
         ax.legend(fontsize=7)
     fig.tight_layout()
