@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.attention import CHOICES
+from model.attention import BACKENDS, CHOICES
+from model.temperature import TEMPERATURES
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -44,8 +45,8 @@ class GPTConfig:
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "in [0, 1)")
         require(self.attention in CHOICES, "model.attention", self.attention,
                 "one of " + ", ".join(map(repr, CHOICES)))
-        require(self.attn_temperature in ("none", "log_length", "llama4"), "model.attn_temperature",
-                self.attn_temperature, "one of 'none', 'log_length', 'llama4'")
+        require(self.attn_temperature in TEMPERATURES, "model.attn_temperature",
+                self.attn_temperature, "one of " + ", ".join(map(repr, TEMPERATURES)))
         require(self.attn_temperature_length is None or self.attn_temperature_length >= 2,
                 "model.attn_temperature_length", self.attn_temperature_length, "null or an integer >= 2 (ln L > 0)")
         require(self.attn_temperature_floor >= 1, "model.attn_temperature_floor", self.attn_temperature_floor,
@@ -53,8 +54,10 @@ class GPTConfig:
         require(self.attn_temperature_scale >= 0, "model.attn_temperature_scale", self.attn_temperature_scale, ">= 0")
         require(self.attn_temperature != "log_length" or self.attn_temperature_length is not None
                 or self.block_size >= 2, "model.block_size", self.block_size, ">= 2 with log_length")
-        require(not (self.attention == "flex" and self.dropout > 0), "model.attention", self.attention,
-                "not flex when model.dropout > 0 (FlexAttention has no attention dropout)")
+        backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
+        require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),
+                "model.attention", self.attention,
+                f"not {self.attention} when model.dropout > 0 ({self.attention} has no attention dropout)")
 
     @property
     def head_dim(self) -> int:

@@ -110,12 +110,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= sum(p.numel() for p in self.pe.parameters())
-        return n
-
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
         x = self.wte(idx)
         if self.pe.uses_embed:

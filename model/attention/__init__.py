@@ -20,17 +20,13 @@ from model.attention.sdpa_key import SDPAKey
 BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (SDPA(), SDPAKey(), Flex(), Math(), BiasGrad())}
 CHOICES = ("auto", *BACKENDS)  # the values of model.attention
 
-# ``auto`` on CPU for schemes with a key-only form: sdpa_key (True) or the float32 mask (False),
-# whichever measured faster on CPU (docs/benchmark.md).
-AUTO_CPU_KEY_ONLY = False
-
 
 def auto(pe: Any, device: torch.device, dropout: float) -> str:
     """The default backend of a scheme on a device (docs/design.md, section 5)."""
     if not pe.uses_bias:
         return "sdpa"
-    if pe.key_only_slopes() is not None:
-        return "sdpa_key" if device.type == "cuda" or AUTO_CPU_KEY_ONLY else "sdpa"
+    if pe.key_only_slopes() is not None:  # on CPU the float32 mask measured faster (docs/performance.md, 5)
+        return "sdpa_key" if device.type == "cuda" else "sdpa"
     if device.type == "cuda" and not dropout:
         return "flex"
     return "sdpa"
@@ -41,7 +37,7 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
             layers: int = 1) -> AttentionBackend:
     """The backend that runs ``name`` (a value of model.attention) for this forward: ``auto``
     decided, a backend that does not apply replaced by the first of its fallbacks that does
-    (``math`` applies everywhere), flex for a single query (decoding) served by ``math``, and
+    (``math`` applies everywhere; a ``strict`` one raises instead, saying why), flex for a single query (decoding) served by ``math``, and
     SDPA with a learned bias under autograd on CPU served by ``bias_grad`` (SDPA would take
     its float32 math path).
 
@@ -52,7 +48,7 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     ``math`` is refused before any compute when math's float32 (B, H, T, T) tensors would not
     fit in the device's free memory (``check_math_memory``)."""
     backend = BACKENDS[auto(pe, device, dropout) if name == "auto" else name]
-    if backend.name != "flex" and not backend.supports(pe, device, dtype, dropout, grad):  # flex says why
+    if not backend.strict and not backend.supports(pe, device, dtype, dropout, grad):
         backend = next(BACKENDS[n] for n in backend.fallback if BACKENDS[n].supports(pe, device, dtype, dropout, grad))
     if (name == "auto" and documents and device.type == "cuda" and backend.name != "flex"
             and BACKENDS["flex"].supports(pe, device, dtype, dropout, grad)):
@@ -132,5 +128,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> T
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-__all__ = ["AUTO_CPU_KEY_ONLY", "BACKENDS", "CHOICES", "AttentionBackend", "AttentionRecorder", "Terms", "attend",
+__all__ = ["BACKENDS", "CHOICES", "AttentionBackend", "AttentionRecorder", "Terms", "attend",
            "auto", "check_math_memory", "math_training_bytes", "resolve"]

@@ -104,6 +104,7 @@ class AttentionBackend:
     dropout: ClassVar[bool] = True  # whether it applies attention dropout
     records: ClassVar[bool] = False  # returns (output, probabilities)
     fallback: ClassVar[tuple[str, ...]] = ("sdpa", "flex", "math")  # in order, where it does not apply
+    strict: ClassVar[bool] = False  # True: where it does not apply it raises, saying why, instead of falling back
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
 

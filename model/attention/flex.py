@@ -42,6 +42,7 @@ class FlexState:
 class Flex(AttentionBackend):
     name = "flex"
     dropout = False
+    strict = True  # model.attention=flex with a scheme it cannot run is an error, not another backend
     fallback = ("math",)
     plain = "flex"
     full_keys = True
