@@ -33,7 +33,8 @@ from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, dist
                               read_rows, shard_of, why_not_randomized, write_rows)
 from model.config import require
 from model.gpt import GPT, uncompiled
-from model.pe.rope_scaling import ROPE_SCALINGS
+from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling, default_factor
+from model.pe.scaling import scaled
 
 MODES = ("nonoverlapping", "sliding")
 
@@ -229,10 +230,11 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
 
 def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
     """The status of a row that cannot be measured honestly, or None when it can."""
-    if row.rope_scaling != "none" and not pe.supports_rope_scaling:
-        return f"not applicable: rope_scaling={row.rope_scaling} needs a rotary scheme"
-    if row.rope_scaling != "none" and pe.trained_scaling is not None:  # RoPE.set_scaling refuses it too
-        return f"not applicable: pe was trained with pe.scaling.kind={pe.trained_scaling.kind}, no scaling on top"
+    if row.rope_scaling != "none" and row.rope_scaling not in pe.scaling_kinds:
+        return (f"not applicable: rope_scaling={row.rope_scaling} does not apply to pe={pe.name} "
+                f"(it takes {', '.join(pe.scaling_kinds) or 'none'})")
+    if row.rope_scaling != "none" and pe.scaling is not None:  # model.pe.scaling.scaled refuses it too
+        return f"not applicable: pe was trained with pe.scaling.kind={pe.scaling.kind}, no scaling on top"
     if pe.max_positions is not None and row.eval_length > pe.max_positions:
         return f"not applicable: pe={pe.name} has {pe.max_positions} positions"
     if num_tokens < row.eval_length + 1:
@@ -247,21 +249,16 @@ def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: Extr
                documents: DocumentOptions = DocumentOptions()) -> PositionSums:
     """Fill tokens, loss, ppl and seconds, with the row's RoPE scaling on for this length only;
     the same NLL summed by window position is returned."""
-    scaling = None if row.rope_scaling == "none" else row.rope_scaling
-    if scaling:
-        from model.pe.rope_scaling import RopeScaling, default_factor
-
-        factor = config.rope_scaling_factor or default_factor(scaling, row.eval_length, row.train_length)
-        gpt.pe.set_scaling(RopeScaling(scaling, factor, row.train_length))
+    scaling = None
+    if row.rope_scaling != "none":
+        factor = config.rope_scaling_factor or default_factor(row.rope_scaling, row.eval_length, row.train_length)
+        scaling = RopeScaling(row.rope_scaling, factor, row.train_length)
     t0 = time.perf_counter()
     sums = PositionSums(row.eval_length)
-    try:
+    with scaled(gpt.pe, scaling):
         total, count, _ = score_length(gpt, tokens, row.eval_length, row.mode, config.stride, config.max_tokens,
                                        config.tokens_per_batch, config.q_chunk, config.precision, distributed,
                                        sums, config.positions, randomize_to, config.positions_seed, documents)
-    finally:
-        if scaling:
-            gpt.pe.set_scaling(None)
     row.seconds = time.perf_counter() - t0
     row.tokens, row.loss = count, total / count
     row.ppl = math.exp(row.loss)

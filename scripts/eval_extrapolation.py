@@ -28,7 +28,7 @@ OPTIONS = {
     "mode": "nonoverlapping and/or sliding, e.g. nonoverlapping,sliding",
     "stride": "sliding stride (default: half the eval length)",
     "max_tokens": "scored tokens per length (default: the run's setting; 'null' = all held-out text)",
-    "rope_scaling": "linear, ntk, dynamic_ntk, yarn and/or llama3 (evaluated next to the plain model; refused for a model trained with pe.scaling)",
+    "rope_scaling": "linear, ntk, dynamic_ntk, yarn and/or llama3 (rotary schemes take all, alibi linear; evaluated next to the plain model; refused for a model trained with pe.scaling)",
     "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
     "precision": "bf16-mixed, 16-mixed, 32-true or 32 (default: the run's trainer.precision); the results' title "
                  "says what ran",

@@ -28,30 +28,35 @@ def alibi_slopes(n_head: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def linear_bias_score(slopes: Tensor):
-    """Elementwise -m_h (i - j) (the flex backend's form of ``bias``)."""
-    return lambda q, k, head: -slopes[head] * (q - k).float()
+class SlopeBias:
+    """The bias -m_h (i - j) of per-head slopes (``slopes``, an (H,) float32 buffer) in every
+    form the backends take, interpolated by a ``linear`` scaling (-m (i - j) / s = -(m / s)(i - j)).
+    Mixed into ALiBi and RoPE+ALiBi, ahead of their PositionEncoding base."""
 
-
-class ALiBi(PositionEncoding, name="alibi"):
-    scaling_kinds = ("linear",)  # pe.scaling: distances divided by the factor
     bias_of_distance = True
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
-        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
+    slopes: Tensor
 
     def scale(self, scaling) -> None:
-        # -m (i - j) / s = -(m / s)(i - j): every form of the bias (flex, key-only) reads the slopes
-        self.slopes = self.slopes / scaling.factor
-        self.trained_scaling = scaling
+        super().scale(scaling)
+        if scaling.kind == "linear":  # every form of the bias (flex, key-only) reads the slopes
+            self.slopes = self.slopes / scaling.factor
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))
         return -slopes * distance
 
     def bias_score(self):
-        return linear_bias_score(self.slopes)
+        """Elementwise -m_h (i - j) (the flex backend's form of ``bias``)."""
+        slopes = self.slopes
+        return lambda q, k, head: -slopes[head] * (q - k).float()
 
     def key_only_slopes(self) -> Tensor:
         return self.slopes
+
+
+class ALiBi(SlopeBias, PositionEncoding, name="alibi"):
+    scaling_kinds = ("linear",)  # distances divided by the factor
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)

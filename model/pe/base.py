@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import GPTConfig
+from model.pe.scaling import check_kind
 
 SCHEMES: dict[str, type["PositionEncoding"]] = {}
 
@@ -37,17 +38,16 @@ class PositionEncoding(nn.Module):
     """Base class: every hook defaults to 'contributes nothing'."""
 
     name: ClassVar[str] = "none"
-    # Rotary schemes accept evaluation-time RoPE scaling (model/pe/rope_scaling.py).
-    supports_rope_scaling: ClassVar[bool] = False
     # ``bias`` is a function of p_i - p_j alone: under a document mask, positions that step by one
     # inside every document (restarted at its start or not) give token order's distances, so the
     # backends that build a mask compute one bias at token order's positions for the whole batch
     # (model/attention/base.py, ``Terms.bias_positions``); other positions (randomized) are used
     # as given.
     bias_of_distance: ClassVar[bool] = False
-    # The pe.scaling kinds the scheme takes in training (model/pe/scaling.py), and the one it has.
+    # The scaling kinds the scheme takes (model/pe/rope_scaling.py), and the one it has now: set by
+    # ``scale`` for training, or inside ``scaled`` for an evaluation (model/pe/scaling.py).
     scaling_kinds: ClassVar[tuple[str, ...]] = ()
-    trained_scaling: Any = None
+    scaling: Any = None
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -95,9 +95,13 @@ class PositionEncoding(nn.Module):
         return None
 
     def scale(self, scaling: Any) -> None:
-        """Scale positions from now on (``pe.scaling``, a RopeScaling of a kind in
-        ``scaling_kinds``); called once, right after construction."""
-        raise ValueError(f"pe.scaling.kind={scaling.kind} does not apply to pe={self.name}")
+        """Scale positions from now on by ``scaling`` (a RopeScaling of a kind in ``scaling_kinds``).
+        A scheme that takes one extends this (``super().scale`` first), changing only its
+        attributes and buffers, which ``scaled`` restores after an evaluation."""
+        check_kind(self, scaling.kind, "pe.scaling.kind")
+        if self.scaling is not None:
+            raise ValueError(f"pe={self.name} is already scaled by {self.scaling}")
+        self.scaling = scaling
 
     def resized_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """The scheme's saved tensors (``init_from``, keys relative to the scheme) made to fit

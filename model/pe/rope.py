@@ -18,14 +18,11 @@ Two options (RoPE only; xPos and RoPE+ALiBi keep the defaults):
   load unchanged).
 
 ``frequencies()`` is the one place the pair frequencies come from: learned factor first,
-then the evaluation-time scaling on top of the learned values, then the p-RoPE removal.
-
-``set_scaling`` switches on an evaluation-time RoPE scaling (linear interpolation, NTK,
-dynamic NTK, YaRN; see model/pe/rope_scaling.py) for every subclass (xPos, RoPE+ALiBi).
-It is a plain attribute, not part of the state dict: checkpoints never carry it.
-``scale`` sets a scaling used in training (``pe.scaling``, model/pe/scaling.py): it is part
-of the scheme's hyper-parameters, applies to every forward, and an evaluation-time scaling
-on top of it is refused (two scalings would compose ambiguously: whose original length?).
+then the scaling (``scaling``: linear interpolation, NTK, dynamic NTK, YaRN, Llama 3,
+LongRoPE; model/pe/rope_scaling.py) on top of the learned values, then the p-RoPE removal.
+The scaling is set for training by ``scale`` or for one evaluation by ``scaled``
+(model/pe/scaling.py), for every subclass (xPos, RoPE+ALiBi); it is a plain attribute, not
+part of the state dict.
 """
 
 from __future__ import annotations
@@ -109,7 +106,6 @@ def _heads(table: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class RoPE(PositionEncoding, name="rope"):
-    supports_rope_scaling: ClassVar[bool] = True
     scaling_kinds: ClassVar[tuple[str, ...]] = SCALING_KINDS
 
     def __init__(
@@ -144,23 +140,11 @@ class RoPE(PositionEncoding, name="rope"):
         keep = (torch.arange(n_pairs) < self.kept_pairs).float()
         self.register_buffer("keep", keep if self.kept_pairs < n_pairs else None, persistent=False)
         self.log_freq_scale = nn.Parameter(torch.zeros(n_pairs)) if learnable_freq else None
-        self.scaling: RopeScaling | None = None
-
-    def set_scaling(self, scaling: RopeScaling | None) -> None:
-        """Use ``scaling`` from now on (meant for evaluation); None restores plain RoPE exactly."""
-        if scaling is not None and not isinstance(scaling, RopeScaling):
-            raise TypeError(f"set_scaling expects a RopeScaling or None, got {type(scaling).__name__}")
-        if scaling is not None and self.trained_scaling is not None:
-            raise ValueError(f"rope_scaling={scaling.kind} at evaluation is refused: pe={self.name} was trained with "
-                             f"pe.scaling.kind={self.trained_scaling.kind}, which every forward already applies")
-        self.scaling = scaling
 
     def scale(self, scaling: RopeScaling) -> None:
-        if self.trained_scaling is not None:
-            raise ValueError(f"pe={self.name} is already scaled by {self.trained_scaling}")
         if scaling.kind == "longrope":  # checked here, not at the first forward
             scaled_frequencies(scaling, self.inv_freq, scaling.original_length)
-        self.trained_scaling = scaling
+        super().scale(scaling)
 
     def frequencies(self, *positions: Tensor) -> RopeFrequencies:
         """The call's effective frequencies. Pass every position tensor of the call (q's and
@@ -168,12 +152,11 @@ class RoPE(PositionEncoding, name="rope"):
         inv_freq = self.inv_freq
         if self.log_freq_scale is not None:  # learned theta_k * exp(alpha_k), float32
             inv_freq = inv_freq * self.log_freq_scale.float().exp()
-        scaling = self.scaling if self.scaling is not None else self.trained_scaling
-        if scaling is None:
+        if self.scaling is None:
             freqs = RopeFrequencies(inv_freq)
         else:  # the scaling starts from the (learned) frequencies the model was trained with
             length = torch.stack([p.max() for p in positions]).max() + 1
-            freqs = scaled_frequencies(scaling, inv_freq, length)
+            freqs = scaled_frequencies(self.scaling, inv_freq, length)
         if self.keep is not None:  # p-RoPE: removed pairs get theta = 0 after any scaling
             freqs = freqs._replace(inv_freq=freqs.inv_freq * self.keep)
         return freqs
@@ -231,8 +214,6 @@ class RoPE(PositionEncoding, name="rope"):
 
     def extra_repr(self) -> str:
         extra = f", scaling={self.scaling}" if self.scaling is not None else ""
-        if self.trained_scaling is not None:
-            extra += f", trained_scaling={self.trained_scaling}"
         if self.keep is not None:
             extra += f", kept_pairs={self.kept_pairs}/{self.rotary_dim // 2}"
         if self.log_freq_scale is not None:

@@ -2,23 +2,20 @@
 
 ``bias_heads`` picks how many heads (the first n) carry the bias; those heads get the
 standard ALiBi slope set for n heads, the rest are pure RoPE. ``slope_multiplier`` c
-scales every slope. ``pe.scaling.kind=linear`` interpolates both parts (angles of p/s, slopes
-m/s); the other kinds scale the rotation only.
+scales every slope. A ``linear`` scaling (model/pe/scaling.py) interpolates both parts (angles
+of p/s, slopes m/s); the other kinds scale the rotation only.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from model.config import GPTConfig
-from model.pe.alibi import alibi_slopes, linear_bias_score
-from model.pe.base import per_head, relative_distance
+from model.pe.alibi import SlopeBias, alibi_slopes
 from model.pe.rope import RoPE
 
 
-class RoPEALiBi(RoPE, name="rope_alibi"):
-    bias_of_distance = True
+class RoPEALiBi(SlopeBias, RoPE, name="rope_alibi"):
     def __init__(
         self,
         config: GPTConfig,
@@ -35,21 +32,6 @@ class RoPEALiBi(RoPE, name="rope_alibi"):
         slopes[:n_biased] = alibi_slopes(n_biased) * slope_multiplier
         self.register_buffer("slopes", slopes, persistent=False)
         self.bias_heads, self.slope_multiplier = n_biased, slope_multiplier
-
-    def scale(self, scaling) -> None:
-        super().scale(scaling)
-        if scaling.kind == "linear":  # position interpolation moves the bias's distances too
-            self.slopes = self.slopes / scaling.factor
-
-    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        slopes, distance = per_head(self.slopes, relative_distance(q_positions, k_positions))
-        return -slopes * distance
-
-    def bias_score(self):
-        return linear_bias_score(self.slopes)
-
-    def key_only_slopes(self) -> Tensor:
-        return self.slopes
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bias_heads={self.bias_heads}, slope_multiplier={self.slope_multiplier}"

@@ -1,9 +1,13 @@
-"""Positions scaled in training: ``pe.scaling`` (context extension).
+"""Scaled positions (context extension), one mechanism for training and evaluation.
 
-The ``pe.scaling`` block of a ``pe`` config (conf/pe/schedule/scaling.yaml) is taken out
-before the scheme is built and handed to the scheme's ``scale`` hook, which keeps it for
-every later forward (training, validation, evaluation, KV-cache generation). It is part of
-the ``pe`` hyper-parameters, so a checkpoint rebuilds the scaled scheme with no extra flag.
+A scheme declares the kinds it takes (``scaling_kinds``) and applies one in its ``scale``
+hook. Training: the ``pe.scaling`` block of a ``pe`` config (conf/pe/schedule/scaling.yaml)
+is taken out before the scheme is built and handed to ``scale`` (``apply_scaling``), which
+keeps it for every later forward (training, validation, evaluation, KV-cache generation). It
+is part of the ``pe`` hyper-parameters, so a checkpoint rebuilds the scaled scheme with no
+extra flag. Evaluation: ``with scaled(scheme, scaling):`` applies the same ``scale`` inside
+the block and restores the scheme exactly on leaving it; on top of a trained scaling it is
+refused (two scalings would compose ambiguously: whose original length?).
 
 - Rotary schemes (rope, xpos, rope_alibi) take every kind of model/pe/rope_scaling.py.
 - ALiBi-type biases take ``linear``: distances divided by the factor (Al-Khateeb et al.
@@ -62,16 +66,44 @@ def scaling_of(values: dict | None, block_size: int) -> RopeScaling | None:
         return RopeScaling(kind, values.get("factor", 1.0), block_size if length is None else length, **options)
 
 
+def check_kind(scheme: Any, kind: str, key: str) -> None:
+    """A ValueError naming ``key``, the kind and what ``scheme`` takes, unless it takes ``kind``."""
+    kinds = scheme.scaling_kinds
+    require(kind in kinds, key, kind, f"one of none, {', '.join(kinds)} for pe={scheme.name}" if kinds
+            else f"none: pe={scheme.name} has no positions to scale")
+
+
 def apply_scaling(scheme: Any, values: dict | None, block_size: int) -> None:
     """Scale ``scheme``'s positions for training as ``pe.scaling`` says (nothing for kind none)."""
     scaling = scaling_of(values, block_size)
     if scaling is None:
         return
-    require(scaling.kind in scheme.scaling_kinds, "pe.scaling.kind", scaling.kind,
-            f"one of none, {', '.join(scheme.scaling_kinds)} for pe={scheme.name}" if scheme.scaling_kinds
-            else f"none: pe={scheme.name} has no positions to scale")
     with _named_as_config():
         scheme.scale(scaling)
+
+
+@contextlib.contextmanager
+def scaled(scheme: Any, scaling: RopeScaling | None):
+    """``scheme`` scaled by ``scaling`` inside the block (None: as it is), restored exactly on
+    leaving it, also on an error: its attributes and buffers are put back as they were."""
+    if scaling is None:
+        yield scheme
+        return
+    if not isinstance(scaling, RopeScaling):
+        raise TypeError(f"scaled expects a RopeScaling or None, got {type(scaling).__name__}")
+    if scheme.scaling is not None:
+        raise ValueError(f"rope_scaling={scaling.kind} at evaluation is refused: pe={scheme.name} was trained with "
+                         f"pe.scaling.kind={scheme.scaling.kind}, which every forward already applies")
+    check_kind(scheme, scaling.kind, "rope_scaling")
+    attributes, buffers = dict(vars(scheme)), dict(scheme._buffers)
+    try:
+        scheme.scale(scaling)
+        yield scheme
+    finally:
+        vars(scheme).clear()
+        vars(scheme).update(attributes)
+        scheme._buffers.clear()  # the very dict ``attributes`` holds: refilled with the tensors it had
+        scheme._buffers.update(buffers)
 
 
 @contextlib.contextmanager

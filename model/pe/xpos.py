@@ -8,7 +8,7 @@ in q.k, the float32 powers stay small, and keys in a KV cache keep one reference
 Meant for causal attention only: for m > n the key factor grows instead of decaying.
 The factorised powers stay finite in float32 while (window span / 2) / B < ~70, i.e. for
 windows up to ~70k tokens at B = 512.
-A RoPE scaling (``set_scaling``) changes the rotation angles (and YaRN's attention factor)
+A RoPE scaling (``scale``, ``scaled``) changes the rotation angles (and YaRN's attention factor)
 only; the zeta decay is unchanged.
 """
 

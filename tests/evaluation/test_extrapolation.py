@@ -198,3 +198,20 @@ def test_dynamic_ntk_in_the_harness_equals_ntk_at_the_length_ratio(tokens):
     doubled = evaluate_extrapolation(gpt, tokens, 16, ExtrapolationConfig(
         multipliers=[4], rope_scaling=["dynamic_ntk"], rope_scaling_factor=4.0, precision="32"))[0]
     assert doubled.loss != ntk.loss
+
+
+def test_alibi_linear_at_evaluation_scores_as_the_model_trained_with_it(tokens):
+    """rope_scaling=linear on ALiBi divides its slopes by s for the row (as pe.scaling.kind=linear
+    does in training), then restores them; kinds ALiBi does not take are "not applicable"."""
+    from model.pe.rope_scaling import RopeScaling
+
+    gpt, trained = toy("alibi"), toy("alibi")
+    trained.pe.scale(RopeScaling("linear", 4.0, 16))
+    slopes = gpt.pe.slopes
+    rows = evaluate_extrapolation(gpt, tokens, 16, ExtrapolationConfig(multipliers=[4], rope_scaling=["linear", "ntk"],
+                                                                       precision="32"))
+    linear, ntk = [r for r in rows if r.eval_length == 64]
+    reference = evaluate_extrapolation(trained, tokens, 16, ExtrapolationConfig(multipliers=[4], precision="32"))[-1]
+    assert linear.ok and linear.loss == reference.loss
+    assert ntk.status == "not applicable: rope_scaling=ntk does not apply to pe=alibi (it takes linear)"
+    assert gpt.pe.slopes is slopes and gpt.pe.scaling is None

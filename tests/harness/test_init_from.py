@@ -38,7 +38,7 @@ def test_weights_load_and_scheme_options_may_change(tmp_path):
                      "pe.scaling.factor=4", "optim.lr=3e-4", "model.dropout=0.1")
     checked = validate_config(cfg)
     assert cfg.pe.scaling.original_length == 32  # default: the checkpoint's block_size, recorded in the config
-    assert checked.position.scheme.trained_scaling.original_length == 32
+    assert checked.position.scheme.scaling.original_length == 32
     from pelab.checkpoint import load_init_weights
     from model.gpt import GPT
     from model.config import GPTConfig
@@ -141,8 +141,8 @@ def test_context_extension_experiment_composes_every_method(tmp_path):
         checked = validate_config(run)
         pe = checked.position.scheme
         assert (run.model.block_size, pe.base) == (512, base), method
-        assert (pe.trained_scaling.kind, pe.trained_scaling.factor, pe.trained_scaling.original_length) == \
-            (kind, 4.0, 128) if kind != "none" else pe.trained_scaling is None, method
+        assert (pe.scaling.kind, pe.scaling.factor, pe.scaling.original_length) == \
+            (kind, 4.0, 128) if kind != "none" else pe.scaling is None, method
 
 
 def test_init_from_under_ddp_starts_every_rank_from_the_checkpoint(tmp_path):

@@ -26,7 +26,7 @@ def build(name: str, scaling: str | None = None, seed: int = 0) -> GPT:
         for p in model.pe.parameters():
             p.add_(0.1 * torch.randn_like(p))
     if scaling:  # factor 2 with a short "training" length, so every method changes the angles
-        model.pe.set_scaling(RopeScaling(scaling, 2.0, original_length=24))
+        model.pe.scale(RopeScaling(scaling, 2.0, original_length=24))
     return model
 
 

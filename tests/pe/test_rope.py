@@ -298,6 +298,7 @@ def test_scaling_starts_from_the_learned_frequencies():
     """Evaluation-time scaling applies to theta_k * exp(alpha_k); p-RoPE's removed pairs stay 0.
     ntk with s = 4, r = 16: theta'_k = theta_k e^alpha_k 4^(-2k/14); linear: positions / 4."""
     from model.pe.rope_scaling import RopeScaling
+    from model.pe.scaling import scaled
 
     pe = SCHEMES["rope"](rope_config(), keep_fraction=0.75, learnable_freq=True)  # 6 of 8 pairs
     alpha = [0.2, -0.1, 0.05, 0.3, -0.4, 0.0, 0.7, -0.3]
@@ -307,18 +308,17 @@ def test_scaling_starts_from_the_learned_frequencies():
     pos = torch.tensor([0, 100])
     got = pe.frequencies(pos)
     torch.testing.assert_close(got.inv_freq.double(), torch.tensor(learned, dtype=torch.float64), atol=0, rtol=1e-6)
-    pe.set_scaling(RopeScaling("ntk", 4.0, 32))
-    ntk = [learned[k] * 4.0 ** (-2 * k / 14) for k in range(8)]
-    torch.testing.assert_close(pe.frequencies(pos).inv_freq.double(), torch.tensor(ntk, dtype=torch.float64),
-                               atol=0, rtol=1e-6)
-    pe.set_scaling(RopeScaling("linear", 4.0, 32))
-    lin = pe.frequencies(pos)
+    with scaled(pe, RopeScaling("ntk", 4.0, 32)):
+        ntk = [learned[k] * 4.0 ** (-2 * k / 14) for k in range(8)]
+        torch.testing.assert_close(pe.frequencies(pos).inv_freq.double(), torch.tensor(ntk, dtype=torch.float64),
+                                   atol=0, rtol=1e-6)
+    with scaled(pe, RopeScaling("linear", 4.0, 32)):
+        lin = pe.frequencies(pos)
     assert lin.position_scale == 0.25
     torch.testing.assert_close(lin.inv_freq.double(), torch.tensor(learned, dtype=torch.float64), atol=0, rtol=1e-6)
-    pe.set_scaling(RopeScaling("yarn", 4.0, 32))
-    yarn = pe.frequencies(pos).inv_freq
+    with scaled(pe, RopeScaling("yarn", 4.0, 32)):
+        yarn = pe.frequencies(pos).inv_freq
     assert torch.all(yarn[6:] == 0) and torch.all(yarn[:6] > 0)
-    pe.set_scaling(None)
     torch.testing.assert_close(pe.frequencies(pos).inv_freq, got.inv_freq, atol=0, rtol=0)
 
 

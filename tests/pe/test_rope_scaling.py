@@ -13,6 +13,7 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
+from model.pe.scaling import scaled
 from tests import tiny
 
 ROPE_FAMILY = tiny.schemes_where(lambda pe: pe.uses_rotate)
@@ -73,9 +74,9 @@ def rotate_at(pe, x: torch.Tensor, positions: list[int]) -> torch.Tensor:
     return rq[0, 0]
 
 
-def scaled(name: str, scaling: RopeScaling | None, cfg: GPTConfig | None = None, **kwargs):
+def scaled_pe(name: str, scaling: RopeScaling, cfg: GPTConfig | None = None, **kwargs):
     pe = SCHEMES[name](cfg or tiny_config(), **kwargs)
-    pe.set_scaling(scaling)
+    pe.scale(scaling)
     return pe
 
 
@@ -87,7 +88,7 @@ def scaled(name: str, scaling: RopeScaling | None, cfg: GPTConfig | None = None,
 @pytest.mark.parametrize("s", [4.0, 2.5])
 def test_linear_is_rope_at_fractional_positions(s):
     torch.manual_seed(0)
-    pe = scaled("rope", RopeScaling("linear", s, original_length=16))
+    pe = scaled_pe("rope", RopeScaling("linear", s, original_length=16))
     x = torch.randn(16)
     positions = [0, 1, 3, 10, 37, 200]
     out = rotate_at(pe, x, positions)
@@ -101,7 +102,7 @@ def test_linear_is_rope_at_fractional_positions(s):
 def test_linear_score_is_unscaled_score_at_divided_positions():
     torch.manual_seed(1)
     s = 4.0
-    pe = scaled("rope", RopeScaling("linear", s, original_length=16))
+    pe = scaled_pe("rope", RopeScaling("linear", s, original_length=16))
     q, k = torch.randn(16), torch.randn(16)
     thetas = naive_thetas(16)
     positions = [0, 1, 5, 13, 63]
@@ -121,7 +122,7 @@ def test_linear_score_is_unscaled_score_at_divided_positions():
 def test_ntk_equals_rope_with_changed_base(rotary_fraction):
     torch.manual_seed(2)
     s, base = 4.0, 10000.0
-    pe = scaled("rope", RopeScaling("ntk", s, original_length=16), rotary_fraction=rotary_fraction)
+    pe = scaled_pe("rope", RopeScaling("ntk", s, original_length=16), rotary_fraction=rotary_fraction)
     d = int(16 * rotary_fraction)  # the rotary dim, not the head dim
     new_base = base * s ** (d / (d - 2))
     x = torch.randn(16)
@@ -148,7 +149,7 @@ def test_dynamic_ntk_is_identity_within_the_original_length():
     x = torch.randn(16)
     plain = SCHEMES["rope"](tiny_config())
     for factor in [1.0, 2.0, 8.0]:
-        pe = scaled("rope", RopeScaling("dynamic_ntk", factor, original_length=L))
+        pe = scaled_pe("rope", RopeScaling("dynamic_ntk", factor, original_length=L))
         for positions in [list(range(L)), [3, 15], [0]]:  # T = max position + 1 <= L
             assert torch.equal(rotate_at(pe, x, positions), rotate_at(plain, x, positions))
 
@@ -157,7 +158,7 @@ def test_dynamic_ntk_is_identity_within_the_original_length():
 def test_dynamic_ntk_takes_the_scale_from_the_length(factor, T):
     torch.manual_seed(4)
     L, d = 16, 16
-    pe = scaled("rope", RopeScaling("dynamic_ntk", factor, original_length=L))
+    pe = scaled_pe("rope", RopeScaling("dynamic_ntk", factor, original_length=L))
     s_dyn = max(1.0, factor * T / L - (factor - 1))
     if (factor, T) == (1.0, 64):
         assert s_dyn == 4.0  # T = 4L with factor 1 is ntk with s = 4
@@ -168,7 +169,7 @@ def test_dynamic_ntk_takes_the_scale_from_the_length(factor, T):
     for t, p in enumerate(positions):
         torch.testing.assert_close(out[t].double(), naive_rotate(x, p, thetas), atol=2e-5, rtol=0)
     if (factor, T) == (1.0, 64):
-        ntk = scaled("rope", RopeScaling("ntk", 4.0, original_length=L))
+        ntk = scaled_pe("rope", RopeScaling("ntk", 4.0, original_length=L))
         torch.testing.assert_close(out, rotate_at(ntk, x, positions), atol=1e-6, rtol=0)
 
 
@@ -176,7 +177,7 @@ def test_dynamic_ntk_q_and_k_share_the_length():
     """T comes from the largest position of q and k together, so q's rotation at p = 10 uses
     the same base as the keys up to 63 (KV-cache style calls keep the relative property)."""
     torch.manual_seed(5)
-    pe = scaled("rope", RopeScaling("dynamic_ntk", 1.0, original_length=16))
+    pe = scaled_pe("rope", RopeScaling("dynamic_ntk", 1.0, original_length=16))
     x = torch.randn(1, 1, 1, 16)
     rq, _ = pe.rotate(x, torch.randn(1, 1, 64, 16), torch.tensor([10]), torch.arange(64))
     thetas = naive_thetas(16, 10000.0 * 4.0 ** (16 / 14))
@@ -190,7 +191,7 @@ def test_dynamic_ntk_q_and_k_share_the_length():
 
 def yarn_pe(d: int, s: float, L: int, rotary_fraction: float = 1.0, **kwargs):
     """A RoPE of head dim d with YaRN set."""
-    return scaled("rope", RopeScaling("yarn", s, original_length=L, **kwargs),
+    return scaled_pe("rope", RopeScaling("yarn", s, original_length=L, **kwargs),
                   tiny_config(n_embd=4 * d), rotary_fraction=rotary_fraction)
 
 
@@ -248,7 +249,7 @@ def test_yarn_rotation_matches_the_reference():
     """Full rotation: reference frequencies, cos and sin times m = 0.1 ln s + 1."""
     torch.manual_seed(6)
     s, L, d = 4.0, 1024, 16
-    pe = scaled("rope", RopeScaling("yarn", s, original_length=L))
+    pe = scaled_pe("rope", RopeScaling("yarn", s, original_length=L))
     ref, low, high = naive_yarn(d, 10000.0, s, L)
     assert (low, high) == (1, 5)  # 16 ln(1024 / (64 pi)) / 18.42 = 1.41, 16 ln(1024 / (2 pi)) / 18.42 = 4.42
     m = 0.1 * math.log(s) + 1
@@ -263,7 +264,7 @@ def test_yarn_rotation_matches_the_reference():
 @pytest.mark.parametrize("name", ROPE_FAMILY)
 def test_yarn_attention_factor_scales_logits_by_its_square(name):
     torch.manual_seed(7)
-    pe = scaled(name, RopeScaling("yarn", 4.0, original_length=16))
+    pe = scaled_pe(name, RopeScaling("yarn", 4.0, original_length=16))
     q = torch.randn(1, 1, 1, 16)
     zero = torch.tensor([0])
     rq, rk = pe.rotate(q, q.clone(), zero, zero)  # position 0: no rotation (and no xPos decay)
@@ -311,7 +312,7 @@ def test_factor_one_is_the_identity(kind, name):
     torch.manual_seed(8)
     L = 1000 if kind == "dynamic_ntk" else 16
     plain = SCHEMES[name](tiny_config())
-    pe = scaled(name, RopeScaling(kind, 1.0, original_length=L))
+    pe = scaled_pe(name, RopeScaling(kind, 1.0, original_length=L))
     q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 16)
     pos = torch.tensor([0, 1, 7, 30, 200, 999])
     for a, b in zip(pe.rotate(q, k, pos, pos), plain.rotate(q, k, pos, pos)):
@@ -321,7 +322,7 @@ def test_factor_one_is_the_identity(kind, name):
 def test_xpos_scaling_moves_the_angles_not_the_decay():
     torch.manual_seed(9)
     s, B, gamma = 4.0, 512.0, 0.4
-    pe = scaled("xpos", RopeScaling("linear", s, original_length=16))
+    pe = scaled_pe("xpos", RopeScaling("linear", s, original_length=16))
     positions = [0, 3, 20, 90]
     q, k = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16)
     rq, rk = pe.rotate(q, k, torch.tensor(positions), torch.tensor(positions))
@@ -347,33 +348,37 @@ def test_gpt_forward_with_every_scaling_and_exact_restore(name):
     with torch.no_grad():
         ref, _ = model(idx)
         for kind in ROPE_SCALINGS:
-            model.pe.set_scaling(RopeScaling(kind, 4.0, original_length=cfg.block_size))
-            out, _ = model(idx)
-            assert torch.isfinite(out).all(), kind
-            assert (out - ref).abs().max() > 1e-4, kind
-            if bias is not None:  # RoPE+ALiBi: the ALiBi bias is untouched
+            with scaled(model.pe, RopeScaling(kind, 4.0, original_length=cfg.block_size)):
+                out, _ = model(idx)
+                assert torch.isfinite(out).all(), kind
+                assert (out - ref).abs().max() > 1e-4, kind
+                if bias is not None:  # RoPE+ALiBi: linear interpolates the bias (/4: exact), the rest leave it
+                    expected = bias / 4 if kind == "linear" else bias
+                    assert torch.equal(model.pe.bias(torch.arange(T), torch.arange(T)), expected), kind
+                assert kind in repr(model.pe)
+            restored, _ = model(idx)
+            assert torch.equal(restored, ref), kind
+            if bias is not None:
                 assert torch.equal(model.pe.bias(torch.arange(T), torch.arange(T)), bias)
-            assert kind in repr(model.pe)
-        model.pe.set_scaling(None)
-        restored, _ = model(idx)
-    assert torch.equal(restored, ref)
-    assert model.pe.scaling is None
+            assert model.pe.scaling is None
 
 
 def test_scaling_is_not_in_the_state_dict():
     cfg = tiny_config()
     pe = SCHEMES["rope"](cfg)
     keys = set(pe.state_dict())
-    pe.set_scaling(RopeScaling("yarn", 4.0, original_length=16))
-    assert set(pe.state_dict()) == keys
+    with scaled(pe, RopeScaling("yarn", 4.0, original_length=16)):
+        assert set(pe.state_dict()) == keys
 
 
-def test_supports_rope_scaling_flag():
+def test_scaling_kinds():
+    """Rotary schemes take every kind; of the others, ALiBi-type biases take linear, the rest none."""
     cfg = tiny_config()
     for name in ROPE_FAMILY:
-        assert getattr(SCHEMES[name](cfg), "supports_rope_scaling", False) is True
+        assert SCHEMES[name](cfg).scaling_kinds == (*ROPE_SCALINGS, "longrope")
     for name in tiny.schemes_where(lambda pe: not pe.uses_rotate):
-        assert getattr(SCHEMES[name](cfg), "supports_rope_scaling", False) is False
+        pe = SCHEMES[name](cfg)
+        assert pe.scaling_kinds == (("linear",) if pe.key_only_slopes() is not None else ()), name
 
 
 # --------------------------------------------------------------------------------------
@@ -407,9 +412,10 @@ def test_bad_length_or_ramp(kwargs):
         RopeScaling("yarn", 2.0, **kwargs)
 
 
-def test_set_scaling_rejects_other_objects():
+def test_scaled_rejects_other_objects():
     pe = SCHEMES["rope"](tiny_config())
-    with pytest.raises(TypeError):
-        pe.set_scaling({"kind": "linear", "factor": 2.0, "original_length": 16})
+    with pytest.raises(TypeError, match="scaled expects a RopeScaling or None, got dict"):
+        with scaled(pe, {"kind": "linear", "factor": 2.0, "original_length": 16}):
+            pass
     with pytest.raises(dataclasses.FrozenInstanceError):
         RopeScaling("linear", 2.0, 16).factor = 3.0

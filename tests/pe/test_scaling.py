@@ -12,8 +12,9 @@ from model.generate import KVCache
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.pe.rope_scaling import RopeScaling
-from model.pe.scaling import SCALING_DEFAULTS, apply_scaling, scaling_of
+from model.pe.scaling import SCALING_DEFAULTS, apply_scaling, scaled, scaling_of
 from tests import tiny
+from tests.naive import naive_alibi_bias, naive_alibi_slopes
 from tests.pe.test_rope_scaling import naive_rotate, naive_thetas
 
 ROPE_FAMILY = tiny.schemes_where(lambda pe: pe.uses_rotate)
@@ -31,24 +32,21 @@ def scaled_gpt(name, kind, seed=0, **cfg):
     return GPT(cfg, pe).eval()
 
 
-@pytest.mark.parametrize("name", ROPE_FAMILY)
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("name, kind", [(n, k) for n in ROPE_FAMILY for k in KINDS] + [("alibi", "linear")])
 def test_trained_scaling_equals_the_same_scaling_set_for_evaluation(name, kind):
-    """The training path reads the very formulas the evaluation path does (tested against the
-    references in test_rope_scaling, test_yarn, test_llama3, test_longrope). RoPE+ALiBi under
-    linear also interpolates its bias in training (test_alibi_linear_divides_distances)."""
-    if (name, kind) == ("rope_alibi", "linear"):
-        pytest.skip("the trained linear scaling moves the bias too; the evaluation-time one does not")
+    """Training and evaluation scale through one ``scale`` hook (the formulas are tested against
+    the references in test_rope_scaling, test_yarn, test_llama3, test_longrope, and
+    test_alibi_linear_divides_distances)."""
     trained = scaled_gpt(name, kind)
     torch.manual_seed(0)
     plain = GPT(tiny.attention_config(), SCHEMES[name](tiny.attention_config())).eval()
     plain.load_state_dict(trained.state_dict())
-    plain.pe.set_scaling(trained.pe.trained_scaling)
     idx = torch.randint(0, 31, (2, 20))
-    with torch.no_grad():
+    with torch.no_grad(), scaled(plain.pe, trained.pe.scaling):
         assert torch.equal(trained(idx)[0], plain(idx)[0])
     with pytest.raises(ValueError, match=f"refused: pe={name} was trained with pe.scaling.kind={kind}"):
-        trained.pe.set_scaling(RopeScaling("linear", 2.0, 8))
+        with scaled(trained.pe, RopeScaling("linear", 2.0, 8)):
+            pass
 
 
 @pytest.mark.parametrize("name, kind", [(n, k) for n in ROPE_FAMILY for k in KINDS] + [("alibi", "linear")])
@@ -86,7 +84,7 @@ def test_checkpoint_round_trip_keeps_the_scaling(tmp_path, name, kind):
     torch.save({"state_dict": lit.state_dict(), "hyper_parameters": dict(lit.hparams),
                 "pytorch-lightning_version": lightning.__version__}, tmp_path / "x.ckpt")
     back = load_lit_gpt(tmp_path / "x.ckpt")
-    assert back.model.pe.trained_scaling == lit.model.pe.trained_scaling is not None
+    assert back.model.pe.scaling == lit.model.pe.scaling is not None
     idx = torch.randint(0, 31, (2, 24))
     with torch.no_grad():
         assert torch.equal(back.model.eval()(idx)[0], lit.model.eval()(idx)[0])
@@ -114,6 +112,36 @@ def test_alibi_linear_divides_distances(name):
         rq, _ = pe.rotate(x.reshape(1, 1, 1, 8), x.reshape(1, 1, 1, 8), torch.tensor([7]), torch.tensor([7]))
         torch.testing.assert_close(rq.reshape(-1).double(), naive_rotate(x, 7 / s, naive_thetas(8)),
                                    atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("s", [2.5, 4.0])
+def test_alibi_scaled_at_evaluation_equals_naive_alibi_of_distances_over_s(s):
+    """Under ``scaled(linear s)`` every form of ALiBi's bias is the float64 -m_h (i - j) / s;
+    on leaving the block (also by an error) the scheme is exactly as before."""
+    pe = SCHEMES["alibi"](tiny.attention_config())
+    slopes, i, j = pe.slopes, torch.tensor([0, 5, 17, 40]), torch.tensor([0, 2, 9, 33])
+    reference = naive_alibi_bias(naive_alibi_slopes(4), i, j) / s
+    with scaled(pe, RopeScaling("linear", s, 8)):
+        torch.testing.assert_close(pe.bias(i, j).double(), reference, atol=0, rtol=1e-6)
+        score = pe.bias_score()(i[:, None], j[None, :], torch.arange(4)[:, None, None])
+        torch.testing.assert_close(score.double(), reference, atol=0, rtol=1e-6)
+        torch.testing.assert_close(pe.key_only_slopes().double(), torch.tensor(naive_alibi_slopes(4)).double() / s,
+                                   atol=0, rtol=1e-6)
+        assert pe.scaling.factor == s
+    assert pe.slopes is slopes and pe.scaling is None
+    with pytest.raises(RuntimeError, match="inside"), scaled(pe, RopeScaling("linear", s, 8)):
+        raise RuntimeError("inside")
+    assert pe.slopes is slopes and pe.scaling is None
+
+
+@pytest.mark.parametrize("name, kind, allowed", [("alibi", "yarn", "one of none, linear for pe=alibi"),
+                                                 ("t5", "linear", "none: pe=t5 has no positions to scale")])
+def test_scaled_refuses_a_kind_the_scheme_does_not_take(name, kind, allowed):
+    pe = SCHEMES[name](tiny.attention_config())
+    with pytest.raises(ValueError, match=f"rope_scaling must be {allowed}, got '{kind}'"):
+        with scaled(pe, RopeScaling(kind, 2.0, 8)):
+            pass
+    assert pe.scaling is None
 
 
 def test_rope_alibi_keeps_its_bias_under_other_kinds():
