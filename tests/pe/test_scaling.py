@@ -14,7 +14,7 @@ from model.pe import SCHEMES
 from model.pe.rope_scaling import RopeScaling
 from model.pe.scaling import SCALING_DEFAULTS, apply_scaling, scaled, scaling_of
 from tests import tiny
-from tests.naive import naive_alibi_bias, naive_alibi_slopes
+from tests.naive import SLOPES_4, naive_alibi_bias
 from tests.pe.test_rope_scaling import naive_rotate, naive_thetas
 
 ROPE_FAMILY = tiny.schemes_where(lambda pe: pe.uses_rotate)
@@ -120,12 +120,12 @@ def test_alibi_scaled_at_evaluation_equals_naive_alibi_of_distances_over_s(s):
     on leaving the block (also by an error) the scheme is exactly as before."""
     pe = SCHEMES["alibi"](tiny.attention_config())
     slopes, i, j = pe.slopes, torch.tensor([0, 5, 17, 40]), torch.tensor([0, 2, 9, 33])
-    reference = naive_alibi_bias(naive_alibi_slopes(4), i, j) / s
+    reference = naive_alibi_bias(SLOPES_4, i, j) / s
     with scaled(pe, RopeScaling("linear", s, 8)):
         torch.testing.assert_close(pe.bias(i, j).double(), reference, atol=0, rtol=1e-6)
         score = pe.bias_score()(i[:, None], j[None, :], torch.arange(4)[:, None, None])
         torch.testing.assert_close(score.double(), reference, atol=0, rtol=1e-6)
-        torch.testing.assert_close(pe.key_only_slopes().double(), torch.tensor(naive_alibi_slopes(4)).double() / s,
+        torch.testing.assert_close(pe.key_only_slopes().double(), torch.tensor(SLOPES_4).double() / s,
                                    atol=0, rtol=1e-6)
         assert pe.scaling.factor == s
     assert pe.slopes is slopes and pe.scaling is None
