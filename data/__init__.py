@@ -1,5 +1,4 @@
 from data.corpus import GutenbergCorpus, HubCorpus
-from data.datamodule import TextDataModule
 from data.tokenizers import TOKENIZERS, Tokenizer, get_tokenizer
 
-__all__ = ["GutenbergCorpus", "HubCorpus", "TextDataModule", "TOKENIZERS", "Tokenizer", "get_tokenizer"]
+__all__ = ["GutenbergCorpus", "HubCorpus", "TOKENIZERS", "Tokenizer", "get_tokenizer"]

@@ -43,12 +43,12 @@ the answers (so the last answer token is a target, never an input):
   'r', the others 'i' with probability ``p_ignore`` and 'w' or 'r' with (1 - p_ignore)/2
   each (FFL(p_ignore); the paper's default 0.8). Answer: the bit after every 'r'.
 
-``SyntheticDataModule`` serves training samples of length ``block_size`` keyed by the global
-sample index, as text data is (data/stream.py: sample g of the ``train`` stream is the run's
-g-th sample over all ranks, so a run resumed on another number of ranks continues the same
-stream, and one rank trains on the samples it did when the key was (rank, per-rank index))
-and a fixed validation set; ``evaluation/tasks.py`` measures accuracy at longer lengths on the ``test``
-stream.
+The harness's ``SyntheticDataModule`` (pelab/datamodule.py) serves training samples of length
+``block_size`` keyed by the global sample index, as text data is (data/stream.py: sample g of
+the ``train`` stream is the run's g-th sample over all ranks, so a run resumed on another
+number of ranks continues the same stream, and one rank trains on the samples it did when the
+key was (rank, per-rank index)) and a fixed validation set; ``evaluation/tasks.py`` measures
+accuracy at longer lengths on the ``test`` stream.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.datamodule import StreamDataModule
 from model.config import require
 
 VOCAB_SIZE = 256
@@ -247,104 +246,4 @@ class TaskSamples(Dataset):
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
-class SyntheticDataModule(StreamDataModule):
-    """Training samples of ``block_size``: sample g of the ``train`` stream for the run's global
-    sample g (the loader, its resume and the checkpointed count are ``StreamDataModule``'s, as
-    for text); ``val_samples`` fixed validation samples (the ``val`` stream: the same in every
-    run, resume and rank).
-
-    There is no held-out text to score perplexity on (niah's haystack is the corpus, but its
-    score is retrieval): ``held_out_text`` is False, ``split_path`` refuses with a message, and
-    the end of training skips perplexity; ``evaluation/tasks.py`` measures accuracy against
-    length (and depth) instead. ``unigram_loss`` is the
-    answer-token baseline (see there), so the end-of-run report needs no special case."""
-
-    held_out_text = False
-
-    def __init__(
-        self,
-        task: TaskName = "passkey",  # a Literal: the config check names the choices before any work
-        block_size: int = 128,
-        batch_size: int = 32,
-        val_batch_size: int | None = None,
-        val_samples: int = 256,
-        num_workers: int = 0,
-        seed: int = 1337,
-        train_samples: int = 2**40,
-        key_length: int = 5,
-        depth: float | None = None,
-        num_pairs: int = 8,
-        num_queries: int = 4,
-        p_ignore: float = 0.8,
-        curriculum_batches: int = 0,
-        curriculum_start: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.task = Task(task, key_length=key_length, num_pairs=num_pairs, num_queries=num_queries, p_ignore=p_ignore)
-        require(isinstance(block_size, int) and block_size >= self.task.min_length, "data.block_size", block_size,
-                f"an integer >= {self.task.min_length} (the shortest {task} sample with these options)")
-        for key, value, low in (("batch_size", batch_size, 1), ("val_samples", val_samples, 1),
-                                ("num_workers", num_workers, 0), ("seed", seed, 0), ("train_samples", train_samples, 1)):
-            require(isinstance(value, int) and value >= low, f"data.{key}", value, f"an integer >= {low}")
-        require(val_batch_size is None or (isinstance(val_batch_size, int) and val_batch_size >= 1),
-                "data.val_batch_size", val_batch_size, "an integer >= 1 or null (= data.batch_size)")
-        if depth is not None:
-            require(self.task.has_depth, "data.depth", depth,
-                    f"null for data.task={task} (only {', '.join(DEPTH_TASKS)} have a depth)")
-            require(isinstance(depth, (int, float)) and 0 <= depth <= 1, "data.depth", depth,
-                    "a number in [0, 1] or null (a random depth per sample)")
-        require(isinstance(curriculum_batches, int) and curriculum_batches >= 0, "data.curriculum_batches",
-                curriculum_batches, "an integer >= 0 (0: every training sample is block_size long)")
-        start = curriculum_start if curriculum_start is not None else max(self.task.min_length, block_size // 8)
-        require(isinstance(start, int) and self.task.min_length <= start <= block_size, "data.curriculum_start",
-                curriculum_start, f"null or an integer in [{self.task.min_length}, data.block_size={block_size}]")
-        self.curriculum_batches, self.curriculum_start = curriculum_batches, start
-        self.block_size, self.batch_size = block_size, batch_size
-        self.val_batch_size = val_batch_size or batch_size
-        self.val_samples, self.num_workers, self.seed = val_samples, num_workers, seed
-        self.train_samples, self.depth = train_samples, depth
-        self.meta = None  # no token files (TextDataModule's meta describes them)
-        self.train_set: TaskSamples | None = None
-        self.val_set: TaskSamples | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        return VOCAB_SIZE
-
-    def curriculum_length(self, index: int) -> int:
-        """Training length of global sample ``index``: the same for a whole batch, growing linearly
-        from ``curriculum_start`` to ``block_size`` over the first ``curriculum_batches`` batches
-        of ``batch_size`` samples counted over all ranks (the first ``curriculum_batches *
-        batch_size`` samples of the run, whatever the rank count; on one rank, its first
-        ``curriculum_batches`` micro-batches), then ``block_size``. Short samples first: the key is
-        near the question, so retrieval is learned at short range before it has to reach L."""
-        batch = index // self.batch_size
-        if batch >= self.curriculum_batches:
-            return self.block_size
-        return self.curriculum_start + (self.block_size - self.curriculum_start) * batch // self.curriculum_batches
-
-    def split_path(self, split: str):
-        raise ValueError(f"data.task={self.task.name} is synthetic: there is no {split} text to score perplexity "
-                         "on (evaluation/tasks.py measures accuracy vs length and depth instead)")
-
-    def setup(self, stage: str | None = None) -> None:
-        self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", self.depth,
-                                     length_of=self.curriculum_length if self.curriculum_batches else None)
-        self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", self.depth)
-
-    def unigram_loss(self, samples: int = 2048) -> float:
-        """Cross-entropy (nats) of the answer tokens of ``samples`` training samples, as a unigram
-        distribution (add-one smoothed), on the validation set's answer tokens: the loss of a
-        model that knows which answers are common but reads no context (passkey and assoc_recall
-        digits: ln 10; flipflop bits: ln 2)."""
-        counts = np.ones(VOCAB_SIZE)
-        for i in range(samples):
-            _, y = self.task.sample(self.block_size, i, self.seed, "train", 0, self.depth)
-            np.add.at(counts, y[y >= 0], 1)
-        logp = np.log(counts / counts.sum())
-        answers = [y[y >= 0] for y in (self.task.sample(self.block_size, i, self.seed, "val", 0, self.depth)[1]
-                                       for i in range(self.val_samples))]
-        return float(-logp[np.concatenate(answers)].mean())
-
-
-__all__ = ["Task", "TaskSamples", "SyntheticDataModule", "TASKS", "SPECIAL_IDS", "VOCAB_SIZE"]
+__all__ = ["Task", "TaskSamples", "TASKS", "SPECIAL_IDS", "VOCAB_SIZE"]

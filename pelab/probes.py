@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from data.datamodule import load_tokens
+from data.stream import load_tokens
 from evaluation import position_loss
 from evaluation import tasks as task_eval
 from evaluation.attention_maps import (ProbeConfig, eager_attention_pass, eval_mode, evaluate_probe, head_summaries,

@@ -17,7 +17,6 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from data.datamodule import build_datamodule
 from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.tasks import TaskEvalConfig
@@ -26,6 +25,7 @@ from model.pe.scaling import scaling_of
 from pelab.checkpoint import check_init_from, check_resume, init_state
 from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
                           target_class)
+from pelab.datamodule import build_datamodule
 from pelab.lit import Position, build_position, model_config, position_options
 from pelab.optim import OptimConfig
 

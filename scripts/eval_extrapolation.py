@@ -81,7 +81,8 @@ def main(argv: list[str]) -> int:
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
     from pelab.checkpoint import load_lit_gpt
     from pelab.validate import check_stride
-    from data.datamodule import build_datamodule, load_tokens
+    from data.stream import load_tokens
+    from pelab.datamodule import build_datamodule
 
     cfg = load_run_config(ckpt, "which data and training length to use")
     defaults = OmegaConf.load(ROOT / "conf" / "eval" / "default.yaml").extrapolation

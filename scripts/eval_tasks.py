@@ -35,7 +35,7 @@ OPTIONS = {
     "out": "output directory (default: RUN_DIR/tasks/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
 }
-SYNTHETIC = "data.synthetic.SyntheticDataModule"
+SYNTHETIC = "pelab.datamodule.SyntheticDataModule"
 
 
 def parse_options(args: dict[str, str]) -> dict:
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     log_wandb = flag("wandb", args.get("wandb", "false"))
     ckpt = checkpoint_arg(args, OPTIONS)
 
-    from data.datamodule import build_datamodule
+    from pelab.datamodule import build_datamodule, data_options
     from omegaconf import OmegaConf
 
     from evaluation.tasks import TaskEvalConfig, evaluate_tasks, save_results
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     from pelab.config import ConfigError
 
     cfg = load_run_config(ckpt, "which task, options and seed to use")
-    if cfg.data.get("_target_") != SYNTHETIC:
+    if data_options(cfg.data).get("_target_") != SYNTHETIC:  # a run saved with an older spelling too
         raise SystemExit(f"ckpt={ckpt} was trained on data with _target_={cfg.data.get('_target_')}, not a "
                          f"synthetic task ({SYNTHETIC}); use scripts/eval_extrapolation.py for text")
     run_options = cfg.get("eval", {}).get("tasks")

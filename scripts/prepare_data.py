@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from data.cache import Throughput, prepare_token_files
-    from data.datamodule import build_datamodule
+    from pelab.datamodule import build_datamodule
     from pelab.config import ConfigError, build
 
     try:

@@ -18,9 +18,6 @@ HARNESS = ("pelab", "lightning", "pytorch_lightning", "hydra", "omegaconf")
 #: what each library below the harness may not import (top-level names): results reach W&B
 #: through the harness (pelab.loggers.log_to_wandb)
 FORBIDDEN = {"model": (*HARNESS, "wandb"), "evaluation": (*HARNESS, "wandb"), "data": (*HARNESS, "wandb")}
-#: issue 33: the LightningDataModule still lives in data/ (moving it into the harness is a
-#: later slice of that issue); it may use Lightning and Hydra, never pelab.
-KNOWN = {"data.datamodule": {"lightning", "hydra", "omegaconf"}}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -136,7 +133,7 @@ def test_libraries_below_the_harness_do_not_import_it():
     _, raw = import_graph()
     bad: dict[tuple[str, int], str] = {}  # (module, line): the shortest forbidden name imported there
     for name, imports in sorted(raw.items()):
-        forbidden = set(FORBIDDEN.get(name.split(".")[0], ())) - KNOWN.get(name, set())
+        forbidden = FORBIDDEN.get(name.split(".")[0], ())
         for dotted, line in imports:
             if dotted.split(".")[0] in forbidden:
                 bad[name, line] = min(bad.get((name, line), dotted), dotted, key=len)

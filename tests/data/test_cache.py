@@ -193,7 +193,7 @@ def test_prepare_script_builds_what_train_uses(tmp_path, monkeypatch, capsys):
     verifies without rebuilding; bad input is one line."""
     from hydra import compose, initialize_config_dir
 
-    from data.datamodule import build_datamodule
+    from pelab.datamodule import build_datamodule
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import prepare_data

@@ -1,5 +1,6 @@
-"""data/corpus.py and data/datamodule.py on the Gutenberg corpus: clean books, a disjoint held-out
-tail, token files against the tokenizer, windows by hand, and a cache that notices stale inputs."""
+"""data/corpus.py, data/val_windows.py and the TextDataModule on the Gutenberg corpus: clean
+books, a disjoint held-out tail, token files against the tokenizer, windows by hand, and a
+cache that notices stale inputs."""
 
 import dataclasses
 import json
@@ -13,9 +14,11 @@ from data.corpus import GutenbergCorpus, gutenberg_books, split_tail
 import datasets
 import tiktoken
 
-from data.datamodule import TextDataModule, ValidationWindows, prepare_token_files, spread_starts
+from data.cache import prepare_token_files
 from data.stream import GlobalSamples, TrainWindows
 from data.tokenizers import get_tokenizer
+from data.val_windows import ValidationWindows, spread_starts
+from pelab.datamodule import TextDataModule
 
 SEP = 0x1E  # the bytes tokenizer's document separator (ASCII record separator)
 

@@ -11,9 +11,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from data.corpus import HubCorpus, TextFilesCorpus
-from data.datamodule import TextDataModule
 from data.packing import DocumentOptions, document_layout
 from data.stream import GlobalSamples
+from pelab.datamodule import TextDataModule
 from tests.data.test_text_data import SEP, docs, write_txt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,11 +68,11 @@ def compose_config(overrides, tmp_path):
     (["eval.documents=some"], r"eval\.documents .*none, positions, mask, both, got .some."),
 ])
 def test_bad_combinations_fail_before_data(overrides, message, tmp_path, monkeypatch):
-    import data.datamodule
+    import pelab.datamodule
     from pelab.config import ConfigError
     from pelab.validate import validate_config
 
-    monkeypatch.setattr(data.datamodule, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
+    monkeypatch.setattr(pelab.datamodule, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
     with pytest.raises(ConfigError, match=message):
         validate_config(compose_config(overrides, tmp_path))
 

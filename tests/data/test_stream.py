@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from data.corpus import GutenbergCorpus
-from data.datamodule import TextDataModule
 from data.stream import GlobalSamples, TrainWindows
+from pelab.datamodule import TextDataModule
 from tests.data.test_text_data import docs, write_txt
 
 
@@ -190,11 +190,11 @@ def test_resume_mid_epoch_with_workers_is_exact(module, sampling):
 
 def test_bad_sampling_is_one_line_before_data(tmp_path, monkeypatch):
     import data.cache
-    import data.datamodule
+    import pelab.datamodule
     from pelab.config import ConfigError
     from pelab.validate import validate_config
 
-    for where in (data.cache, data.datamodule):
+    for where in (data.cache, pelab.datamodule):
         monkeypatch.setattr(where, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
     (cfg,) = compose_configs(tmp_path, ["data.sampling=bogus"])
     with pytest.raises(ConfigError, match=r"^data\.sampling='bogus' is not valid; allowed: random, epoch$"):

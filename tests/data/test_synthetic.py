@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data.synthetic import NEEDLE, PAD, QUERY, SEP, SyntheticDataModule, Task
+from data.synthetic import NEEDLE, PAD, QUERY, SEP, Task
 from evaluation.tasks import TaskEvalConfig
 from model import GPT, GPTConfig
 from model.pe import SCHEMES
 from pelab.config import ConfigError
+from pelab.datamodule import SyntheticDataModule
 
 ROOT = Path(__file__).resolve().parents[2]
 FILLER = b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -218,8 +219,7 @@ def compose(overrides):
 
 
 def test_configs_compose_validate_and_build():
-    from data.datamodule import build_datamodule
-
+    from pelab.datamodule import build_datamodule
     from pelab.validate import validate_config
 
     cfg = compose(["data=synthetic", "data.task=copy", "eval.extrapolation.enabled=false"])

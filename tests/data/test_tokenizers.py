@@ -178,11 +178,11 @@ def test_tiktoken_ranks_file_by_path(tmp_path):
 
 
 def test_bad_tokenizer_path_fails_before_data_is_read(tmp_path, monkeypatch):
-    import data.datamodule
+    import pelab.datamodule
     from data.corpus import GutenbergCorpus
-    from data.datamodule import TextDataModule
+    from pelab.datamodule import TextDataModule
 
-    monkeypatch.setattr(data.datamodule, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
+    monkeypatch.setattr(pelab.datamodule, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
     with pytest.raises(ValueError, match=r"data\.tokenizer must be one of gpt2, bytes or the path of a tokenizer "
                                          r"file .*got '.*nowhere/tokenizer\.json': no such file"):
         TextDataModule(GutenbergCorpus(), tokenizer=str(tmp_path / "nowhere" / "tokenizer.json"))

@@ -114,7 +114,8 @@ def test_capped_windows_hand_computed():
 def held_out():
     """The embedded corpus's held-out split (bytes) and its document offsets."""
     from data.corpus import GutenbergCorpus
-    from data.datamodule import TextDataModule, load_tokens
+    from data.stream import load_tokens
+    from pelab.datamodule import TextDataModule
 
     dm = TextDataModule(GutenbergCorpus(0.1), tokenizer="bytes")
     dm.setup()

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.synthetic import SyntheticDataModule, Task
+from data.synthetic import Task
 from evaluation.tasks import (
     TaskEvalConfig, TaskRow, evaluate_tasks, markdown_table, mean_over_depths, read_csv,
     save_results, summary_metrics,
 )
 from model import GPT, GPTConfig
 from model.pe import SCHEMES
+from pelab.datamodule import SyntheticDataModule
 from pelab.probes import run_task_evaluation
 
 ROOT = Path(__file__).resolve().parents[2]

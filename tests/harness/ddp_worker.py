@@ -13,7 +13,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from data.datamodule import StreamDataModule, ValidationWindows, load_tokens  # noqa: E402
+from data.stream import load_tokens  # noqa: E402
+from data.val_windows import ValidationWindows  # noqa: E402
+from pelab.datamodule import StreamDataModule  # noqa: E402
 from pelab.lit import LitGPT  # noqa: E402
 
 BLOCK, STEPS, GLOBAL_ROWS = 32, 4, 8

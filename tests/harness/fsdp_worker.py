@@ -134,7 +134,7 @@ def one_scheme(name: str, strategy, dtype: torch.dtype, validate: bool) -> dict:
 
     lit.model.blocks[0].register_forward_pre_hook(inside_forward)
     if validate:  # Lightning's validation loop: validation_step through the FSDP root's forward
-        from data.datamodule import StreamDataModule
+        from pelab.datamodule import StreamDataModule
 
         data = StreamDataModule()
         data.val_set, data.val_batch_size, data.num_workers = Windows(VAL_WINDOWS), VAL_BATCH, 0
@@ -184,7 +184,7 @@ class Stream(Dataset):
 
 
 def stream_loader(trainer, batch_size: int = 2):
-    """pelab's data position (data/datamodule.py): a run continues its rank's stream after the
+    """pelab's data position (pelab/datamodule.py): a run continues its rank's stream after the
     samples of the steps it starts from (the resumed global step)."""
     from torch.utils.data import DataLoader
 

@@ -154,12 +154,12 @@ def no_work(monkeypatch, cache_root):
     """Any data preparation or fitting fails the test; the token cache must stay as it was."""
     import lightning as L
 
-    import data.datamodule
+    import pelab.datamodule
 
     def forbidden(*args, **kwargs):
         pytest.fail("data was read or compute spent for a bad config")
 
-    monkeypatch.setattr(data.datamodule, "prepare_token_files", forbidden)
+    monkeypatch.setattr(pelab.datamodule, "prepare_token_files", forbidden)
     monkeypatch.setattr(L.Trainer, "fit", forbidden)
     before = listing(cache_root)
     yield

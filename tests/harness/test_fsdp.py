@@ -112,7 +112,7 @@ class Numbered(Dataset):
 
 
 def rank_loaders(count: int, world: int, batch: int, dataset: Dataset | None = None) -> list:
-    from data.datamodule import StreamDataModule
+    from pelab.datamodule import StreamDataModule
 
     data = StreamDataModule()
     data.val_set, data.val_batch_size, data.num_workers = dataset or Numbered(count), batch, 0

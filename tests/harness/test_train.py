@@ -443,10 +443,10 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, blocked_by):
 
 
 def test_unwritable_paths_output_dir_is_refused_by_train(tmp_path, monkeypatch):
-    import data.datamodule
+    import pelab.datamodule
     from train import train
 
-    monkeypatch.setattr(data.datamodule.TextDataModule, "setup", lambda *a: pytest.fail("data was read"))
+    monkeypatch.setattr(pelab.datamodule.TextDataModule, "setup", lambda *a: pytest.fail("data was read"))
     (tmp_path / "a-file").write_text("")
     cfg = compose_config(["logger=csv"], output_dir=tmp_path / "a-file" / "out")
     with pytest.raises(ValueError, match="output directory .*a-file/out cannot be created"):

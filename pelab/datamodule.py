@@ -1,12 +1,11 @@
-"""Token memmaps and the LightningDataModule.
+"""The LightningDataModules: the data of data/ wired to the Trainer.
 
-The token files are built by data/cache.py (``prepare_token_files``).
 Training batches are windows of the training stream (data/stream.py): sample ``g`` is a pure
 function of (seed, ``data.sampling``, g), where ``g`` counts samples over the whole run, all
 ranks together, so every DDP rank sees different text and a run resumed on any number of
-ranks continues the exact sequence. Validation uses ``val_windows`` windows
-spread evenly over the whole held-out split (every document is represented, not just the
-first one), the same in every run.
+ranks continues the exact sequence. Validation uses ``val_windows`` windows spread evenly
+over the whole held-out split (data/val_windows.py), the same in every run. The token files
+are built by data/cache.py (``prepare_token_files``); synthetic tasks by data/synthetic.py.
 """
 
 from __future__ import annotations
@@ -14,96 +13,45 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import hydra
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, Dataset
 
-from data.cache import FORMAT_VERSION, cache_mismatch, prepare_token_files, token_dtype  # noqa: F401
+from data.cache import prepare_token_files
 from data.packing import DocumentOptions, check_document_options
-from data.stream import GlobalSamples, TrainWindows, check_sampling, load_tokens, splitmix64  # noqa: F401
+from data.stream import GlobalSamples, TrainWindows, check_sampling, load_tokens
+from data.synthetic import DEPTH_TASKS, VOCAB_SIZE, Task, TaskName, TaskSamples
 from data.tokenizers import Tokenizer, cache_dir, get_tokenizer, tokenizer_file, tokenizer_slug
+from data.val_windows import IgnoredPadding, RankShard, ValidationWindows
+from model.config import require
+
+#: The ``_target_`` a run config saved beside older checkpoints gives its data module, and the
+#: class it names now: evaluating such a run builds the same data.
+FORMER_TARGETS = {
+    "data.datamodule.TextDataModule": "pelab.datamodule.TextDataModule",
+    "data.datamodule.TextFilesDataModule": "pelab.datamodule.TextFilesDataModule",
+    "data.synthetic.SyntheticDataModule": "pelab.datamodule.SyntheticDataModule",
+}
 
 
-def spread_starts(num_tokens: int, block_size: int, num_windows: int | None) -> np.ndarray:
-    """Starts of ``num_windows`` validation windows (block_size inputs + 1 target) spread evenly
-    over the whole split, first at 0 and last at the last possible start; never overlapping:
-    at most (num_tokens - 1) // block_size windows (None = that many: nearly the whole split).
-    A pure function of the split's length, so every run, resume and rank sees the same windows."""
-    fit = (num_tokens - 1) // block_size
-    count = fit if num_windows is None else min(num_windows, fit)
-    if count < 1:
-        return np.zeros(0, dtype=np.int64)
-    last = num_tokens - 1 - block_size
-    # integer arithmetic: exact and platform-independent. Gaps are >= block_size because
-    # count <= fit implies last >= (count - 1) * block_size.
-    return np.arange(count, dtype=np.int64) * last // max(count - 1, 1)
+def build_datamodule(options) -> L.LightningDataModule:
+    """The data module of a ``data`` config (train.py and the scripts): every option but
+    ``tokens_per_step``, which sets the trainer's gradient accumulation (pelab/batch.py)."""
+    values = data_options(options)
+    values.pop("tokens_per_step", None)
+    return hydra.utils.instantiate(values, _convert_="all")
 
 
-class ValidationWindows(Dataset):
-    """Validation window i (0..N-1) = tokens from ``starts[i]``: ``num_windows`` windows spread
-    evenly over the held-out split (``spread_starts``). Indexed 0..N-1 so a sampler can shard
-    them across ranks."""
-
-    def __init__(self, path: Path, dtype: str, block_size: int, num_windows: int | None = None):
-        self.path, self.dtype, self.block_size = path, dtype, block_size
-        self._tokens: np.ndarray | None = None
-        n = len(load_tokens(path, dtype))
-        self.starts = spread_starts(n, block_size, num_windows)
-        if len(self.starts) < 1:
-            raise ValueError(f"{path} holds {n} tokens, fewer than one validation window of {block_size + 1}")
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tokens is None:
-            self._tokens = load_tokens(self.path, self.dtype)
-        s = int(self.starts[i])
-        chunk = torch.from_numpy(self._tokens[s : s + self.block_size + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
-
-
-class RankShard(Sampler):
-    """Indices rank, rank + world, ... of a dataset of ``length``: the ranks validate disjoint
-    windows that together are every window exactly once (torch's DistributedSampler pads with
-    repeats, which would count some windows twice in the token-weighted mean).
-
-    With ``batch_size``, every rank gets the same number of batches: a rank whose share makes
-    one batch fewer than the largest share ends with index ``length``, an ignored window
-    (``IgnoredPadding``), in a batch of its own. FSDP gathers parameters in every forward, so a
-    rank with an extra batch would wait for the others forever (256 windows, 6 ranks, batches
-    of 14: 4 batches on ranks 0-3, 3 on ranks 4-5). The other batches are unchanged."""
-
-    def __init__(self, length: int, rank: int, world: int, batch_size: int | None = None) -> None:
-        self.indices = list(range(rank, length, world))
-        largest = -(-length // world)  # shares differ by at most one window
-        if batch_size is not None and -(-len(self.indices) // batch_size) < -(-largest // batch_size):
-            self.indices.append(length)  # this share fills whole batches: the padding is alone in its own
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-class IgnoredPadding(Dataset):
-    """``dataset`` and one more sample at index ``len(dataset)``: the inputs of sample 0 with
-    every target ignored (-1), so it is scored on no token (validation losses are
-    token-weighted over scored targets)."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset) + 1
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if i == len(self.dataset):
-            x, y = self.dataset[0]
-            return x, torch.full_like(y, -1)
-        return self.dataset[i]
+def data_options(options) -> dict:
+    """A ``data`` config as a plain dict, resolved, its ``_target_`` in today's spelling."""
+    values = OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else dict(options)
+    target = values.get("_target_")
+    if target in FORMER_TARGETS:
+        values["_target_"] = FORMER_TARGETS[target]
+    return values
 
 
 class StreamDataModule(L.LightningDataModule):
@@ -269,12 +217,101 @@ class TextFilesDataModule(TextDataModule):
         self.val_fraction, self.text_sample_by = val_fraction, text_sample_by
 
 
-def build_datamodule(options) -> L.LightningDataModule:
-    """The data module of a ``data`` config (train.py and the scripts): every option but
-    ``tokens_per_step``, which sets the trainer's gradient accumulation (pelab/batch.py)."""
-    import hydra
-    from omegaconf import OmegaConf
+class SyntheticDataModule(StreamDataModule):
+    """Training samples of ``block_size``: sample g of the ``train`` stream for the run's global
+    sample g (the loader, its resume and the checkpointed count are ``StreamDataModule``'s, as
+    for text); ``val_samples`` fixed validation samples (the ``val`` stream: the same in every
+    run, resume and rank).
 
-    values = OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else dict(options)
-    values.pop("tokens_per_step", None)
-    return hydra.utils.instantiate(values, _convert_="all")
+    There is no held-out text to score perplexity on (niah's haystack is the corpus, but its
+    score is retrieval): ``held_out_text`` is False, ``split_path`` refuses with a message, and
+    the end of training skips perplexity; ``evaluation/tasks.py`` measures accuracy against
+    length (and depth) instead. ``unigram_loss`` is the
+    answer-token baseline (see there), so the end-of-run report needs no special case."""
+
+    held_out_text = False
+
+    def __init__(
+        self,
+        task: TaskName = "passkey",  # a Literal: the config check names the choices before any work
+        block_size: int = 128,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        val_samples: int = 256,
+        num_workers: int = 0,
+        seed: int = 1337,
+        train_samples: int = 2**40,
+        key_length: int = 5,
+        depth: float | None = None,
+        num_pairs: int = 8,
+        num_queries: int = 4,
+        p_ignore: float = 0.8,
+        curriculum_batches: int = 0,
+        curriculum_start: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.task = Task(task, key_length=key_length, num_pairs=num_pairs, num_queries=num_queries, p_ignore=p_ignore)
+        require(isinstance(block_size, int) and block_size >= self.task.min_length, "data.block_size", block_size,
+                f"an integer >= {self.task.min_length} (the shortest {task} sample with these options)")
+        for key, value, low in (("batch_size", batch_size, 1), ("val_samples", val_samples, 1),
+                                ("num_workers", num_workers, 0), ("seed", seed, 0), ("train_samples", train_samples, 1)):
+            require(isinstance(value, int) and value >= low, f"data.{key}", value, f"an integer >= {low}")
+        require(val_batch_size is None or (isinstance(val_batch_size, int) and val_batch_size >= 1),
+                "data.val_batch_size", val_batch_size, "an integer >= 1 or null (= data.batch_size)")
+        if depth is not None:
+            require(self.task.has_depth, "data.depth", depth,
+                    f"null for data.task={task} (only {', '.join(DEPTH_TASKS)} have a depth)")
+            require(isinstance(depth, (int, float)) and 0 <= depth <= 1, "data.depth", depth,
+                    "a number in [0, 1] or null (a random depth per sample)")
+        require(isinstance(curriculum_batches, int) and curriculum_batches >= 0, "data.curriculum_batches",
+                curriculum_batches, "an integer >= 0 (0: every training sample is block_size long)")
+        start = curriculum_start if curriculum_start is not None else max(self.task.min_length, block_size // 8)
+        require(isinstance(start, int) and self.task.min_length <= start <= block_size, "data.curriculum_start",
+                curriculum_start, f"null or an integer in [{self.task.min_length}, data.block_size={block_size}]")
+        self.curriculum_batches, self.curriculum_start = curriculum_batches, start
+        self.block_size, self.batch_size = block_size, batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.val_samples, self.num_workers, self.seed = val_samples, num_workers, seed
+        self.train_samples, self.depth = train_samples, depth
+        self.meta = None  # no token files (TextDataModule's meta describes them)
+        self.train_set: TaskSamples | None = None
+        self.val_set: TaskSamples | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+    def curriculum_length(self, index: int) -> int:
+        """Training length of global sample ``index``: the same for a whole batch, growing linearly
+        from ``curriculum_start`` to ``block_size`` over the first ``curriculum_batches`` batches
+        of ``batch_size`` samples counted over all ranks (the first ``curriculum_batches *
+        batch_size`` samples of the run, whatever the rank count; on one rank, its first
+        ``curriculum_batches`` micro-batches), then ``block_size``. Short samples first: the key is
+        near the question, so retrieval is learned at short range before it has to reach L."""
+        batch = index // self.batch_size
+        if batch >= self.curriculum_batches:
+            return self.block_size
+        return self.curriculum_start + (self.block_size - self.curriculum_start) * batch // self.curriculum_batches
+
+    def split_path(self, split: str):
+        raise ValueError(f"data.task={self.task.name} is synthetic: there is no {split} text to score perplexity "
+                         "on (evaluation/tasks.py measures accuracy vs length and depth instead)")
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set = TaskSamples(self.task, self.block_size, self.train_samples, self.seed, "train", self.depth,
+                                     length_of=self.curriculum_length if self.curriculum_batches else None)
+        self.val_set = TaskSamples(self.task, self.block_size, self.val_samples, self.seed, "val", self.depth)
+
+    def unigram_loss(self, samples: int = 2048) -> float:
+        """Cross-entropy (nats) of the answer tokens of ``samples`` training samples, as a unigram
+        distribution (add-one smoothed), on the validation set's answer tokens: the loss of a
+        model that knows which answers are common but reads no context (passkey and assoc_recall
+        digits: ln 10; flipflop bits: ln 2)."""
+        counts = np.ones(VOCAB_SIZE)
+        for i in range(samples):
+            _, y = self.task.sample(self.block_size, i, self.seed, "train", 0, self.depth)
+            np.add.at(counts, y[y >= 0], 1)
+        logp = np.log(counts / counts.sum())
+        answers = [y[y >= 0] for y in (self.task.sample(self.block_size, i, self.seed, "val", 0, self.depth)[1]
+                                       for i in range(self.val_samples))]
+        return float(-logp[np.concatenate(answers)].mean())
