@@ -1,5 +1,6 @@
 """scripts/compare_runs.py on fake sweep folders: perplexity per scheme and length by hand, seeds
-grouped with intervals and Welch marks, and a clear failure without results."""
+grouped with intervals and Welch marks, and a clear failure without results; evaluation/compare.py's
+line order and seed settings."""
 
 import math
 import os
@@ -205,3 +206,39 @@ def test_runs_that_did_not_learn_are_marked_and_heatmaps_average_seeds(tmp_path)
     assert "passkey,rope [1/2 not learned at L],,0,0.7500,0.4000" in lines  # (1.0 + 0.5) / 2, (0.5 + 0.3) / 2
     assert "passkey,alibi,,1,0.9500,1.0000" in lines
     assert (out / "comparison_heatmap.png").stat().st_size > 1000
+
+
+# --- the library ------------------------------------------------------------------------------
+
+def test_lines_follow_the_documented_scheme_order_and_unknown_names_come_last():
+    from evaluation.compare import scheme_order
+
+    # docs/experiments.md sweeps pe=learned,sinusoidal,rope,alibi,xpos,rope_alibi; the rest follow
+    labels = ["t5", "zeta", "alibi documents=both", "rope+yarn", "xpos", "learned", "nope", "rope_alibi", "fire",
+              "sinusoidal", "kerple_power", "kerple_log", "alibi", "rope (pe.base=100)"]
+    assert sorted(labels, key=scheme_order) == [
+        "learned", "sinusoidal", "rope (pe.base=100)", "rope+yarn", "alibi", "alibi documents=both", "xpos",
+        "rope_alibi", "fire", "kerple_log", "kerple_power", "nope", "t5", "zeta"]
+
+
+def test_a_newly_registered_scheme_sorts_after_the_others_without_an_edit(monkeypatch):
+    from evaluation.compare import scheme_order
+    from model.pe import SCHEMES
+
+    monkeypatch.setitem(SCHEMES, "aaa", SCHEMES["rope"])
+    assert sorted(["zeta", "aaa", "t5", "learned"], key=scheme_order) == ["learned", "t5", "aaa", "zeta"]
+
+
+def test_run_settings_leave_out_the_keys_the_caller_names(tmp_path):
+    import yaml
+
+    from evaluation.compare import run_info
+
+    config = {"seed": 3, "pe": {"_target_": "model.pe.rope", "base": 100}, "paths": {"output_dir": "/x", "log": "/y"},
+              "trainer": {"max_steps": 10, "devices": 2}}
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "config.yaml").write_text(yaml.safe_dump(config))
+    info = run_info(str(tmp_path), ignored=("seed", "paths.", "trainer.devices"))
+    assert info.seed == 3
+    assert info.setting == {"pe._target_": "'model.pe.rope'", "pe.base": "100", "trainer.max_steps": "10"}
+    assert run_info(str(tmp_path / "elsewhere"), ignored=()).setting is None  # no config.yaml: unknown
