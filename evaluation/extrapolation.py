@@ -26,7 +26,9 @@ import torch
 
 from data.packing import MODES as DOCUMENT_MODES
 from data.packing import DocumentOptions
-from evaluation.position_loss import PositionSums, bin_rows
+from evaluation import position_loss
+from evaluation.position_loss import PositionLossRow, PositionSums, bin_rows
+from evaluation.probe import Probe, Report
 from evaluation.plots import length_axis
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, distributed_sum, eval_positions,
@@ -188,15 +190,29 @@ def score_length(gpt: GPT, tokens: np.ndarray, length: int, mode: str, stride: i
     return total, int(count), step
 
 
+@dataclass
+class Extrapolation:
+    """The table, and the same NLL binned by token position (evaluation/position_loss.py)."""
+
+    rows: list[ExtrapolationRow]
+    position_rows: list[PositionLossRow]
+
+
 def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, config: ExtrapolationConfig,
-                           log=print, distributed: bool = False, position_rows: list | None = None,
-                           randomize_to: int | None = None, documents: DocumentOptions | None = None
-                           ) -> list[ExtrapolationRow]:
-    """Every (rope scaling, mode, length) row for one model on one held-out token stream.
+                           log=print, distributed: bool = False, randomize_to: int | None = None,
+                           documents: DocumentOptions | None = None) -> list[ExtrapolationRow]:
+    """The rows of ``measure``."""
+    return measure(gpt, tokens, train_length, config, log, distributed, randomize_to, documents).rows
+
+
+def measure(gpt: GPT, tokens: np.ndarray, train_length: int, config: ExtrapolationConfig, log=print,
+            distributed: bool = False, randomize_to: int | None = None, documents: DocumentOptions | None = None
+            ) -> Extrapolation:
+    """Every (rope scaling, mode, length) row for one model on one held-out token stream, and the
+    loss-by-position rows of every scored row (of the first ``config.documents`` mode only:
+    their rows carry no mode).
     ``distributed``: called on every rank, which scores its share of the windows; every rank
     gets the whole table (summed NLL and token counts are reduced across ranks).
-    ``position_rows``: a list that receives the loss-by-position rows (evaluation/position_loss.py)
-    of every scored row (of the first ``config.documents`` mode only: their rows carry no mode).
     ``randomize_to``: the model's ``pe.randomize_to`` (for ``config.positions == "randomized"``).
     ``documents``: how the run trained (``LitGPT.documents``); ``config.documents`` may
     choose otherwise, and every row says what was used."""
@@ -206,6 +222,7 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
     was_training = gpt.training
     gpt.eval()
     rows: list[ExtrapolationRow] = []
+    position_rows: list[PositionLossRow] = []
     try:
         for documents, scaling in ((trained.resolve(m), s) for m in config.documents for s in config.rope_scaling):
             for mode in config.modes:
@@ -217,7 +234,7 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
                                   or _why_not_scored(gpt.pe, row, len(tokens)) or "ok")
                     if row.ok:
                         sums = _score_row(gpt, tokens, row, config, distributed, randomize_to, documents)
-                        if position_rows is not None and row.documents == first_documents:
+                        if row.documents == first_documents:
                             head = {k: getattr(row, k) for k in ("scheme", "rope_scaling", "positions", "train_length",
                                                                  "eval_length", "mode", "stride")}
                             position_rows.extend(bin_rows(sums, head, config.position_bins_per_octave))
@@ -225,7 +242,7 @@ def evaluate_extrapolation(gpt: GPT, tokens: np.ndarray, train_length: int, conf
                     log(format_row(row))
     finally:
         gpt.train(was_training)
-    return rows
+    return Extrapolation(rows, position_rows)
 
 
 def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
@@ -372,3 +389,34 @@ def loggable(rows: Sequence[ExtrapolationRow], png: Path | None = None, prefix: 
     logged.add_image(f"{prefix}/plot", png)
     logged.summary = {f"{prefix}/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl for r in rows if r.ok}
     return logged
+
+
+def metrics(rows: Sequence[ExtrapolationRow]) -> dict[str, float]:
+    """Scalars for loggers without tables: ``extrapolation/{mode}/{scaling}/ppl@{length}``, plus
+    ``/documents={mode}`` for rows that read packed documents."""
+    return {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}"
+            + ("" if r.documents == "none" else f"/documents={r.documents}"): r.ppl for r in rows if r.ok}
+
+
+def save(result: Extrapolation, out_dir: Path, title: str) -> dict[str, Path]:
+    """The table's files (``save_results``) and, beside them, position_loss.csv/.png."""
+    paths = save_results(result.rows, out_dir, title)
+    if result.position_rows:
+        where = position_loss.save_results(result.position_rows, out_dir, title)
+        paths.update(position_loss_csv=where["csv"], position_loss_png=where["png"])
+    return paths
+
+
+def reports(result: Extrapolation, paths: dict[str, Path]) -> list[Report]:
+    out = [(loggable(result.rows, paths["png"]), metrics(result.rows))]
+    if result.position_rows:
+        out.append((position_loss.loggable(result.position_rows, paths["position_loss_png"]), {}))
+    return out
+
+
+PROBE = Probe(
+    name="extrapolation", config=ExtrapolationConfig, needs="text", output="extrapolation", every_rank=True,
+    evaluate=lambda s, config: measure(s.gpt, s.tokens, s.train_length, config, s.log, s.distributed,
+                                       s.randomize_to, s.documents),
+    save=save, reports=reports,
+    announce=lambda result, paths: f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md, position_loss.csv/.png)")

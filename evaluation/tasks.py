@@ -28,11 +28,12 @@ import torch
 
 from data.synthetic import Task
 from evaluation.plots import length_axis
+from evaluation.probe import Probe
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows,
                               why_not_randomized, write_rows)
 from model.config import require
-from model.gpt import GPT, uncompiled
+from model.gpt import GPT, Pass, uncompiled
 
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: A run learned its task when the exact match at the training length, over held-out samples
@@ -118,7 +119,7 @@ def score_batch(gpt: GPT, inputs: torch.Tensor, targets: torch.Tensor, q_chunk: 
     inputs, targets = inputs.to(device), targets.to(device)
     answer = targets >= 0
     with autocast(precision, device):
-        h = gpt.hidden(inputs, positions, q_chunk=q_chunk)
+        h = gpt.hidden(inputs, positions, how=Pass(q_chunk=q_chunk))
         predicted = gpt.logits(h[answer]).argmax(dim=-1)  # only the answer positions reach the LM head
     right = predicted == targets[answer]
     wrong = torch.zeros_like(answer)
@@ -432,3 +433,20 @@ def loggable(rows: Sequence[TaskRow], png: Path | None = None, prefix: str = "ta
     if rows and rows[0].learned:
         logged.summary[f"{prefix}/{rows[0].task}/learned_at_train_length"] = rows[0].learned == "yes"
     return logged
+
+
+def announce(rows: Sequence[TaskRow], paths: dict[str, Path]) -> str:
+    """Where the files are, and whether the run learned its task at the training length."""
+    verdict = {"yes": "learned", "no": "NOT learned", "": "not measured"}[rows[0].learned if rows else ""]
+    heatmap = ", heatmap.png/.csv" if "heatmap" in paths else ""
+    return (f"[pelab] task accuracy table: {paths['csv']} (+ .png, .md{heatmap}); task {verdict} at the training "
+            f"length (criterion: exact match >= {100 * LEARNED_THRESHOLD:g}% on held-out samples)")
+
+
+PROBE = Probe(
+    name="tasks", config=TaskEvalConfig, needs="task", output="tasks",
+    evaluate=lambda s, config: evaluate_tasks(s.gpt, s.task, s.train_length, config, seed=s.seed, log=s.log,
+                                              randomize_to=s.randomize_to),
+    save=save_results, reports=lambda rows, paths: [(loggable(rows, paths["png"]), summary_metrics(rows))],
+    announce=announce, title=lambda s: f"{s.task.name}: {s.title}",
+    switch=(True, False, "auto"), switch_help="auto (on for data=synthetic), true or false")

@@ -4,9 +4,8 @@ The probes themselves (scoring, rows, files, plots) are plain functions in ``eva
 these callbacks (conf/callbacks/default.yaml) pick the model, the data and the moment from the
 trainer, call them, and hand what they return to the trainer's loggers:
 
-- ``EndOfTrainingEvaluation``: when fit ends, the extrapolation table (every rank scores its
-  share of the windows; the sums are reduced), the task accuracy table for synthetic data,
-  the attention probe against length (rank zero) and the unigram baseline (rank zero);
+- ``EndOfTrainingEvaluation``: when fit ends, the probes conf/eval enables, through the runner
+  the scripts share (pelab/evaluate.py), then the unigram baseline (rank zero);
 - ``AttentionMaps``: attention heatmaps and per-head summaries on a fixed validation sample;
 - ``PositionFunctions``: the scheme's learned position functions when training ends.
 
@@ -25,16 +24,11 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from data.stream import load_tokens
-from evaluation import position_loss
-from evaluation import tasks as task_eval
-from evaluation.attention_maps import (ProbeConfig, eager_attention_pass, eval_mode, evaluate_probe, head_summaries,
-                                       plot_attention_grid, probe_loggable, probe_metrics, probe_windows, save_probe,
-                                       summary_metrics)
-from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, loggable, save_results
+from evaluation.attention_maps import eager_attention_pass, eval_mode, head_summaries, plot_attention_grid, summary_metrics
 from evaluation.position_functions import plot_functions
+from evaluation.registry import enabled_probes
 from model.gpt import uncompiled
-from pelab.loggers import log_results
+from pelab.evaluate import run_evaluations, subject_of
 
 
 def sharded_parameters(trainer: L.Trainer) -> bool:
@@ -46,96 +40,32 @@ def sharded_parameters(trainer: L.Trainer) -> bool:
 
 
 class EndOfTrainingEvaluation(L.Callback):
-    """``extrapolation`` / ``tasks``: the ``eval.extrapolation`` / ``eval.tasks`` options
-    (conf/eval/default.yaml); each runs when its ``enabled`` is true."""
+    """When fit ends: the probes ``eval.extrapolation`` / ``eval.tasks`` / ``eval.probe``
+    (conf/eval/default.yaml) enable, through the one runner (pelab/evaluate.py), then the
+    unigram baseline."""
 
-    def __init__(self, extrapolation: dict | None = None, tasks: dict | None = None, probe: dict | None = None) -> None:
-        self.extrapolation = dict(extrapolation or {})
-        self.tasks = dict(tasks or {})
-        self.probe = dict(probe or {})
+    def __init__(self, options: dict | None = None, **probes: dict) -> None:
+        """``options``: the ``eval`` section; ``probes``: probe blocks by name, on top of it."""
+        self.options = {**dict(options or {}), **probes}
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
-        output_dir = Path(trainer.default_root_dir)
-        step = trainer.global_step
-        options, tasks = dict(self.extrapolation), dict(self.tasks)
-        # a synthetic task has no held-out text: its accuracy table replaces perplexity (eval.tasks.enabled=auto)
-        text = getattr(datamodule, "held_out_text", True)
-        options["enabled"] = bool(options.get("enabled")) and text
-        tasks["enabled"] = tasks.get("enabled", "auto") is True or (tasks.get("enabled", "auto") == "auto" and not text)
-        if sharded_parameters(trainer) and (options.get("enabled") or tasks.get("enabled") or self.probe.get("enabled")):
+        if not sharded_parameters(trainer):
+            subject = subject_of(pl_module, datamodule, distributed=trainer.world_size > 1,
+                                 rank_zero=trainer.is_global_zero)
+            run_evaluations(subject, self.options, Path(trainer.default_root_dir), trainer.global_step,
+                            trainer.loggers, rank_zero=trainer.is_global_zero)
+        elif enabled_probes(self.options, getattr(datamodule, "held_out_text", True)):
             ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "RUN_DIR/checkpoints/last.ckpt"
             rank_zero_warn(f"end-of-training evaluation skipped under {type(trainer.strategy).__name__} (each rank holds "
-                           f"a shard of the weights): run scripts/eval_extrapolation.py ckpt={ckpt} (or "
-                           f"scripts/eval_tasks.py) on the full checkpoint")
-            options["enabled"] = tasks["enabled"] = False
-        probe_on = bool(self.probe.get("enabled")) and not sharded_parameters(trainer)
-        if options.pop("enabled", False):
-            config = ExtrapolationConfig.from_dict(options)
-            tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
-            train_length = pl_module.config.block_size
-            log = print if trainer.is_global_zero else (lambda _: None)
-            by_position: list = []
-            rows = evaluate_extrapolation(pl_module.model, tokens, train_length, config, log=log,
-                                          distributed=trainer.world_size > 1, position_rows=by_position,
-                                          randomize_to=getattr(pl_module, "randomize_to", None),
-                                          documents=getattr(pl_module, "documents", None))
-            if trainer.is_global_zero:
-                title = f"pe={pl_module.pe_name}, trained at {train_length}"
-                paths = save_results(rows, output_dir / "extrapolation", title=title)
-                metrics = {f"extrapolation/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}"
-                           + ("" if r.documents == "none" else f"/documents={r.documents}"): r.ppl for r in rows if r.ok}
-                log_results(trainer.loggers, loggable(rows, paths["png"]), metrics, step)
-                if by_position:
-                    where = position_loss.save_results(by_position, output_dir / "extrapolation", title=title)
-                    log_results(trainer.loggers, position_loss.loggable(by_position, where["png"]), {}, step)
-                print(f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md, position_loss.csv/.png)", flush=True)
+                           f"a shard of the weights): run scripts/evaluate.py ckpt={ckpt} (or "
+                           f"scripts/eval_extrapolation.py, scripts/eval_tasks.py) on the full checkpoint")
         if not trainer.is_global_zero:
             return
-        if tasks.get("enabled"):
-            run_task_evaluation(tasks, pl_module, datamodule, trainer.loggers, output_dir, step)
-        if probe_on:
-            self.run_probe(pl_module, datamodule, trainer.loggers, output_dir, step)
         baseline = datamodule.unigram_loss()
         trainer.callback_metrics["val/unigram_loss"] = torch.tensor(baseline)  # for the end-of-run summary
         for logger in trainer.loggers:
-            logger.log_metrics({"val/unigram_loss": baseline}, step=step)
-
-    def run_probe(self, pl_module, datamodule, loggers, output_dir: Path, step: int) -> None:
-        """Attention entropy and distance per layer and head at every probe length (its own pass)."""
-        config = ProbeConfig.from_dict({k: v for k, v in self.probe.items() if k != "enabled"})
-        if getattr(datamodule, "held_out_text", True):
-            windows = probe_windows(load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"]))
-        else:
-            windows = probe_windows(task=datamodule.task, seed=datamodule.seed)
-        train_length = pl_module.config.block_size
-        rows = evaluate_probe(pl_module.model, windows, train_length, config)
-        paths = save_probe(rows, output_dir / "attention_probe", title=f"pe={pl_module.pe_name}, trained at {train_length}")
-        log_results(loggers, probe_loggable(rows, paths["png"]), probe_metrics(rows), step)
-        print(f"[pelab] attention probe: {paths['csv']} (+ .png)", flush=True)
-
-
-def run_task_evaluation(options: dict, module, datamodule, loggers: list, output_dir: Path, step: int
-                        ) -> list[task_eval.TaskRow]:
-    """The end-of-training task evaluation (rank zero): the accuracy table of the trained model
-    on the data module's task, CSV/PNG/markdown under ``output_dir/tasks``, W&B table and chart.
-    ``options``: ``eval.tasks`` (``enabled: false`` skips); the training length is the model's."""
-    options = dict(options)
-    if not options.pop("enabled", True):
-        return []
-    config = task_eval.TaskEvalConfig.from_dict(options)
-    train_length = module.config.block_size
-    rows = task_eval.evaluate_tasks(module.model, datamodule.task, train_length, config, seed=datamodule.seed,
-                                    randomize_to=getattr(module, "randomize_to", None))
-    paths = task_eval.save_results(rows, output_dir / "tasks",
-                                   title=f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}")
-    log_results(loggers, task_eval.loggable(rows, paths["png"]), task_eval.summary_metrics(rows), step)
-    verdict = {"yes": "learned", "no": "NOT learned", "": "not measured"}[rows[0].learned if rows else ""]
-    threshold = 100 * task_eval.LEARNED_THRESHOLD
-    print(f"[pelab] task accuracy table: {paths['csv']} (+ .png, .md{', heatmap.png/.csv' if 'heatmap' in paths else ''}); "
-          f"task {verdict} at the training length (criterion: exact match >= {threshold:g}% on held-out samples)",
-          flush=True)
-    return rows
+            logger.log_metrics({"val/unigram_loss": baseline}, step=trainer.global_step)
 
 
 def _first_loader(loaders: Any) -> Any:

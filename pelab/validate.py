@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
-from evaluation.tasks import TaskEvalConfig
+from evaluation.registry import PROBES, enabled_probes
 from model.config import GPTConfig
 from model.pe.scaling import scaling_of
 from pelab.checkpoint import check_init_from, check_resume, init_state
@@ -145,39 +145,29 @@ def check_trainer(trainer: dict, optim: OptimConfig) -> None:
 
 
 def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:
-    """``eval.*``, run when fit ends, checked now rather than after the training."""
+    """``eval.*``, run when fit ends, checked now rather than after the training: which probes
+    run (``enabled_probes``, the rule the runner follows) and the options of each."""
     evaluation = plain(cfg.get("eval")) or {}
-    extrapolation = dict(evaluation.get("extrapolation") or {})
-    enabled = extrapolation.pop("enabled", False)
-    require(isinstance(enabled, bool), "eval.extrapolation.enabled", enabled, "true or false")
-    held_out_text = getattr(datamodule, "held_out_text", True)
-    enabled = enabled and held_out_text  # a synthetic task has no text to score: task accuracy replaces it
-    tasks = dict(evaluation.get("tasks") or {})
-    tasks_on = tasks.pop("enabled", "auto")
-    require(tasks_on in (True, False, "auto"), "eval.tasks.enabled", tasks_on, "auto (on for data=synthetic), true or false")
-    if tasks_on is True and held_out_text:
-        raise ConfigError("eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=...")
-    if tasks_on and not held_out_text:
-        build("eval.tasks", TaskEvalConfig.from_dict, {"precision": str(cfg.trainer.precision), **tasks})
+    running = build("eval", enabled_probes, evaluation, getattr(datamodule, "held_out_text", True))
     if str(evaluation.get("positions", "sequential")) == "randomized" and (cfg.get("pe") or {}).get("randomize_to") is None:
         raise ConfigError("eval.positions=randomized evaluates a model trained with pe.randomize_to=N (positions drawn "
                           "from [0, N)), and pe.randomize_to is null: set it, or eval.positions=sequential")
-    probe = dict(evaluation.get("probe") or {})
-    if probe.pop("enabled", False):
-        from evaluation.attention_maps import ProbeConfig
-
-        check_options("eval.probe", probe, ProbeConfig)
-        build("eval.probe", ProbeConfig.from_dict, probe)
+    configs = {}
+    for name, options in running.items():
+        section = f"eval.{name}"
+        # precision mirrors trainer.precision (checked with the trainer), which may be an int
+        check_options(section, options, PROBES[name].config, ignore=("precision",))
+        if "precision" in options:
+            options["precision"] = str(options["precision"])
+        configs[name] = build(section, PROBES[name].config.from_dict, options)
+    extrapolation = configs.get("extrapolation")
     trained = ((plain(cfg.pe) or {}).get("scaling") or {}).get("kind", "none")
-    if enabled and trained != "none" and any(s not in (None, "none") for s in extrapolation.get("rope_scaling") or []):
-        fail("eval.extrapolation.rope_scaling", extrapolation["rope_scaling"],
+    if extrapolation and trained != "none" and any(s is not None for s in extrapolation.rope_scaling):
+        fail("eval.extrapolation.rope_scaling", evaluation["extrapolation"]["rope_scaling"],
              f"[null] when pe.scaling.kind={trained}: the trained scaling applies to every evaluation, and "
              f"another one on top is refused")
-    if enabled:
-        # precision mirrors trainer.precision (checked with the trainer), which may be an int
-        check_options("eval.extrapolation", extrapolation, ExtrapolationConfig, ignore=("precision",))
-        config = build("eval.extrapolation", ExtrapolationConfig.from_dict, extrapolation)
-        check_stride(config, cfg.model.block_size)
+    if extrapolation:
+        check_stride(extrapolation, cfg.model.block_size)
 
 
 def check_stride(config: ExtrapolationConfig, train_length: int, key: str = "eval.extrapolation.stride") -> None:

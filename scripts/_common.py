@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,9 +73,9 @@ def load_run_config(ckpt: Path, needed_for: str):
 
 
 def log_to_new_wandb_run(logged, out: Path, **init) -> None:
-    """One W&B run holding an evaluation's tables and charts (``logged``: evaluation.results.Logged);
-    offline (and said so) when the server cannot be reached or there are no credentials, as
-    train.py does."""
+    """One W&B run holding an evaluation's tables and charts (``logged``: an evaluation.results.Logged
+    or a list of them); offline (and said so) when the server cannot be reached or there are no
+    credentials, as train.py does."""
     import os
 
     import wandb
@@ -84,13 +85,81 @@ def log_to_new_wandb_run(logged, out: Path, **init) -> None:
     why = "WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline" else wandb_offline_reason()
     try:  # the results are already on disk: a W&B failure must not turn into a failed command
         run = wandb.init(dir=str(out), mode="offline" if why else "online", **init)
-        log_to_wandb(logged, run)
+        for one in logged if isinstance(logged, list) else [logged]:
+            log_to_wandb(one, run)
         run.finish()
     except Exception as err:  # noqa: BLE001 - whatever W&B raises
         print(f"[pelab] W&B logging failed: {type(err).__name__}: {err}; the results are in {out}", file=sys.stderr)
         return
     print(f"[pelab] W&B offline run in {out / 'wandb'} ({why}; upload later with wandb sync)" if why
           else f"[pelab] W&B run: {run.url}")
+
+
+def run_eval_block(cfg, name: str) -> dict:
+    """``eval.<name>`` as the run saved it; a run saved before that block existed gets
+    conf/eval/default.yaml's, at the run's trainer.precision."""
+    from omegaconf import OmegaConf
+
+    saved = cfg.get("eval", {}).get(name)
+    if saved is None:
+        tree = OmegaConf.create({"eval": OmegaConf.load(ROOT / "conf" / "eval" / "default.yaml"),
+                                 "trainer": {"precision": cfg.trainer.precision}})
+        saved = tree.eval[name]
+    return OmegaConf.to_container(saved, resolve=True)
+
+
+def evaluate_checkpoint(ckpt: Path, cfg, options: dict, device, out: str | None = None, log_wandb: bool = False,
+                        seed: int | None = None) -> dict:
+    """The probes ``options`` (probe blocks by name) enables, on the checkpoint, through the runner
+    train.py uses (pelab/evaluate.py), so the files are the same. Under torchrun every rank scores
+    its share of a sharded probe. Files go to ``out``, else RUN_DIR/<probe>/eval-<ckpt>-<time>/
+    (earlier results are never overwritten); ``log_wandb``: one W&B run per probe in the run's
+    group. ``seed``: the task samples' seed (default the run's). Returns {name: Outcome}."""
+    import torch
+
+    from evaluation.registry import PROBES, enabled_probes
+    from pelab.checkpoint import load_lit_gpt
+    from pelab.datamodule import build_datamodule
+    from pelab.evaluate import run_evaluations, subject_of
+
+    datamodule = build_datamodule(cfg.data)  # reads nothing yet
+    if not enabled_probes(options, getattr(datamodule, "held_out_text", True)):
+        raise SystemExit(f"nothing to evaluate: no probe of eval.{{{','.join(n for n in options if n in PROBES)}}} is "
+                         f"enabled for this run's data (data._target_={cfg.data.get('_target_')}; extrapolation needs "
+                         f"held-out text, tasks a synthetic task)")
+    distributed = join_torchrun_group(device)
+    if distributed and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    rank_zero = not distributed or torch.distributed.get_rank() == 0
+    module = load_lit_gpt(ckpt, map_location=device)
+    module.model.to(device)
+    if getattr(datamodule, "held_out_text", True):
+        if rank_zero:
+            datamodule.prepare_data()
+        if distributed:
+            torch.distributed.barrier()  # the other ranks read the cache rank zero prepared
+        datamodule.setup("validate")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def where(probe) -> Path:
+        return Path(out) if out else ckpt.parent.parent / probe.output / f"eval-{ckpt.stem}-{stamp}"
+
+    def note(config) -> str | None:
+        return f"precision={precision_ran(config.precision, device)}" if hasattr(config, "precision") else None
+
+    subject = subject_of(module, datamodule, distributed=distributed, rank_zero=rank_zero, seed=seed)
+    outcomes = run_evaluations(subject, options, where, rank_zero=rank_zero, note=note)
+    for name, outcome in outcomes.items():
+        if "md" in outcome.paths:
+            print(outcome.paths["md"].read_text())
+        print(f"[pelab] results: {outcome.paths['csv']} (+ .png{', .md' if 'md' in outcome.paths else ''})")
+        if log_wandb:
+            given = {k: v for k, v in options[name].items() if k != "enabled"}
+            log_to_new_wandb_run([logged for logged, _ in outcome.reports], outcome.paths["csv"].parent,
+                                 project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
+                                 name=f"{cfg.get('run_name') or module.pe_name}-{name}",
+                                 config={"ckpt": str(ckpt), **({} if seed is None else {"seed": seed}), **given})
+    return outcomes
 
 
 def split_list(value: str) -> list[str]:

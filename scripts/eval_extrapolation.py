@@ -14,12 +14,9 @@ training run's group.
 from __future__ import annotations
 
 import sys
-import time
-from pathlib import Path
 
-from _common import (EVAL_PRECISIONS, ROOT, checkpoint_arg, choice, device_arg, eval_lengths, flag, integer, is_null,
-                     join_torchrun_group, load_run_config, log_to_new_wandb_run, number, parse_key_values,
-                     precision_ran, split_list)
+from _common import (EVAL_PRECISIONS, checkpoint_arg, choice, device_arg, eval_lengths, evaluate_checkpoint, flag,
+                     integer, is_null, load_run_config, number, parse_key_values, run_eval_block, split_list)
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py (required)",
@@ -75,67 +72,17 @@ def main(argv: list[str]) -> int:
     log_wandb = flag("wandb", args.get("wandb", "false"))
     ckpt = checkpoint_arg(args, OPTIONS)
 
-    import torch
-    from omegaconf import OmegaConf
-
-    from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation, save_results
-    from pelab.checkpoint import load_lit_gpt
+    from evaluation.extrapolation import ExtrapolationConfig
     from pelab.validate import check_stride
-    from data.stream import load_tokens
-    from pelab.datamodule import build_datamodule
 
     cfg = load_run_config(ckpt, "which data and training length to use")
-    defaults = OmegaConf.load(ROOT / "conf" / "eval" / "default.yaml").extrapolation
-    defaults.precision = cfg.trainer.precision
-    options = OmegaConf.to_container(cfg.get("eval", {}).get("extrapolation", defaults), resolve=True)
-    options.pop("enabled", None)
-    options.update(given)
+    options = {**run_eval_block(cfg, "extrapolation"), **given}
     try:
         config = ExtrapolationConfig.from_dict(options)
         check_stride(config, cfg.model.block_size, key="stride")
     except ValueError as e:  # one line naming the option, before any data is read
         raise SystemExit(str(e)) from None
-
-    distributed = join_torchrun_group(device)
-    if distributed and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    rank_zero = not distributed or torch.distributed.get_rank() == 0
-    module = load_lit_gpt(ckpt, map_location=device)
-    datamodule = build_datamodule(cfg.data)
-    if rank_zero:
-        datamodule.prepare_data()
-    if distributed:
-        torch.distributed.barrier()  # the other ranks read the cache rank zero prepared
-    datamodule.setup("validate")
-    tokens = load_tokens(datamodule.split_path("val"), datamodule.meta["dtype"])
-    train_length = module.config.block_size
-
-    by_position: list = []
-    rows = evaluate_extrapolation(module.model.to(device), tokens, train_length, config,
-                                  log=print if rank_zero else (lambda _: None), distributed=distributed,
-                                  position_rows=by_position, randomize_to=module.randomize_to,
-                                  documents=module.documents)
-    if not rank_zero:
-        return 0
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.get("out") or ckpt.parent.parent / "extrapolation" / f"eval-{ckpt.stem}-{stamp}")
-    title = f"pe={module.pe_name}, trained at {train_length}, precision={precision_ran(config.precision, device)}"
-    paths = save_results(rows, out, title=title)
-    paths["md"].write_text(f"{title}\n\n{paths['md'].read_text()}")  # which model, and what the numbers ran in
-    if by_position:
-        from evaluation import position_loss
-
-        position_loss.save_results(by_position, out, title=title)
-    print(paths["md"].read_text())
-    print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
-
-    if log_wandb:
-        from evaluation.extrapolation import loggable
-
-        log_to_new_wandb_run(loggable(rows, paths["png"], prefix="extrapolation"), out,
-                             project=cfg.get("project", "pelab"), group=cfg.get("group"), job_type="eval",
-                             name=f"{cfg.get('run_name') or module.pe_name}-extrapolation",
-                             config={"ckpt": str(ckpt), **options})
+    evaluate_checkpoint(ckpt, cfg, {"extrapolation": {**options, "enabled": True}}, device, args.get("out"), log_wandb)
     return 0
 
 

@@ -13,11 +13,9 @@ results are never overwritten) and, with wandb=true, to a W&B run in the trainin
 from __future__ import annotations
 
 import sys
-import time
-from pathlib import Path
 
-from _common import (EVAL_PRECISIONS, checkpoint_arg, choice, device_arg, eval_lengths, flag, integer, load_run_config,
-                     log_to_new_wandb_run, number, numbers, parse_key_values, precision_ran)
+from _common import (EVAL_PRECISIONS, checkpoint_arg, choice, device_arg, eval_lengths, evaluate_checkpoint, flag,
+                     integer, load_run_config, number, numbers, parse_key_values, run_eval_block)
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py on data=synthetic (required)",
@@ -65,49 +63,21 @@ def main(argv: list[str]) -> int:
     log_wandb = flag("wandb", args.get("wandb", "false"))
     ckpt = checkpoint_arg(args, OPTIONS)
 
-    from pelab.datamodule import build_datamodule, data_options
-    from omegaconf import OmegaConf
-
-    from evaluation.tasks import TaskEvalConfig, evaluate_tasks, save_results
-    from pelab.checkpoint import load_lit_gpt
+    from evaluation.tasks import TaskEvalConfig
     from pelab.config import ConfigError
+    from pelab.datamodule import build_datamodule, data_options
 
     cfg = load_run_config(ckpt, "which task, options and seed to use")
     if data_options(cfg.data).get("_target_") != SYNTHETIC:  # a run saved with an older spelling too
         raise SystemExit(f"ckpt={ckpt} was trained on data with _target_={cfg.data.get('_target_')}, not a "
                          f"synthetic task ({SYNTHETIC}); use scripts/eval_extrapolation.py for text")
-    run_options = cfg.get("eval", {}).get("tasks")
-    options = OmegaConf.to_container(run_options, resolve=True) if run_options else {}
-    options.pop("enabled", None)
-    options.setdefault("precision", str(cfg.trainer.precision))
-    options.update(given)
+    options = {**run_eval_block(cfg, "tasks"), **given}
     try:
-        config = TaskEvalConfig.from_dict(options)
-        datamodule = build_datamodule(cfg.data)  # builds the task; reads nothing
+        TaskEvalConfig.from_dict(options)
+        build_datamodule(cfg.data)  # builds the task; reads nothing
     except (ConfigError, ValueError) as e:
         raise SystemExit(str(e)) from None
-    seed = datamodule.seed if seed is None else seed
-
-    module = load_lit_gpt(ckpt, map_location=device)
-    train_length = module.config.block_size
-    rows = evaluate_tasks(module.model.to(device), datamodule.task, train_length, config, seed=seed,
-                          randomize_to=module.randomize_to)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.get("out") or ckpt.parent.parent / "tasks" / f"eval-{ckpt.stem}-{stamp}")
-    title = (f"{datamodule.task.name}: pe={module.pe_name}, trained at {train_length}, "
-             f"precision={precision_ran(config.precision, device)}")
-    paths = save_results(rows, out, title=title)
-    paths["md"].write_text(f"{title}\n\n{paths['md'].read_text()}")  # which model, and what the numbers ran in
-    print(paths["md"].read_text())
-    print(f"[pelab] results: {paths['csv']} (+ .png, .md)")
-
-    if log_wandb:
-        from evaluation.tasks import loggable
-
-        log_to_new_wandb_run(loggable(rows, paths["png"]), out, project=cfg.get("project", "pelab"),
-                             group=cfg.get("group"), job_type="eval",
-                             name=f"{cfg.get('run_name') or module.pe_name}-tasks",
-                             config={"ckpt": str(ckpt), "seed": seed, **options})
+    evaluate_checkpoint(ckpt, cfg, {"tasks": {**options, "enabled": True}}, device, args.get("out"), log_wandb, seed)
     return 0
 
 

@@ -95,8 +95,8 @@ def test_two_rank_split_reduces_sums_and_counts_exactly(tokens, monkeypatch):
 def test_evaluation_writes_position_rows_and_files(tokens, tmp_path):
     gpt = toy()
     config = ex.ExtrapolationConfig(multipliers=(1, 4), modes=("nonoverlapping", "sliding"), precision="32")
-    by_position = []
-    rows = ex.evaluate_extrapolation(gpt, tokens, 16, config, log=lambda _: None, position_rows=by_position)
+    result = ex.measure(gpt, tokens, 16, config, log=lambda _: None)
+    rows, by_position = result.rows, result.position_rows
     for row in rows:
         mine = [r for r in by_position if (r.eval_length, r.mode) == (row.eval_length, row.mode)]
         assert sum(r.tokens for r in mine) == row.tokens
@@ -108,9 +108,8 @@ def test_evaluation_writes_position_rows_and_files(tokens, tmp_path):
 
 def test_wandb_payload_has_a_line_per_length(tokens, tmp_path):
     gpt = toy()
-    by_position = []
-    ex.evaluate_extrapolation(gpt, tokens, 16, ex.ExtrapolationConfig(multipliers=(1, 2), precision="32"),
-                              log=lambda _: None, position_rows=by_position)
+    by_position = ex.measure(gpt, tokens, 16, ex.ExtrapolationConfig(multipliers=(1, 2), precision="32"),
+                             log=lambda _: None).position_rows
     paths = save_results(by_position, tmp_path, "t")
 
     class Run:  # what pelab.loggers.log_to_wandb calls on a W&B run

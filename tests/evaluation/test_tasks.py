@@ -18,7 +18,7 @@ from evaluation.tasks import (
 from model import GPT, GPTConfig
 from model.pe import SCHEMES
 from pelab.datamodule import SyntheticDataModule
-from pelab.probes import run_task_evaluation
+from pelab.evaluate import run_evaluations, subject_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ def test_results_round_trip_table_and_metrics(tmp_path):
     assert not any("learned" in k for k in metrics) and len(metrics) == 4 + 4
 
 
-def test_run_task_evaluation_writes_tables_and_logs(tmp_path):
+def test_runner_writes_task_tables_and_logs(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
     from omegaconf import OmegaConf
 
@@ -149,14 +149,14 @@ def test_run_task_evaluation_writes_tables_and_logs(tmp_path):
     logger = CSVLogger(tmp_path, name="csv", version="")
     dm = SyntheticDataModule("passkey", block_size=16)
     options = {**OmegaConf.to_container(cfg.eval.tasks), "precision": "32"}
-    rows = run_task_evaluation(options, module, dm, [logger], tmp_path, step=3)
+    rows = run_evaluations(subject_of(module, dm), {"tasks": options}, tmp_path, 3, [logger])["tasks"].result
     logger.save()
     assert [(r.eval_length, r.depth, r.samples) for r in rows] == [(16, 0.5, 4), (32, 0.5, 4)]
     assert [(r.eval_length, r.accuracy) for r in read_csv(tmp_path / "tasks" / "tasks.csv")] == \
         [(r.eval_length, r.accuracy) for r in rows]
     logged = (tmp_path / "csv" / "metrics.csv").read_text()
     assert "tasks/passkey/accuracy@32" in logged and "tasks/passkey/depth0.5/accuracy@16" in logged
-    assert run_task_evaluation({**options, "enabled": False}, module, dm, [logger], tmp_path, step=3) == []
+    assert run_evaluations(subject_of(module, dm), {"tasks": {**options, "enabled": False}}, tmp_path, 3, [logger]) == {}
 
 
 def test_train_then_eval_tasks_script(tmp_path):
@@ -183,6 +183,21 @@ def test_train_then_eval_tasks_script(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/eval_tasks.py", f"ckpt={ckpt}", "samples=many"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "samples='many' is not valid" in bad.stderr
+
+    # scripts/evaluate.py: the probes conf/eval enables, the files the end of training wrote, nothing else
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"ckpt={ckpt}", "device=cpu",
+                           "eval.tasks.multipliers=[1]", "eval.tasks.depths=[1]", "eval.tasks.samples=3",
+                           "eval.sweep.precision=32", "eval.probe.multipliers=[1]", "eval.probe.rows=4"],
+                          cwd=where, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (tasks,) = (run / "tasks").glob("eval-last-*/tasks.csv")
+    (probe,) = (run / "attention_probe").glob("eval-last-*/probe.csv")
+    for written, at_end in ((tasks, run / "tasks" / "tasks.csv"), (probe, run / "attention_probe" / "probe.csv")):
+        assert written.read_text().splitlines()[0] == at_end.read_text().splitlines()[0]  # the same columns
+    assert [(r.eval_length, r.depth, r.samples) for r in read_csv(tasks)] == [(32, 1.0, 3)]
+    assert not list(where.iterdir())  # Hydra wrote no outputs/ and changed no directory
 
 
 def test_depth_by_length_heatmap_and_learned_mark(tmp_path):

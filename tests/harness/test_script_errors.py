@@ -192,3 +192,47 @@ def test_cli_reports_bad_launcher_and_bad_script_option_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/sample.py", "ckpt=x", "tokens=ten"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr == "tokens='ten' is not valid: expected an integer >= 1\n"
+
+
+def compose_evaluate(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return compose("evaluate", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("eval.extrapolation.q_chunk=0", "eval.extrapolation.q_chunk must be >= 1, got 0"),
+    ("eval.sweep.q_chunk=0", "eval.extrapolation.q_chunk must be >= 1, got 0"),  # read by every sweep block
+    ("eval.probe.enabled=maybe", "eval.probe.enabled must be true or false, got 'maybe'"),
+    ("eval.tasks.enabled=true", "eval.tasks.enabled=true needs a synthetic task: data=synthetic data.task=..."),
+    ("wandb=maybe", "wandb='maybe' is not valid: expected true or false"),
+])
+def test_evaluate_checks_its_options_before_the_checkpoint_is_read(old_run, no_checkpoint_read, override, message):
+    overrides = [f"ckpt={old_run}", override]
+    with pytest.raises(SystemExit) as exit_:
+        script("evaluate").evaluate(compose_evaluate(*overrides), overrides)
+    assert str(exit_.value.code) == message
+
+
+def test_evaluate_puts_overrides_on_the_runs_own_eval_section(old_run):
+    """The run's saved blocks, a shared key reaching the keys that read it, a key given itself winning."""
+    from omegaconf import OmegaConf
+
+    overrides = [f"ckpt={old_run}", "eval.sweep.q_chunk=512", "eval.tasks.q_chunk=64", "eval.probe.enabled=false"]
+    run = OmegaConf.load(old_run.parent / "config.yaml")
+    section = script("evaluate").eval_section(run, compose_evaluate(*overrides), overrides)
+    assert section["extrapolation"]["q_chunk"] == 512 and section["tasks"]["q_chunk"] == 64
+    assert section["probe"]["q_chunk"] == 256 and section["probe"]["enabled"] is False  # its own q_chunk
+    assert section["extrapolation"]["max_tokens"] == run.eval.extrapolation.max_tokens  # as the run saved it
+    assert section["extrapolation"]["enabled"] is True and run.eval.extrapolation.enabled is False  # conf/eval's
+
+
+def test_evaluate_command_line_refuses_an_unknown_key_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), "ckpt=x.ckpt",
+                           "eval.extrapolation.multiplierz=[1]"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("eval.extrapolation.multiplierz=[1] is not an option of eval.extrapolation; "
+                                  "valid options: enabled, multipliers, lengths,"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())  # nothing written, no outputs/
