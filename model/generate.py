@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from model.positions import Pass
+
 
 class LayerCache:
     """One layer's cached keys (rotated once, at their own positions) and values."""
@@ -79,7 +81,7 @@ def generate(model: Any, idx: Tensor, max_new_tokens: int, temperature: float = 
         if kv is not None:
             h = model.hidden(new, cache=kv)
         else:  # full recomputation, with the same span for span-dependent schemes
-            h = model.hidden(idx, span=span)
+            h = model.hidden(idx, how=Pass(span=span))
         new = sample_next(model.logits(h[:, -1]), temperature, top_k, top_p, generator)
         idx = torch.cat((idx, new), dim=1)
     return idx

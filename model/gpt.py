@@ -7,18 +7,19 @@ adds its terms; nothing here branches on either's name.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import AttentionRecorder, attend, resolve
+from model.attention import Terms, attend, resolve
 from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, generate
 from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.pe.base import PositionEncoding
 from model.pe.schedule import check_nope_layers
-from model.positions import PositionContext, layer_contexts, resolve_positions
+from model.positions import Pass, PositionContext, layer_contexts, resolve_positions
 from model.temperature import check_temperature, query_scales
 
 
@@ -116,18 +117,12 @@ class GPT(nn.Module):
             x = self.pe.embed(x, positions)
         return self.drop(x)
 
-    def hidden(self, idx: Tensor, positions: Tensor | None = None, q_chunk: int | None = None,
-               cache: KVCache | None = None, span: Tensor | None = None, attention: str | None = None,
-               record: AttentionRecorder | None = None, documents: Tensor | None = None) -> Tensor:
-        """Final normalised hidden states (B, T, C). ``q_chunk`` bounds attention memory for
-        long evaluation sequences (attention in query chunks); training leaves it None. With
-        ``cache`` the tokens continue the cached ones (positions default to the next ones) and
-        their keys and values are appended to it. ``span``: every position of the attention
-        context (default: the cache's, else these positions) for span-dependent schemes.
-        ``attention``: a backend for this call instead of ``model.attention``; ``record``
-        collects the attention probabilities (``math`` backend). ``documents``: (B, T) document
-        ids of packed documents (data/packing.py): a token attends only to earlier tokens of
-        its own document (no cache)."""
+    def hidden(self, idx: Tensor, positions: Tensor | None = None, documents: Tensor | None = None, *,
+               cache: KVCache | None = None, how: Pass = Pass()) -> Tensor:
+        """Final normalised hidden states (B, T, C) of tokens ``idx`` at ``positions``; ``documents``:
+        (B, T) ids of packed documents (data/packing.py), attention stays inside each (no cache).
+        With ``cache`` the tokens continue the cached ones (positions default to the next ones)
+        and their keys and values are appended to it. ``how``: generation's and evaluation's knobs."""
         T = idx.shape[1]
         if documents is not None and (cache is not None or documents.shape != idx.shape):
             raise ValueError(f"documents must be (batch, T) = {tuple(idx.shape)} document ids, without a KV cache; "
@@ -135,18 +130,17 @@ class GPT(nn.Module):
         past = 0 if cache is None else cache.length
         positions = resolve_positions(self.pe, T, positions, idx.device, start=past)
         k_positions = positions if cache is None else torch.cat((cache.positions, positions), dim=-1)
-        if span is None:
-            span = k_positions if cache is None else cache.span
+        if cache is not None:  # decoding: the cache's span, and no query chunks
+            how = replace(how, q_chunk=None, span=cache.span if how.span is None else how.span)
         dtype = self._compute_dtype(idx.device)
         x = self.embed(idx, positions)
-        backend = self.attention(idx.device, attention, dtype, queries=T, batch=idx.shape[0],
+        backend = self.attention(idx.device, how.attention, dtype, queries=T, batch=idx.shape[0],
                                  documents=documents is not None)
-        contexts = layer_contexts(self.pe, len(self.blocks), positions, backend, k_positions, span, dtype,
-                                  q_chunk if cache is None else None,
-                                  always_mask=past > 0 and T > 1,  # several new tokens after a cache
-                                  nope_layers=self.nope_layers, record=record,
-                                  q_scales=query_scales(self.config, self.pe, positions, past, documents),
-                                  documents=documents)
+        terms = Terms(self.pe, positions, k_positions, dtype=dtype,
+                      explicit_mask=past > 0 and T > 1,  # several new tokens after a cache
+                      q_documents=documents, k_documents=documents)
+        contexts = layer_contexts(terms, backend, how, len(self.blocks), self.nope_layers,
+                                  query_scales(self.config, self.pe, positions, past, documents))
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)
@@ -172,7 +166,7 @@ class GPT(nn.Module):
         and the loss run in row chunks that never build the (B, T, V) logits, and the logits
         returned are None.
         """
-        h = self.hidden(idx, positions, documents=documents)
+        h = self.hidden(idx, positions, documents)
         if targets is not None and use_chunked_loss(self.config.vocab_size, h):
             return None, chunked_cross_entropy(h, self.lm_head.weight, targets, vocab_size=self.config.vocab_size)
         logits = self.logits(h)
@@ -187,7 +181,7 @@ class GPT(nn.Module):
     ) -> Tensor:
         """Per-token negative log-likelihood (B, T) in float32, with the LM head applied in
         chunks so that (B, T, V) logits never exist at once."""
-        h = self.hidden(idx, positions, q_chunk, documents=documents)
+        h = self.hidden(idx, positions, documents, how=Pass(q_chunk=q_chunk))
         step = q_chunk or h.shape[1]
         parts = [
             F.cross_entropy(self.logits(h[:, s : s + step]).float().transpose(1, 2), targets[:, s : s + step],

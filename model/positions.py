@@ -6,7 +6,7 @@ position terms that backend prepared (a float32 mask, key features, a score func
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,29 +41,35 @@ def position_context(pe: Any, positions: Tensor, mask: Tensor | None = None, spa
     return PositionContext(pe, Terms(pe, positions, positions), BACKENDS["sdpa"], mask, tables)
 
 
-def layer_contexts(pe: Any, n_layer: int, positions: Tensor, backend: AttentionBackend,
-                   k_positions: Tensor | None = None, span: Tensor | None = None, dtype: torch.dtype = torch.float32,
-                   q_chunk: int | None = None, always_mask: bool = False, nope_layers: frozenset[int] = frozenset(),
-                   record: AttentionRecorder | None = None,
-                   q_scales: tuple[Tensor | None, Tensor | None] = (None, None),
-                   documents: Tensor | None = None) -> list[PositionContext]:
-    """One forward's per-layer contexts, built once: the scheme's (rotation tables and the
-    backend's position terms) and, for the NoPE layers of a schedule, a causal-only one.
-    ``dtype``: the compute dtype; masks are float32 whatever it is. ``q_scales``: the attention
-    temperature of the scheme's layers and of the NoPE layers (``query_scales``). ``documents``:
-    (B, T) document ids of the tokens (queries and keys alike): attention stays inside each."""
-    k_positions = positions if k_positions is None else k_positions
-    chunk = q_chunk if q_chunk is not None and positions.shape[-1] > q_chunk else None
+@dataclass(frozen=True)
+class Pass:
+    """How one forward runs outside training (generation, evaluation probes); training leaves
+    every field at its default."""
+
+    q_chunk: int | None = None  # attend in query chunks of this size: bounds memory on long sequences
+    span: Tensor | None = None  # every position of the context, for span-dependent schemes (default: the keys')
+    attention: str | None = None  # a backend name for this forward instead of model.attention
+    record: AttentionRecorder | None = None  # collects the attention probabilities (math backend)
+
+
+def layer_contexts(terms: Terms, backend: AttentionBackend, how: Pass = Pass(), n_layer: int = 1,
+                   nope_layers: frozenset[int] = frozenset(),
+                   q_scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> list[PositionContext]:
+    """One forward's per-layer contexts, built once from its position ``terms``: the scheme's
+    (rotation tables over ``how.span`` and the backend's position terms) and, for the NoPE
+    layers of a schedule, a causal-only one. ``q_scales``: the attention temperature of the
+    scheme's layers and of the NoPE layers (``query_scales``)."""
+    pe, positions = terms.pe, terms.q_positions
+    chunk = how.q_chunk if how.q_chunk is not None and positions.shape[-1] > how.q_chunk else None
 
     def build(with_pe: bool) -> PositionContext:
         kind = backend if with_pe else BACKENDS[backend.plain]
-        terms = Terms(pe, positions, k_positions, bias=with_pe, dtype=dtype, explicit_mask=always_mask,
-                      q_documents=documents, k_documents=documents)
+        layer_terms = terms if with_pe else replace(terms, bias=False)
         tables = None
         if with_pe and pe.uses_rotate:
-            tables = pe.rotation_tables(positions, k_positions if span is None else span)
-        return PositionContext(pe, terms, kind, kind.prepare(terms, chunked=chunk is not None), tables, chunk,
-                               record, q_scales[0] if with_pe else q_scales[1])
+            tables = pe.rotation_tables(positions, terms.k_positions if how.span is None else how.span)
+        return PositionContext(pe, layer_terms, kind, kind.prepare(layer_terms, chunked=chunk is not None), tables,
+                               chunk, how.record, q_scales[0] if with_pe else q_scales[1])
 
     scheme = build(True)
     plain = build(False) if nope_layers else scheme
@@ -85,4 +91,4 @@ def resolve_positions(pe: Any, T: int, positions: Tensor | None, device: torch.d
     return positions
 
 
-__all__ = ["PositionContext", "layer_contexts", "position_context", "resolve_positions"]
+__all__ = ["Pass", "PositionContext", "layer_contexts", "position_context", "resolve_positions"]

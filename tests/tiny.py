@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from model.attention import Terms
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
@@ -84,5 +85,6 @@ def rotate_single(pe, x: torch.Tensor, p: int) -> torch.Tensor:
 def contexts(model, positions, k_positions=None, dtype=torch.float32, always_mask=False):
     """The per-layer position contexts of one forward, as ``GPT.hidden`` builds them."""
     backend = model.attention(positions.device, dtype=dtype)
-    return layer_contexts(model.pe, len(model.blocks), positions, backend, k_positions, dtype=dtype,
-                          always_mask=always_mask, nope_layers=model.nope_layers)
+    terms = Terms(model.pe, positions, positions if k_positions is None else k_positions, dtype=dtype,
+                  explicit_mask=always_mask)
+    return layer_contexts(terms, backend, n_layer=len(model.blocks), nope_layers=model.nope_layers)

@@ -37,9 +37,9 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
             layers: int = 1) -> AttentionBackend:
     """The backend that runs ``name`` (a value of model.attention) for this forward: ``auto``
     decided, a backend that does not apply replaced by the first of its fallbacks that does
-    (``math`` applies everywhere; a ``strict`` one raises instead, saying why), flex for a single query (decoding) served by ``math``, and
-    SDPA with a learned bias under autograd on CPU served by ``bias_grad`` (SDPA would take
-    its float32 math path).
+    (``math`` applies everywhere; a ``strict`` one raises instead, saying why), flex for a
+    single query (decoding) served by ``math``, and SDPA with a learned bias under autograd
+    on CPU served by ``bias_grad`` (SDPA would take its float32 math path).
 
     ``documents``: packed documents. On CUDA ``auto`` then takes flex where it applies (no
     dropout): its document BlockMask skips the blocks with no pair of one document, where SDPA

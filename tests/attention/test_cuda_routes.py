@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import BACKENDS, CHOICES, resolve
+from model.attention import BACKENDS, CHOICES, Terms, resolve
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-from model.positions import layer_contexts
+from model.positions import Pass, layer_contexts
 
 torch.set_num_threads(2)
 
@@ -54,8 +54,8 @@ def test_sdpa_never_gets_a_float_mask_of_another_dtype_on_cuda(monkeypatch, sche
         x = torch.randn(2, 12, cfg.n_embd)
         # whole sequences, query chunks, and several new tokens after a cache (an explicit order mask)
         for q_chunk, always in ((None, False), (5, False), (None, True)):
-            ctx = layer_contexts(model.pe, 1, positions, backend, dtype=dtype, q_chunk=q_chunk,
-                                 always_mask=always)[0]
+            terms = Terms(model.pe, positions, positions, dtype=dtype, explicit_mask=always)
+            ctx = layer_contexts(terms, backend, Pass(q_chunk=q_chunk))[0]
             with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                 y = model.blocks[0](x, ctx)
             assert torch.isfinite(y).all()
@@ -208,14 +208,15 @@ def test_document_masked_attention_on_the_cuda_route_skips_blocks(monkeypatch, s
     for lengths in ([256], [128, 128], [100, 28, 64, 64]):
         documents = documents_of(lengths)
         with torch.no_grad():
-            ctx = layer_contexts(model.pe, 1, positions, backend, documents=documents)[0]
+            terms = Terms(model.pe, positions, positions, q_documents=documents, k_documents=documents)
+            ctx = layer_contexts(terms, backend)[0]
             y = model.blocks[0](x, ctx)
             assert not calls
             mask = masks.pop()
             visited.append(int(mask.kv_num_blocks.sum() + (0 if mask.full_kv_num_blocks is None
                                                              else mask.full_kv_num_blocks.sum())))
             ref_backend = model.attention(torch.device("cpu"), queries=256, batch=2, documents=True)
-            ref = model.blocks[0](x, layer_contexts(model.pe, 1, positions, ref_backend, documents=documents)[0])
+            ref = model.blocks[0](x, layer_contexts(terms, ref_backend)[0])
         torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
         calls.clear()
     assert visited == [2 * 3, 2 * 2, 2 * 2]  # per sequence: blocks with a pair of one document

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from data.packing import document_layout
-from model.attention import BACKENDS
+from model.attention import BACKENDS, Terms
 from model.gpt import GPT
 from model.pe import SCHEMES
-from model.positions import layer_contexts
+from model.positions import Pass, layer_contexts
 from tests.naive import leaf_params, naive_qkv, naive_scheme_bias
 from tests.tiny import LEARNED_BIAS, build
 
@@ -37,7 +37,7 @@ def windows(seed: int, T: int = 32, ends: tuple[tuple[int, ...], ...] = ((4, 11)
 
 def logits(model: GPT, idx: torch.Tensor, positions, documents, grad: bool, chunk: int | None) -> torch.Tensor:
     with torch.set_grad_enabled(grad):
-        h = model.hidden(idx, positions, q_chunk=chunk, documents=documents)
+        h = model.hidden(idx, positions, documents, how=Pass(q_chunk=chunk))
         return model.logits(h).detach()
 
 
@@ -151,7 +151,8 @@ def test_learned_bias_gradients_under_document_masks_match_float64(name, backend
         positions = torch.arange(16)
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(6))
     weight = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    ctx = layer_contexts(pe, 1, positions, BACKENDS[backend], documents=documents)[0]
+    ctx = layer_contexts(Terms(pe, positions, positions, q_documents=documents, k_documents=documents),
+                         BACKENDS[backend])[0]
     pe.zero_grad()
     (attn(x, ctx) * weight.float()).sum().backward()
     got = {n: p.grad.double() for n, p in pe.named_parameters()}

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from data.packing import document_layout
-from model.attention import BACKENDS, resolve
+from model.attention import BACKENDS, Terms, resolve
 from model.pe import SCHEMES
 from model.pe.schedule import random_positions
-from model.positions import layer_contexts
+from model.positions import Pass, layer_contexts
 from pelab.lit import COMPUTE_DTYPES
 from tests.attention.test_document_mask import EOT, naive_document_attention, windows
 from tests.naive import SLOPES_4, leaf_params, naive_alibi_bias, naive_scheme_bias
@@ -68,7 +68,8 @@ def test_randomized_positions_under_a_document_mask_on_every_backend(name, dtype
         grad = backend.name == "bias_grad"  # the learned-bias kernel runs under autograd only
         if not (backend.supports(model.pe, CPU, dtype, 0.0, grad) and backend.fits(model.pe, CPU, dtype, grad)):
             continue
-        ctx = layer_contexts(model.pe, 1, positions, backend, dtype=dtype, documents=documents)[0]
+        terms = Terms(model.pe, positions, positions, dtype=dtype, q_documents=documents, k_documents=documents)
+        ctx = layer_contexts(terms, backend)[0]
         with torch.set_grad_enabled(grad):
             out = attn(x, ctx).detach()
         torch.testing.assert_close(out.double(), ref, atol=2e-5 if dtype == torch.float32 else 1e-6,
@@ -114,7 +115,7 @@ def reference_logits(model, idx: torch.Tensor, positions, documents) -> torch.Te
             ids = torch.zeros(idx.shape[1], dtype=torch.long) if documents is None else documents[b]
             for d in ids.unique():
                 where = (ids == d).nonzero()[:, 0]
-                h = model64.hidden(idx[b, where][None], positions[b, where], attention="math")
+                h = model64.hidden(idx[b, where][None], positions[b, where], how=Pass(attention="math"))
                 out[b, where] = model64.logits(h)[0]
     return out
 
@@ -131,7 +132,8 @@ def run(models: dict, backend: str, dtype: torch.dtype, idx, positions, document
     with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=dtype, enabled=mixed):
         if resolve(backend, model.pe, CPU, dtype, grad=grad, queries=idx.shape[1]).name != backend:
             return None
-        return model.logits(model.hidden(idx, positions, chunk, documents=documents, attention=backend)).detach()
+        return model.logits(model.hidden(idx, positions, documents,
+                                         how=Pass(q_chunk=chunk, attention=backend))).detach()
 
 
 def sweep(backend: str) -> list[tuple[str, torch.dtype, int | None]]:

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from model.attention import BACKENDS
+from model.attention import BACKENDS, Terms
 from model.pe import SCHEMES
 from model.positions import layer_contexts
 from tests.tiny import attention_config
@@ -37,7 +37,7 @@ def flex_calls(monkeypatch, pe, positions: torch.Tensor) -> list:
     monkeypatch.setattr(flex, "compile_devices", ("cpu",))
     monkeypatch.setattr(flex, "compile_backend", recorder)
     monkeypatch.setattr(flex, "_compiled", None)
-    ctx = layer_contexts(pe, 1, positions, flex)[0]
+    ctx = layer_contexts(Terms(pe, positions, positions), flex)[0]
     q, k, v = (torch.randn(2, pe.n_head, positions.shape[-1], 8) for _ in range(3))  # CPU flex: no q/k/v grad
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

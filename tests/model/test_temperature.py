@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from model.attention import BACKENDS
+from model.attention import BACKENDS, Terms
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
@@ -154,8 +154,8 @@ def test_llama4_multiplies_in_float32_then_casts_as_hugging_face():
     positions = torch.arange(T)
     attn = model.blocks[0].attn
     scales = query_scales(model.config, model.pe, positions)
-    plain, scaled = (layer_contexts(model.pe, 1, positions, BACKENDS["sdpa"], dtype=torch.bfloat16,
-                                    q_scales=q)[0] for q in ((None, None), scales))
+    terms = Terms(model.pe, positions, positions, dtype=torch.bfloat16)
+    plain, scaled = (layer_contexts(terms, BACKENDS["sdpa"], q_scales=q)[0] for q in ((None, None), scales))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         q_raw = attn.qkv(x, plain)[0]
         q = attn.qkv(x, scaled)[0]

@@ -94,7 +94,7 @@ def test_fire_trains_through_flex_with_the_reference_gradients(monkeypatch, rows
     eager backend; CPU flex computes its backward densely). Output and the gradients of all of
     FIRE's parameters against float64 autograd on the formula, with queries on both sides of
     the threshold L = 0.75 * 8 = 6 (the normaliser changes with the query past it)."""
-    from model.attention import BACKENDS
+    from model.attention import BACKENDS, Terms
     from model.positions import layer_contexts
     from tests.naive import naive_softmax_attention
 
@@ -112,7 +112,7 @@ def test_fire_trains_through_flex_with_the_reference_gradients(monkeypatch, rows
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(3))  # CPU flex: no q/k/v gradient
     weights = torch.randn(2, 4, 12, 8, generator=g, dtype=torch.float64)
-    out = flex(q, k, v, layer_contexts(pe, 1, positions, flex)[0].state, 0.0)
+    out = flex(q, k, v, layer_contexts(Terms(pe, positions, positions), flex)[0].state, 0.0)
     (out.double() * weights).sum().backward()
     p = leaf_params(pe)
     refs = [naive_softmax_attention(q[b:b + 1].double(), k[b:b + 1].double(), v[b:b + 1].double(),

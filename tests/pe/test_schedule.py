@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model.attention import Terms
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
@@ -32,7 +33,8 @@ def test_nope_every_layer_drops_the_scheme_on_those_layers_only():
         x = scheduled.embed(idx, positions)
         for i, block in enumerate(reference.blocks):
             model = plain if i in (1, 3) else reference
-            x = block(x, layer_contexts(model.pe, len(model.blocks), positions, model.attention(positions.device))[i])
+            ctx = layer_contexts(Terms(model.pe, positions, positions), model.attention(positions.device))[0]
+            x = block(x, ctx)
         expected = scheduled.logits(scheduled.ln_f(x))
         got = scheduled(idx)[0]
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
