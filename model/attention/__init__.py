@@ -53,8 +53,8 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     if (name == "auto" and documents and device.type == "cuda" and backend.name != "flex"
             and BACKENDS["flex"].supports(pe, device, dtype, dropout, grad)):
         backend = BACKENDS["flex"]
-    if backend.name == "flex" and queries == 1:  # one decoded token: a compiled kernel per cache length buys nothing
-        backend = BACKENDS["math"]
+    if queries == 1 and backend.decode is not None:
+        backend = BACKENDS[backend.decode]
     bias_grad = BACKENDS["bias_grad"]
     if backend.name == "sdpa" and bias_grad.supports(pe, device, dtype, dropout, grad):
         backend = bias_grad

@@ -105,6 +105,7 @@ class AttentionBackend:
     records: ClassVar[bool] = False  # returns (output, probabilities)
     fallback: ClassVar[tuple[str, ...]] = ("sdpa", "flex", "math")  # in order, where it does not apply
     strict: ClassVar[bool] = False  # True: where it does not apply it raises, saying why, instead of falling back
+    decode: ClassVar[str | None] = None  # the backend that serves a single query (decoding); None: itself
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
 

@@ -43,6 +43,7 @@ class Flex(AttentionBackend):
     name = "flex"
     dropout = False
     strict = True  # model.attention=flex with a scheme it cannot run is an error, not another backend
+    decode = "math"  # one decoded token: a compiled kernel per cache length buys nothing
     fallback = ("math",)
     plain = "flex"
     full_keys = True
