@@ -3,7 +3,7 @@
     python scripts/bench.py                                    # CPU default, 8-17 min on 2 cores
     python scripts/bench.py configs=byte-tiny,gpt2-tiny precision=bf16-mixed,32 compile=false,true \\
         schemes=learned,rope,alibi rounds=12 out=bench.jsonl
-    python scripts/bench.py smoke=true                         # seconds: what tests/evaluation/test_bench.py runs
+    python scripts/bench.py smoke=true                         # seconds: what tests/scripts/test_bench.py runs
 
 Prints a table and one ``BENCH_JSON {...}`` line per row (also written to ``out=FILE``). The
 protocol, the JSON fields and how to read the intervals: docs/benchmark.md. The code is in

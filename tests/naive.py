@@ -1,52 +1,100 @@
 """Float64 references written from the definitions in docs/design.md, section 3 (loops over
-``math.cos``/``math.sin``, slopes typed in, explicit masks and softmax); none calls the code it checks."""
+``math.cos``/``math.sin``, slopes typed in, explicit masks and softmax); none calls the code it checks.
+
+Each formula is written once. The tables NAIVE_EMBED, NAIVE_ROTATION and NAIVE_BIAS hold, by
+registered scheme name, the reference of each hook the scheme uses; ``naive_reference`` looks one
+up and names the table to extend when a scheme has none (tests/pe/test_interface.py checks that
+every registered scheme has one per hook)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 
 
 # --------------------------------------------------------------------------------------
-# rotations and ALiBi
+# rotations: RoPE and xPos
 # --------------------------------------------------------------------------------------
 
 
 def naive_rope_vec(x, p: int, base: float = 10000.0, rotary_dim: int | None = None, scale=None):
-    """Half-split RoPE of one head vector x (list/1-d tensor) at integer position p.
+    """Half-split RoPE of head vectors x (list or tensor, (..., d)) at integer position p.
 
     Pair k = (dims k, k + r/2), angle p * base^(-2k/r); dims >= r pass through. ``scale``
     (optional callable k -> factor) multiplies both rotated components of pair k (xPos).
     """
-    x = [float(v) for v in x]
-    d = len(x)
-    r = d if rotary_dim is None else rotary_dim
+    x = torch.as_tensor(x, dtype=torch.float64)
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
     half = r // 2
-    out = list(x)
+    out = x.clone()
     for k in range(half):
         theta = base ** (-2.0 * k / r)
         a = p * theta
         c, s = math.cos(a), math.sin(a)
         f = 1.0 if scale is None else scale(k)
-        x1, x2 = x[k], x[k + half]
-        out[k] = f * (x1 * c - x2 * s)
-        out[k + half] = f * (x2 * c + x1 * s)
-    return torch.tensor(out, dtype=torch.float64)
+        x1, x2 = x[..., k], x[..., k + half]
+        out[..., k] = f * (x1 * c - x2 * s)
+        out[..., k + half] = f * (x2 * c + x1 * s)
+    return out
 
 
 def naive_rope(x: torch.Tensor, positions, base=10000.0, rotary_dim=None) -> torch.Tensor:
     """x (..., T, d); rotate every vector at its position with naive_rope_vec."""
     x64 = x.detach().double()
     out = torch.empty_like(x64)
-    for idx in itertools.product(*[range(n) for n in x64.shape[:-2]]):
-        for t, p in enumerate(positions):
-            out[idx + (t,)] = naive_rope_vec(x64[idx + (t,)], int(p), base, rotary_dim)
+    for t, p in enumerate(positions):
+        out[..., t, :] = naive_rope_vec(x64[..., t, :], int(p), base, rotary_dim)
     return out
 
 
+def naive_rotate(x: torch.Tensor, positions: list[int], spec: dict, sign: float) -> torch.Tensor:
+    """x (B, H, T, hd) float64, rotated as ``spec`` (a NAIVE_ROTATION entry) says.
+
+    For xPos both rotated components of pair k are multiplied by zeta_k^(sign * p / B),
+    zeta_k = (2k/r + gamma) / (1 + gamma).
+    """
+    r, gamma = spec["r"], spec.get("gamma")
+    out = x.clone()
+    for t, p in enumerate(positions):
+        scale = None
+        if spec["xpos"]:
+            scale = lambda k, p=p: ((2.0 * k / r + gamma) / (1.0 + gamma)) ** (sign * p / spec["B"])  # noqa: E731
+        out[:, :, t] = naive_rope_vec(x[:, :, t], p, spec["base"], r, scale)
+    return out
+
+
+def rope_rotation(opts: dict, head_dim: int) -> dict:
+    """RoPE's rotary dims r (the even part of head_dim * rotary_fraction) and base."""
+    r = int(head_dim * opts.get("rotary_fraction", 1.0)) // 2 * 2
+    return {"r": r, "base": opts.get("base", 10000.0), "xpos": False}
+
+
+def xpos_rotation(opts: dict, head_dim: int) -> dict:
+    """RoPE plus xPos's per-pair decay: scale base B and gamma."""
+    return {**rope_rotation(opts, head_dim), "xpos": True, "B": opts.get("scale_base", 512.0),
+            "gamma": opts.get("gamma", 0.4)}
+
+
+# --------------------------------------------------------------------------------------
+# ALiBi
+# --------------------------------------------------------------------------------------
+
+
+# Slopes typed in from docs/design.md: 4 heads -> 2^(-8h/4) = 2^-2, 2^-4, 2^-6, 2^-8.
+SLOPES_4 = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
+SLOPES_2 = [2.0 ** -4, 2.0 ** -8]
+
+
+def naive_alibi_slopes(n_head: int, bias_heads: int | None = None, slope_multiplier: float = 1.0) -> list[float]:
+    """The typed-in slopes of the first ``bias_heads`` heads times the multiplier; 0 for the rest."""
+    nb = bias_heads or n_head
+    assert nb in (2, 4), f"slopes are typed in for 2 or 4 biased heads, got {nb}"
+    return [slope_multiplier * s for s in {4: SLOPES_4, 2: SLOPES_2}[nb]] + [0.0] * (n_head - nb)
+
+
 def naive_alibi_bias(slopes: list[float], q_pos, k_pos) -> torch.Tensor:
+    """(H, Tq, Tk) float64, bias[h, i, j] = -m_h (p_i - p_j)."""
     H, Tq, Tk = len(slopes), len(q_pos), len(k_pos)
     out = torch.zeros(H, Tq, Tk, dtype=torch.float64)
     for h in range(H):
@@ -54,6 +102,32 @@ def naive_alibi_bias(slopes: list[float], q_pos, k_pos) -> torch.Tensor:
             for b in range(Tk):
                 out[h, a, b] = -slopes[h] * (int(q_pos[a]) - int(k_pos[b]))
     return out
+
+
+def naive_bias(slopes: list[float], positions: list[int]) -> torch.Tensor:
+    """ALiBi's bias with queries and keys at the same positions."""
+    return naive_alibi_bias(slopes, positions, positions)
+
+
+# --------------------------------------------------------------------------------------
+# absolute embeddings
+# --------------------------------------------------------------------------------------
+
+
+def naive_sinusoidal(positions, d: int, base: float = 10000.0) -> torch.Tensor:
+    """(T, d) float64, PE(p, 2k) = sin(p / base^(2k/d)), PE(p, 2k+1) = cos(same)."""
+    table = torch.zeros(len(positions), d, dtype=torch.float64)
+    for t, p in enumerate(positions):
+        for k in range(d // 2):
+            a = p / base ** (2.0 * k / d)
+            table[t, 2 * k], table[t, 2 * k + 1] = math.sin(a), math.cos(a)
+    return table
+
+
+def naive_sinusoidal_embedding(pe, p, positions, opts):
+    """The table times ``scale``, by default 1/sqrt(d_model)."""
+    d, scale = pe.n_embd, opts.get("scale")
+    return naive_sinusoidal(positions, d, opts.get("base", 10000.0)) * (1 / math.sqrt(d) if scale is None else scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -113,14 +187,100 @@ def leaf_params(pe):
     return p
 
 
-def naive_scheme_bias(name, pe, p, qpos, kpos):
-    if name == "t5":
-        return naive_t5_bias(p["relative_attention_bias.weight"], qpos, kpos, pe.num_buckets, pe.max_distance)
-    if name in ("kerple_log", "kerple_power"):
-        return naive_kerple_bias(name, p["r1"], p["r2"], qpos, kpos)
-    if name == "fire":
-        return naive_fire_bias(p, qpos, kpos, pe.eps)
-    raise AssertionError(name)
+def set_kerple_params(pe):
+    pe.r1.copy_(torch.tensor([0.3, 1.2, 0.05, 0.8]))  # inside KERPLE's projection range
+    pe.r2.copy_(torch.tensor([0.5, 0.02, 1.5, 0.9]))
+
+
+def set_fire_params(pe):
+    pe.c.fill_(0.3)
+    pe.threshold_multiplier.fill_(0.25)
+
+
+# --------------------------------------------------------------------------------------
+# the references of each scheme, by registered name
+# --------------------------------------------------------------------------------------
+
+
+# embed hook: (pe, float64 leaves p, positions, options) -> (T, n_embd), added to the token embeddings
+NAIVE_EMBED = {
+    "learned": lambda pe, p, positions, opts: p["wpe.weight"][list(positions)],
+    "sinusoidal": naive_sinusoidal_embedding,
+}
+
+# rotate hook: (options, head_dim) -> the spec naive_rotate applies (rotary dims, base, xPos)
+NAIVE_ROTATION = {
+    "rope": rope_rotation,
+    "xpos": xpos_rotation,
+    "rope_alibi": rope_rotation,
+}
+
+# ALiBi-style slopes: (options, n_head) -> slopes of bias = -m (i - j)
+NAIVE_SLOPES = {
+    "alibi": lambda opts, n_head: naive_alibi_slopes(n_head),
+    "rope_alibi": lambda opts, n_head: naive_alibi_slopes(n_head, opts.get("bias_heads"),
+                                                          opts.get("slope_multiplier", 1.0)),
+}
+
+
+def slope_bias(name):
+    return lambda pe, p, qpos, kpos, opts: naive_alibi_bias(NAIVE_SLOPES[name](opts, pe.n_head), qpos, kpos)
+
+
+# bias hook: (pe, float64 leaves p, q positions, k positions, options) -> (H, Tq, Tk)
+NAIVE_BIAS = {
+    "alibi": slope_bias("alibi"),
+    "rope_alibi": slope_bias("rope_alibi"),
+    "t5": lambda pe, p, qpos, kpos, opts: naive_t5_bias(p["relative_attention_bias.weight"], qpos, kpos,
+                                                        pe.num_buckets, pe.max_distance),
+    "kerple_log": lambda pe, p, qpos, kpos, opts: naive_kerple_bias("kerple_log", p["r1"], p["r2"], qpos, kpos),
+    "kerple_power": lambda pe, p, qpos, kpos, opts: naive_kerple_bias("kerple_power", p["r1"], p["r2"], qpos, kpos),
+    "fire": lambda pe, p, qpos, kpos, opts: naive_fire_bias(p, qpos, kpos, pe.eps),
+}
+
+# learned parameters set to fixed, non-trivial values (in place, under no_grad) before a check,
+# so no term of the formula sits at a degenerate initial value; optional per scheme
+NAIVE_PARAMS = {
+    "t5": lambda pe: torch.nn.init.normal_(pe.relative_attention_bias.weight, std=1.0),
+    "kerple_log": set_kerple_params,
+    "kerple_power": set_kerple_params,
+    "fire": set_fire_params,
+}
+
+# FIRE divides the distance by a function of the query's own position, max(i, L): not relative-only
+READS_QUERY_POSITION = {"fire"}
+
+# which table holds the reference of each hook
+HOOK_TABLES = {"uses_embed": "NAIVE_EMBED", "uses_rotate": "NAIVE_ROTATION", "uses_bias": "NAIVE_BIAS"}
+
+
+def naive_reference(table: str, name: str):
+    """The entry of pe=``name`` in the table named ``table`` (e.g. "NAIVE_BIAS")."""
+    entries = globals()[table]
+    if name not in entries:
+        raise LookupError(f"no float64 reference for pe={name}: add one to tests/naive.py {table}")
+    return entries[name]
+
+
+def set_naive_params(pe) -> None:
+    """The scheme's learned parameters at their NAIVE_PARAMS values (none listed: left as built)."""
+    with torch.no_grad():
+        NAIVE_PARAMS.get(pe.name, lambda pe: None)(pe)
+
+
+def naive_scheme_bias(name, pe, p, qpos, kpos, opts=None):
+    """(H, Tq, Tk) float64 bias of pe=``name`` from its NAIVE_BIAS formula; p: leaf_params(pe)."""
+    return naive_reference("NAIVE_BIAS", name)(pe, p, qpos, kpos, opts or {})
+
+
+def naive_spec(name: str, opts: dict, n_head: int, head_dim: int) -> dict:
+    """What naive_attention needs of a scheme: its rotation (if any) and ALiBi slopes (or None)."""
+    spec = {"rotate": name in NAIVE_ROTATION, "xpos": False, "slopes": None}
+    if name in NAIVE_ROTATION:
+        spec.update(NAIVE_ROTATION[name](opts, head_dim))
+    if name in NAIVE_SLOPES:
+        spec["slopes"] = NAIVE_SLOPES[name](opts, n_head)
+    return spec
 
 
 # --------------------------------------------------------------------------------------
@@ -155,80 +315,6 @@ def naive_attention_loops(attn, x, bias=None, rotate=None):
                 w = w / w.sum()
                 out[b, i, h] = sum(w[j] * v[b, j, h] for j in range(i + 1))
     return out.reshape(B, T, C) @ attn.c_proj.weight.detach().double().T
-
-
-# (scheme, constructor options) pairs exercised by the reference comparison
-VARIANTS = [
-    ("learned", {}),
-    ("sinusoidal", {}),
-    ("sinusoidal", {"scale": 1.0}),
-    ("rope", {}),
-    ("rope", {"base": 300.0, "rotary_fraction": 0.5}),
-    ("alibi", {}),
-    ("xpos", {}),
-    ("xpos", {"scale_base": 8.0}),  # strong decay so the xPos factor is visible in the output
-    ("rope_alibi", {}),
-    ("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5}),
-    ("nope", {}),  # no rotation, no bias: the causal mask only
-    ("rope", {"learnable_freq": True}),  # alpha = 0 at init: exactly the plain RoPE reference
-]
-VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in VARIANTS]
-
-
-# Slopes typed in from docs/design.md: 4 heads -> 2^(-8h/4) = 2^-2, 2^-4, 2^-6, 2^-8.
-SLOPES_4 = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
-SLOPES_2 = [2.0 ** -4, 2.0 ** -8]
-
-
-def naive_spec(name: str, opts: dict, n_head: int, head_dim: int) -> dict:
-    """What the scheme does, from its definition: rotary dim/base/xPos params and slopes."""
-    spec = {"rotate": name in ("rope", "xpos", "rope_alibi"), "xpos": name == "xpos", "slopes": None}
-    frac = opts.get("rotary_fraction", 1.0)
-    spec["r"] = int(head_dim * frac) // 2 * 2
-    spec["base"] = opts.get("base", 10000.0)
-    spec["B"] = opts.get("scale_base", 512.0)
-    spec["gamma"] = opts.get("gamma", 0.4)
-    if name == "alibi":
-        assert n_head == 4
-        spec["slopes"] = list(SLOPES_4)
-    if name == "rope_alibi":
-        assert n_head == 4
-        nb = opts.get("bias_heads", None) or 4
-        c = opts.get("slope_multiplier", 1.0)
-        base_slopes = {4: SLOPES_4, 2: SLOPES_2}[nb]
-        spec["slopes"] = [c * s for s in base_slopes] + [0.0] * (n_head - nb)
-    return spec
-
-
-def naive_rotate(x: torch.Tensor, positions: list[int], spec: dict, sign: float) -> torch.Tensor:
-    """x (B, H, T, hd) float64. Half-split RoPE: pair k = (k, k + r/2), angle p * base^(-2k/r).
-
-    For xPos both rotated components of pair k are multiplied by zeta_k^(sign * p / B).
-    """
-    r, half = spec["r"], spec["r"] // 2
-    out = x.clone()
-    for t, p in enumerate(positions):
-        for k in range(half):
-            a = p * spec["base"] ** (-2.0 * k / r)
-            c, s = math.cos(a), math.sin(a)
-            f = 1.0
-            if spec["xpos"]:
-                zeta = (2.0 * k / r + spec["gamma"]) / (1.0 + spec["gamma"])
-                f = zeta ** (sign * p / spec["B"])
-            x1, x2 = x[:, :, t, k], x[:, :, t, k + half]
-            out[:, :, t, k] = f * (x1 * c - x2 * s)
-            out[:, :, t, k + half] = f * (x2 * c + x1 * s)
-    return out
-
-
-def naive_bias(slopes: list[float], positions: list[int]) -> torch.Tensor:
-    T = len(positions)
-    bias = torch.zeros(len(slopes), T, T, dtype=torch.float64)
-    for h, m in enumerate(slopes):
-        for i in range(T):
-            for j in range(T):
-                bias[h, i, j] = -m * (positions[i] - positions[j])
-    return bias
 
 
 def naive_heads(attn, x64: torch.Tensor):
@@ -299,3 +385,21 @@ def naive_layer_norm(x, ln):
 
 def naive_gelu(x):
     return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+# (scheme, constructor options) pairs exercised by the reference comparison
+VARIANTS = [
+    ("learned", {}),
+    ("sinusoidal", {}),
+    ("sinusoidal", {"scale": 1.0}),
+    ("rope", {}),
+    ("rope", {"base": 300.0, "rotary_fraction": 0.5}),
+    ("alibi", {}),
+    ("xpos", {}),
+    ("xpos", {"scale_base": 8.0}),  # strong decay so the xPos factor is visible in the output
+    ("rope_alibi", {}),
+    ("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5}),
+    ("nope", {}),  # no rotation, no bias: the causal mask only
+    ("rope", {"learnable_freq": True}),  # alpha = 0 at init: exactly the plain RoPE reference
+]
+VARIANT_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in VARIANTS]

@@ -1,5 +1,5 @@
 """Small models shared by the tests: configurations, scheme lists taken from the registry by
-property, a GPT with sharpened attention, positions as the model sees them, per-layer contexts."""
+property, one tiny GPT builder (``tiny_gpt``), positions as the model sees them, per-layer contexts."""
 
 from __future__ import annotations
 
@@ -46,12 +46,27 @@ def has_parameters(pe) -> bool:
 LEARNED_BIAS = schemes_where(lambda pe: pe.uses_bias and has_parameters(pe))
 
 
-def build(name, opts=None, seed=0, **cfg_overrides):
-    """(config, model, first attention layer) of a GPT with scheme ``name``."""
+def tiny_gpt(scheme: str = "rope", seed: int = 0, *, config: GPTConfig | None = None, pe_options: dict | None = None,
+             sharpen: float | None = None, **overrides) -> GPT:
+    """A GPT with pe=``scheme`` in eval mode, built right after torch.manual_seed(seed), on
+    ``config`` or tiny_config(**overrides), with the scheme's ``pe_options``. ``sharpen``: the std
+    of every block's q/k/v weights, larger than GPT-2's init so that attention is far from uniform
+    and a wrong position term, mask or stale key shows."""
+    if config is not None and overrides:
+        raise TypeError(f"tiny_gpt takes config or config overrides, not both: {sorted(overrides)}")
     torch.manual_seed(seed)
-    cfg = attention_config(**cfg_overrides)
-    pe = SCHEMES[name](cfg, **(opts or {}))
-    model = GPT(cfg, pe).eval()
+    cfg = tiny_config(**overrides) if config is None else config
+    model = GPT(cfg, SCHEMES[scheme](cfg, **(pe_options or {})))
+    if sharpen is not None:
+        with torch.no_grad():
+            for block in model.blocks:
+                torch.nn.init.normal_(block.attn.c_attn.weight, std=sharpen)
+    return model.eval()
+
+
+def build(name, opts=None, seed=0, **cfg_overrides):
+    """(config, model, first attention layer) of a GPT with scheme ``name`` on attention_config."""
+    model = tiny_gpt(name, seed, config=attention_config(**cfg_overrides), pe_options=opts)
     # larger weights than GPT-2 init so attention is far from uniform and errors show
     attn = model.blocks[0].attn
     with torch.no_grad():
@@ -60,7 +75,7 @@ def build(name, opts=None, seed=0, **cfg_overrides):
         if attn.c_attn.bias is not None:
             torch.nn.init.normal_(attn.c_attn.bias, std=0.1)
             torch.nn.init.normal_(attn.c_proj.bias, std=0.1)
-    return cfg, model, attn
+    return model.config, model, attn
 
 
 # Positions as the model may see them: from 0, offset past the training length (FIRE's

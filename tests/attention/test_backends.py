@@ -13,7 +13,8 @@ from model.attention.sdpa_key import key_features
 from model.generate import KVCache
 from model.pe import SCHEMES
 from tests.naive import (
-    naive_gelu, naive_layer_norm, naive_linear, naive_rotate, naive_softmax_attention, naive_spec, naive_t5_bucket,
+    leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate, naive_softmax_attention,
+    set_naive_params,
 )
 from tests.tiny import LEARNED_BIAS, attention_config, build, contexts
 
@@ -27,75 +28,27 @@ BACKEND_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" 
 ROWS = [[0, 1, 2, 3, 4, 0, 1, 2, 3], [5, 5, 5, 2, 2, 7, 0, 0, 9]]
 
 
-def set_learned_params(name, pe):
-    """Fixed, non-trivial values for the learned biases (inside KERPLE's projection range)."""
-    with torch.no_grad():
-        if name in ("kerple_log", "kerple_power"):
-            pe.r1.copy_(torch.tensor([0.3, 1.2, 0.05, 0.8]))
-            pe.r2.copy_(torch.tensor([0.5, 0.02, 1.5, 0.9]))
-        if name == "t5":
-            torch.nn.init.normal_(pe.relative_attention_bias.weight, std=1.0)
-        if name == "fire":
-            pe.c.fill_(0.3)
-            pe.threshold_multiplier.fill_(0.25)
-
-
-def naive_bias64(name, opts, pe, params, qpos, kpos):
-    """(H, Tq, Tk) float64 bias from the formulas in docs/design.md, with the scheme's
-    parameters as float64 leaves ``params``; None for schemes without a bias."""
-    H = 4
-    out = torch.zeros(H, len(qpos), len(kpos), dtype=torch.float64)
-    if name in ("alibi", "rope_alibi"):
-        slopes = naive_spec(name, opts, H, 8)["slopes"]
-        return torch.tensor([[[-slopes[h] * (i - j) for j in kpos] for i in qpos] for h in range(H)],
-                            dtype=torch.float64)
-    if name == "t5":
-        table = params["relative_attention_bias.weight"]
-        rows = [torch.stack([table[naive_t5_bucket(i - j, pe.num_buckets, pe.max_distance)] for j in kpos])
-                for i in qpos]  # (Tq) x (Tk, H)
-        return torch.stack(rows).permute(2, 0, 1)
-    if name in ("kerple_log", "kerple_power"):
-        d = torch.tensor([[abs(i - j) for j in kpos] for i in qpos], dtype=torch.float64)
-        r1, r2 = params["r1"][:, None, None], params["r2"][:, None, None]
-        return -r1 * torch.log(1 + r2 * d) if name == "kerple_log" else -r1 * d ** r2
-    if name == "fire":
-        c = params["c"].reshape(())  # scalars, stored with shape (1,)
-        L = (params["threshold_multiplier"].reshape(()) * pe.init_threshold.double()).abs()
-        psi = lambda x: torch.log(torch.abs(c * x) + 1)  # noqa: E731
-        rows = []
-        for i in qpos:
-            norm = psi(torch.maximum(torch.tensor(float(i), dtype=torch.float64), L)) + pe.eps
-            x = torch.stack([psi(torch.tensor(float(i - j), dtype=torch.float64)) / norm for j in kpos])[:, None]
-            h = torch.relu(x @ params["mlp.0.weight"].T + params["mlp.0.bias"])
-            rows.append(h @ params["mlp.2.weight"].T + params["mlp.2.bias"])  # (Tk, H)
-        return torch.stack(rows).permute(2, 0, 1)
-    return None if not out.any() else out
-
-
-def naive_layer64(W, Wp, x64, rows, name, opts, pe, params, n_head=4):
-    """One attention layer in float64 per sequence b at positions rows[b] (causal by order)."""
-    spec = naive_spec(name, opts, n_head, 8) if name in ("alibi", "rope_alibi", "rope", "xpos") else \
-        {"rotate": False, "slopes": None}
+def naive_layer64(W, Wp, x64, rows, pe, opts, params):
+    """One attention layer in float64 per sequence b at positions rows[b] (causal by order), with
+    the rotation and bias references of tests/naive.py for the hooks the scheme uses;
+    ``params``: the scheme's float64 leaves."""
+    rotation = naive_reference("NAIVE_ROTATION", pe.name)(opts, pe.head_dim) if pe.uses_rotate else None
+    bias = naive_reference("NAIVE_BIAS", pe.name) if pe.uses_bias else None
     outs = []
     B, T, C = x64.shape
     for b, pos in enumerate(rows):
         y = x64[b : b + 1] @ W.T
-        q, k, v = (y[..., i * C : (i + 1) * C].view(1, T, n_head, C // n_head).transpose(1, 2) for i in range(3))
-        if spec["rotate"]:
-            q, k = naive_rotate(q, pos, spec, +1.0), naive_rotate(k, pos, spec, -1.0)
-        bias = naive_bias64(name, opts, pe, params, pos, pos)
-        outs.append(naive_softmax_attention(q, k, v, bias) @ Wp.T)
+        q, k, v = (y[..., i * C : (i + 1) * C].view(1, T, pe.n_head, C // pe.n_head).transpose(1, 2) for i in range(3))
+        if rotation is not None:
+            q, k = naive_rotate(q, pos, rotation, +1.0), naive_rotate(k, pos, rotation, -1.0)
+        outs.append(naive_softmax_attention(q, k, v, None if bias is None else bias(pe, params, pos, pos, opts)) @ Wp.T)
     return torch.cat(outs)
 
 
 def backend_model(name, opts, backend, seed=0, **overrides):
     cfg, model, attn = build(name, opts, seed=seed, attention=backend, **overrides)
-    set_learned_params(name, model.pe)
+    set_naive_params(model.pe)
     return cfg, model, attn
-
-
-def float64_leaves(module):
-    return {n: p.detach().double().requires_grad_(True) for n, p in module.named_parameters()}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -124,8 +77,8 @@ def test_backend_layer_matches_naive_forward_and_gradients(backend, name, opts, 
     x64 = x.detach().double().requires_grad_(True)
     W, Wp = (attn.c_attn.weight.detach().double().requires_grad_(True),
              attn.c_proj.weight.detach().double().requires_grad_(True))
-    params = float64_leaves(model.pe)
-    ref = naive_layer64(W, Wp, x64, rows, name, opts, model.pe, params)
+    params = leaf_params(model.pe)
+    ref = naive_layer64(W, Wp, x64, rows, model.pe, opts, params)
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
     if not grad:
         return
@@ -143,25 +96,18 @@ def test_backend_layer_matches_naive_forward_and_gradients(backend, name, opts, 
         torch.testing.assert_close(got.double(), want, atol=1e-5 * scale, rtol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
-def naive_logits64(model, name, opts, idx, rows):
+def naive_logits64(model, opts, idx, rows):
     """Whole-model logits in float64 (embeddings, blocks, final norm, tied head)."""
-    cfg = model.config
+    cfg, pe = model.config, model.pe
+    params = {n: t.detach() for n, t in leaf_params(pe).items()}
     x = model.wte.weight.detach().double()[idx]
-    for b, pos in enumerate(rows):
-        if name == "learned":
-            x[b] += model.pe.wpe.weight.detach().double()[pos]
-        if name == "sinusoidal":
-            d = cfg.n_embd
-            for t, p in enumerate(pos):
-                for k in range(d // 2):
-                    a = p / 10000.0 ** (2.0 * k / d)
-                    x[b, t, 2 * k] += math.sin(a) / math.sqrt(d)
-                    x[b, t, 2 * k + 1] += math.cos(a) / math.sqrt(d)
-    params = {n: p.detach().double() for n, p in model.pe.named_parameters()}
+    if pe.uses_embed:
+        embed = naive_reference("NAIVE_EMBED", pe.name)
+        x = x + torch.stack([embed(pe, params, pos, opts) for pos in rows])
     for block in model.blocks:
         a = block.attn
         x = x + naive_layer64(a.c_attn.weight.detach().double(), a.c_proj.weight.detach().double(),
-                              naive_layer_norm(x, block.ln_1), rows, name, opts, model.pe, params)
+                              naive_layer_norm(x, block.ln_1), rows, pe, opts, params)
         h = naive_linear(block.mlp.c_fc, naive_layer_norm(x, block.ln_2))
         x = x + naive_linear(block.mlp.c_proj, naive_gelu(h))
     return (naive_layer_norm(x, model.ln_f) @ model.lm_head.weight.detach().double().T)[..., : cfg.vocab_size]
@@ -174,20 +120,21 @@ def test_backend_chunked_evaluation_and_cache_decoding_match_naive(backend, name
     tokens, per-sequence positions) and KV-cache decoding (5 tokens, then 1, then 4) against
     the float64 model."""
     cfg, model, _ = backend_model(name, opts, backend, seed=8)
-    if name == "learned":
+    if model.pe.uses_embed:  # a learned table away from its init, so a wrong lookup shows
         with torch.no_grad():
-            torch.nn.init.normal_(model.pe.wpe.weight, std=0.5)
+            for p in model.pe.parameters():
+                torch.nn.init.normal_(p, std=0.5)
     T = 10
     idx = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(9))
     targets = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(10))
     rows = [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3], [3, 3, 3, 0, 9, 9, 1, 1, 12, 2]]
-    ref = naive_logits64(model, name, opts, idx, rows)
+    ref = naive_logits64(model, opts, idx, rows)
     ref_nll = torch.logsumexp(ref, -1) - ref.gather(-1, targets[..., None])[..., 0]
     with torch.no_grad():
         nll = model.token_nll(idx, targets, positions=torch.tensor(rows), q_chunk=4)
         torch.testing.assert_close(nll.double(), ref_nll, atol=1e-5, rtol=1e-5)
         # cache decoding at the default positions 0..T-1
-        ref = naive_logits64(model, name, opts, idx, [list(range(T))] * 2)
+        ref = naive_logits64(model, opts, idx, [list(range(T))] * 2)
         kv = KVCache(len(model.blocks), torch.arange(T))
         h = torch.cat([model.hidden(idx[:, s:e], cache=kv) for s, e in ((0, 5), (5, 6), (6, T))], dim=1)
         torch.testing.assert_close(model.logits(h).double(), ref, atol=1e-5, rtol=1e-5)
@@ -247,7 +194,7 @@ def test_chunked_flex_evaluation_compiles_one_kernel_per_length(monkeypatch, nam
         idx = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(T))
         targets = torch.roll(idx, -1, dims=1)
         rows = [list(range(T))] * 2
-        ref = naive_logits64(model, name, {}, idx, rows)
+        ref = naive_logits64(model, {}, idx, rows)
         ref_nll = torch.logsumexp(ref, -1) - ref.gather(-1, targets[..., None])[..., 0]
         with torch.no_grad():
             nll = model.token_nll(idx, targets, positions=torch.tensor(rows), q_chunk=4)
@@ -274,12 +221,18 @@ def test_attention_config_is_checked():
         attention_config(attention="flex", dropout=0.1)
 
 
-@pytest.mark.parametrize("name, cpu, cuda", [
-    ("rope", "sdpa", "sdpa"), ("nope", "sdpa", "sdpa"), ("alibi", "sdpa", "sdpa_key"),
-    ("rope_alibi", "sdpa", "sdpa_key"), ("t5", "bias_grad", "flex"), ("fire", "bias_grad", "flex"),
-])
-def test_auto_backend(name, cpu, cuda):
+def documented_auto(pe):
+    """docs/design.md's ``auto`` for a scheme, (CPU, CUDA), from its hooks: on CUDA sdpa_key for a
+    key-only form, flex for another bias, sdpa without one; on CPU SDPA's float32 mask, through
+    the learned-bias kernel where the bias has parameters."""
+    cuda = "sdpa_key" if pe.key_only_slopes() is not None else "flex" if pe.uses_bias else "sdpa"
+    return ("bias_grad" if pe.name in LEARNED_BIAS else "sdpa"), cuda
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_auto_backend(name):
     _, model, _ = build(name, {})
+    cpu, cuda = documented_auto(model.pe)
     assert model.attention_backend(torch.device("cpu")) == cpu  # the measured choice (docs/design.md)
     with torch.no_grad():  # no bias gradient wanted: SDPA's fused kernel with the float32 mask
         assert model.attention_backend(torch.device("cpu")) == "sdpa"

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import model.attention.bias_grad as bias_grad
-from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-from tests.tiny import LEARNED_BIAS
+from tests.tiny import LEARNED_BIAS, tiny_gpt
 
 
 def naive(q, k, v, mask):
@@ -107,9 +106,7 @@ def test_bias_gradient_rows_sum_to_zero(monkeypatch):
 
 
 def _model(name: str, dropout: float = 0.0) -> GPT:
-    config = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=dropout)
-    torch.manual_seed(0)
-    return GPT(config, SCHEMES[name](config))
+    return tiny_gpt(name, vocab_size=32, n_head=2, n_embd=16, dropout=dropout).train()
 
 
 @pytest.mark.parametrize("name, used", [(name, name in LEARNED_BIAS) for name in sorted(SCHEMES)])

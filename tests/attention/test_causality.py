@@ -8,11 +8,10 @@ import torch
 
 from evaluation.attention_maps import attention_probs, eager_attention_pass
 from model.attention.masks import attention_mask
-from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.positions import position_context
-from tests.tiny import build as build_layer
+from tests.tiny import build as build_layer, tiny_gpt
 
 ALL_SCHEMES = sorted(SCHEMES)
 T = 16
@@ -23,16 +22,6 @@ POSITION_SETS = {
     "repeat": [3, 3, 3, 0, 9, 9, 1, 1, 1, 12, 2, 2, 5, 5, 0, 4],
 }
 CHANGED = (1, 6, 9, 13)  # tokens to change, inside and across the reset
-
-
-def build(name: str) -> GPT:
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=37, block_size=T, n_layer=2, n_head=4, n_embd=32)
-    model = GPT(config, SCHEMES[name](config)).eval()
-    with torch.no_grad():  # sharper attention than GPT-2 init, so a leak would show
-        for block in model.blocks:
-            torch.nn.init.normal_(block.attn.c_attn.weight, std=0.3)
-    return model
 
 
 def outputs(model: GPT, idx: torch.Tensor, positions: torch.Tensor, path: str) -> torch.Tensor:
@@ -54,7 +43,7 @@ def outputs(model: GPT, idx: torch.Tensor, positions: torch.Tensor, path: str) -
 @pytest.mark.parametrize("positions_name", list(POSITION_SETS))
 @pytest.mark.parametrize("name", ALL_SCHEMES)
 def test_changing_token_t_changes_nothing_before_t(name, positions_name, path):
-    model = build(name)
+    model = tiny_gpt(name, sharpen=0.3)  # sharper attention, so a leak would show
     positions = torch.tensor(POSITION_SETS[positions_name])
     generator = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 37, (2, T), generator=generator)
@@ -72,7 +61,7 @@ def test_changing_token_t_changes_nothing_before_t(name, positions_name, path):
 def test_probe_rows_put_zero_weight_on_later_tokens(name):
     """With reset positions an earlier key can have a larger position than the query:
     order, not value, decides what is masked."""
-    model = build(name)
+    model = tiny_gpt(name, sharpen=0.3)
     positions = torch.tensor(POSITION_SETS["reset"])
     idx = torch.randint(0, 37, (1, T), generator=torch.Generator().manual_seed(2))
     for p in attention_probs(model, idx, positions).values():
@@ -87,7 +76,7 @@ def test_probe_rows_put_zero_weight_on_later_tokens(name):
 def test_per_sequence_positions_equal_running_each_sequence_alone(name):
     """(B, T) positions (each sequence its own: packed documents, randomized positions) give
     every row exactly what that row gives alone with its (T,) positions, on every path."""
-    model = build(name)
+    model = tiny_gpt(name, sharpen=0.3)
     positions = torch.tensor([POSITION_SETS["reset"], POSITION_SETS["repeat"], [t % 11 for t in range(T)]])
     idx = torch.randint(0, 37, (3, T), generator=torch.Generator().manual_seed(3))
     targets = torch.randint(0, 37, (3, T), generator=torch.Generator().manual_seed(4))
@@ -106,7 +95,7 @@ def test_per_sequence_positions_equal_running_each_sequence_alone(name):
 
 
 def test_positions_of_the_wrong_shape_are_refused():
-    model = build("rope")
+    model = tiny_gpt("rope", sharpen=0.3)
     with pytest.raises(ValueError, match=r"positions must have shape \(16,\) or \(batch, 16\), got \(2, 15\)"):
         model(torch.zeros(2, T, dtype=torch.long), positions=torch.zeros(2, T - 1, dtype=torch.long))
 

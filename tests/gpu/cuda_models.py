@@ -15,6 +15,7 @@ from model.attention import BACKENDS, resolve
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
+from tests.tiny import tiny_gpt
 
 CUDA = torch.device("cuda")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,12 +69,7 @@ def learned_bias_schemes() -> list[str]:
 def build(scheme: str, cfg: GPTConfig, seed: int = 0) -> GPT:
     """A GPT on CUDA whose attention is far from uniform (larger q/k/v weights than GPT-2's
     init), so that a wrong position term or mask changes the outputs."""
-    torch.manual_seed(seed)
-    model = GPT(cfg, SCHEMES[scheme](cfg))
-    with torch.no_grad():
-        for block in model.blocks:
-            torch.nn.init.normal_(block.attn.c_attn.weight, std=0.25)
-    return model.to(CUDA)
+    return tiny_gpt(scheme, seed, config=cfg, sharpen=0.25).train().to(CUDA)
 
 
 def with_attention(model: GPT, attention: str) -> GPT:

@@ -226,8 +226,7 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["eval.extrapolation.rope_scaling=[null,linear,ntk,dynamic_ntk,yarn]", "eval.extrapolation.rope_scaling_factor=2"],
     ["eval.extrapolation.modes=[sliding]", "eval.extrapolation.stride=4096"],  # the longest length: one window
     ["eval.extrapolation.modes=[nonoverlapping]", "eval.extrapolation.stride=100000"],  # no sliding: unused
-    *[[f"pe={name}"] for name in ("learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi", "nope", "t5",
-                                  "kerple_log", "kerple_power", "fire")],
+    *[[f"pe={path.stem}"] for path in sorted((ROOT / "conf" / "pe").glob("*.yaml"))],  # every shipped scheme
 ])
 def test_shipped_configs_pass_validation(overrides, tmp_path):
     from pelab.validate import validate_config

@@ -6,23 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import GPTConfig
 from model.generate import KVCache, sample_next
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
+from tests.tiny import tiny_gpt
 
 PROMPT, NEW = 16, 64
 CASES = [(name, None) for name in sorted(SCHEMES)] + [("rope", s) for s in ROPE_SCALINGS] + [("xpos", "yarn")]
 
 
 def build(name: str, scaling: str | None = None, seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=41, block_size=128, n_layer=2, n_head=4, n_embd=32)
-    model = GPT(config, SCHEMES[name](config)).eval()
-    with torch.no_grad():  # sharper attention than GPT-2 init, so a stale key would show
-        for block in model.blocks:
-            torch.nn.init.normal_(block.attn.c_attn.weight, std=0.3)
+    model = tiny_gpt(name, seed, sharpen=0.3, vocab_size=41, block_size=128)  # sharp, so a stale key would show
+    with torch.no_grad():  # learned position terms away from their init
         for p in model.pe.parameters():
             p.add_(0.1 * torch.randn_like(p))
     if scaling:  # factor 2 with a short "training" length, so every method changes the angles

@@ -1,4 +1,4 @@
-"""What every registered scheme has: its name, the design table's hooks, construction from defaults
+"""What every registered scheme has: its name, a float64 reference per hook, construction from defaults
 and its yaml, translation invariance if relative, and attention that is no longer permutation equivariant."""
 
 from __future__ import annotations
@@ -9,32 +9,21 @@ import torch
 from model.gpt import GPT
 from pelab.lit import LitGPT
 from model.pe import SCHEMES, PositionEncoding
-from tests.naive import naive_softmax_attention
+from tests import naive
+from tests.naive import HOOK_TABLES, READS_QUERY_POSITION, naive_reference, naive_softmax_attention
 from tests.tiny import attention_config, build, schemes_where, tiny_config
 
-# The hooks (embed, rotate, bias) each scheme implements: the table of docs/design.md, section 2.
-HOOKS = {
-    "learned": (True, False, False),
-    "sinusoidal": (True, False, False),
-    "rope": (False, True, False),
-    "xpos": (False, True, False),
-    "alibi": (False, False, True),
-    "rope_alibi": (False, True, True),
-    "nope": (False, False, False),
-    "t5": (False, False, True),
-    "kerple_log": (False, False, True),
-    "kerple_power": (False, False, True),
-    "fire": (False, False, True),
-}
-# FIRE divides the distance by a function of the query's own position, max(i, L): not relative-only.
-READS_QUERY_POSITION = {"fire"}
+
+def hooks_with_a_reference(name: str) -> tuple[bool, bool, bool]:
+    """(embed, rotate, bias): the hooks tests/naive.py holds a float64 reference of for pe=name."""
+    return tuple(name in getattr(naive, table) for table in HOOK_TABLES.values())
 
 
-def test_registry_has_all_schemes():
-    assert sorted(SCHEMES) == sorted(HOOKS)  # every registered scheme has its row in the design table
-    for name in HOOKS:
-        assert name in SCHEMES
-        assert SCHEMES[name].name == name
+def test_registry_names_every_scheme():
+    for name, cls in SCHEMES.items():
+        assert cls.name == name
+    for table in (*HOOK_TABLES.values(), "NAIVE_SLOPES", "NAIVE_PARAMS"):  # no reference of an unknown scheme
+        assert set(getattr(naive, table)) <= set(SCHEMES), table
 
 
 def test_registering_a_taken_scheme_name_is_an_error():
@@ -47,10 +36,17 @@ def test_registering_a_taken_scheme_name_is_an_error():
     assert SCHEMES == before
 
 
-@pytest.mark.parametrize("name, flags", list(HOOKS.items()))
-def test_hook_flags_match_design(name, flags):
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_every_hook_has_a_float64_reference(name):
+    """The hooks a registered scheme uses (embed, rotate, bias: docs/design.md, section 2) are
+    exactly those tests/naive.py has a reference of, so the shared tests cover a new scheme."""
     pe = SCHEMES[name](tiny_config())
-    assert (pe.uses_embed, pe.uses_rotate, pe.uses_bias) == flags
+    for hook, table in HOOK_TABLES.items():
+        if getattr(pe, hook):
+            naive_reference(table, name)  # a missing one names the table to extend
+        else:
+            assert name not in getattr(naive, table), f"pe={name} has no {hook} hook but an entry in {table}"
+    assert (pe.uses_embed, pe.uses_rotate, pe.uses_bias) == hooks_with_a_reference(name)
     base = PositionEncoding(tiny_config())
     assert (base.uses_embed, base.uses_rotate, base.uses_bias) == (False, False, False)
 
@@ -59,7 +55,7 @@ def test_hook_flags_match_design(name, flags):
 def test_registered_with_hooks_and_bench_style_construction(name, project_root):
     cfg = attention_config()
     pe = SCHEMES[name](cfg)  # scripts/bench.py: defaults only
-    assert pe.name == name and (pe.uses_embed, pe.uses_rotate, pe.uses_bias) == HOOKS[name]
+    assert pe.name == name and (pe.uses_embed, pe.uses_rotate, pe.uses_bias) == hooks_with_a_reference(name)
     assert pe.max_positions == (cfg.block_size if name == "learned" else None)  # only the table is bounded
     assert (project_root / "conf" / "pe" / f"{name}.yaml").exists()
     cls = SCHEMES[name]
