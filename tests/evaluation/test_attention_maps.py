@@ -21,25 +21,14 @@ from evaluation.attention_maps import (
     plot_attention_grid,
     summary_metrics,
 )
-from model.config import GPTConfig
-from model.gpt import GPT
 from pelab.lit import LitGPT
 from pelab.probes import AttentionMaps
 from model.pe import SCHEMES
+from tests.tiny import tiny_gpt
 
 
 TINY = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
 ALIBI = {"_target_": "model.pe.alibi.ALiBi"}
-
-
-def tiny_gpt(scheme: str, seed: int = 0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    config = GPTConfig(**{**TINY, **overrides})
-    gpt = GPT(config, SCHEMES[scheme](config))
-    with torch.no_grad():  # larger weights than the init so attention is far from uniform
-        for block in gpt.blocks:
-            block.attn.c_attn.weight.normal_(0.0, 0.3)
-    return gpt.eval()
 
 
 # --------------------------------------------------------------------------------------
@@ -49,7 +38,7 @@ def tiny_gpt(scheme: str, seed: int = 0, **overrides) -> GPT:
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_probs_match_fused_attention_and_hidden(scheme, monkeypatch):
-    gpt = tiny_gpt(scheme)
+    gpt = tiny_gpt(scheme, sharpen=0.3, **TINY)
     idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
 
     # Record every fused call of the real forward: its q, k, v and output.
@@ -90,7 +79,7 @@ def test_probs_match_fused_attention_and_hidden(scheme, monkeypatch):
 
 
 def test_explicit_positions_eval_mode_and_mode_restored():
-    gpt = tiny_gpt("alibi", dropout=0.5)  # dropout makes a train-mode pass differ
+    gpt = tiny_gpt("alibi", sharpen=0.3, **TINY, dropout=0.5)  # dropout makes a train-mode pass differ
     idx = torch.randint(0, 64, (1, 12))
     positions = torch.arange(12) + 7
     with torch.no_grad():
@@ -150,7 +139,7 @@ def test_head_summaries_hand_values():
 
 
 def test_head_summaries_match_loop_on_model_probs():
-    gpt = tiny_gpt("rope_alibi")
+    gpt = tiny_gpt("rope_alibi", sharpen=0.3, **TINY)
     idx = torch.randint(0, 64, (2, 9))
     positions = torch.tensor([0, 1, 2, 4, 5, 8, 9, 10, 13])
     probs = attention_probs(gpt, idx, positions)
@@ -162,7 +151,7 @@ def test_head_summaries_match_loop_on_model_probs():
 
 
 def test_plot_grid_layout(tmp_path):
-    probs = attention_probs(tiny_gpt("rope"), torch.randint(0, 64, (1, 10)))
+    probs = attention_probs(tiny_gpt("rope", sharpen=0.3, **TINY), torch.randint(0, 64, (1, 10)))
     fig = plot_attention_grid(probs, heads=[0, 2], title="t")
     panels = [ax for ax in fig.axes if ax.get_title()]
     assert [ax.get_title() for ax in panels] == ["L0 H0", "L0 H2", "L1 H0", "L1 H2"]

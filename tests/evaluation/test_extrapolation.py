@@ -12,16 +12,10 @@ from evaluation.extrapolation import (
     ExtrapolationConfig, ExtrapolationRow, evaluate_extrapolation, markdown_table, read_csv, save_results, score_length,
     scored_windows, window_starts,
 )
-from model import GPT, GPTConfig
-from model.pe import SCHEMES
-from tests.tiny import schemes_where
+from model import GPTConfig
+from tests.tiny import schemes_where, tiny_gpt
 
 CFG = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
-
-
-def toy(scheme="alibi", **options):
-    torch.manual_seed(0)
-    return GPT(CFG, SCHEMES[scheme](CFG, **options)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +44,7 @@ def naive_nll(gpt, tokens, length, stride, starts=None):
 
 @pytest.mark.parametrize("scheme", schemes_where(lambda pe: pe.max_positions is None))  # scored past block_size
 def test_nonoverlapping_matches_hand_computed_ppl(scheme, tokens):
-    gpt = toy(scheme)
+    gpt = tiny_gpt(scheme, config=CFG)
     total, count, _ = score_length(gpt, tokens, 32, "nonoverlapping", precision="32", tokens_per_batch=64)
     ref_total, ref_count = naive_nll(gpt, tokens, 32, 32)
     assert count == ref_count == (len(tokens) - 1) // 32 * 32
@@ -59,7 +53,7 @@ def test_nonoverlapping_matches_hand_computed_ppl(scheme, tokens):
 
 @pytest.mark.parametrize("stride", [8, 20])
 def test_sliding_matches_hand_computed_ppl(stride, tokens):
-    gpt = toy("rope_alibi")
+    gpt = tiny_gpt("rope_alibi", config=CFG)
     total, count, step = score_length(gpt, tokens, 48, "sliding", stride=stride, precision="32")
     ref_total, ref_count = naive_nll(gpt, tokens, 48, stride)
     assert step == stride and count == ref_count
@@ -67,28 +61,29 @@ def test_sliding_matches_hand_computed_ppl(stride, tokens):
 
 
 def test_sliding_with_stride_equal_window_is_nonoverlapping(tokens):
-    gpt = toy("xpos")
+    gpt = tiny_gpt("xpos", config=CFG)
     a = score_length(gpt, tokens, 40, "nonoverlapping", precision="32")
     b = score_length(gpt, tokens, 40, "sliding", stride=40, precision="32")
     assert a[1] == b[1] and a[0] == pytest.approx(b[0], rel=1e-6)
 
 
 def test_query_chunks_do_not_change_the_result(tokens):
-    gpt = toy("alibi")
+    gpt = tiny_gpt("alibi", config=CFG)
     a = score_length(gpt, tokens, 128, "nonoverlapping", q_chunk=None, precision="32")
     b = score_length(gpt, tokens, 128, "nonoverlapping", q_chunk=24, precision="32")
     assert a[1] == b[1] and a[0] == pytest.approx(b[0], rel=1e-6)
 
 
 def test_max_tokens_counts_whole_windows(tokens):
-    total, count, _ = score_length(toy(), tokens, 32, "nonoverlapping", max_tokens=100, precision="32")
+    gpt = tiny_gpt("alibi", config=CFG)
+    total, count, _ = score_length(gpt, tokens, 32, "nonoverlapping", max_tokens=100, precision="32")
     assert count == 96  # three whole windows of 32, never a partial one
 
 
 def test_max_tokens_scores_windows_spread_over_the_text(tokens):
     # 700 tokens, windows of 32: 21 windows start at 0, 32, ..., 640; a budget of 100 keeps
     # three of them, the first, middle and last: 0, 320, 640
-    gpt = toy()
+    gpt = tiny_gpt("alibi", config=CFG)
     total, count, _ = score_length(gpt, tokens, 32, "nonoverlapping", max_tokens=100, precision="32")
     ref_total, ref_count = naive_nll(gpt, tokens, 32, 32, starts=[0, 320, 640])
     assert count == ref_count == 96 and total == pytest.approx(ref_total, rel=1e-5)
@@ -142,7 +137,7 @@ def test_capped_windows_cover_every_held_out_document(held_out, mode, length, pr
 def test_rows_name_everything_and_learned_is_not_applicable(tokens, capsys):
     config = ExtrapolationConfig(multipliers=[1, 2, 4], lengths=[100], modes=["nonoverlapping", "sliding"],
                                  stride=8, precision="32")
-    rows = evaluate_extrapolation(toy("learned"), tokens, 16, config)
+    rows = evaluate_extrapolation(tiny_gpt("learned", config=CFG), tokens, 16, config)
     assert [(r.mode, r.eval_length) for r in rows] == [
         (m, n) for m in ("nonoverlapping", "sliding") for n in (16, 32, 64, 100)]
     for r in rows:
@@ -157,7 +152,8 @@ def test_rows_name_everything_and_learned_is_not_applicable(tokens, capsys):
 
 def test_too_short_held_out_text_is_skipped_not_estimated():
     short = np.arange(200, dtype=np.uint16) % 50
-    rows = evaluate_extrapolation(toy("alibi"), short, 16, ExtrapolationConfig(multipliers=[1, 16], precision="32"))
+    rows = evaluate_extrapolation(tiny_gpt("alibi", config=CFG), short, 16,
+                                  ExtrapolationConfig(multipliers=[1, 16], precision="32"))
     assert rows[0].ok
     assert rows[1].status.startswith("skipped: held-out text has 200 tokens, fewer than one window of 257")
     assert rows[1].tokens == 0
@@ -188,7 +184,7 @@ def test_results_round_trip_and_table(tmp_path):
 
 def test_dynamic_ntk_in_the_harness_equals_ntk_at_the_length_ratio(tokens):
     """dynamic_ntk takes s = T/L from the sequence; at T = 4L that is ntk with s = 4."""
-    gpt = toy("rope")
+    gpt = tiny_gpt("rope", config=CFG)
     config = ExtrapolationConfig(multipliers=[4], rope_scaling=["ntk", "dynamic_ntk"], precision="32")
     ntk, dynamic = evaluate_extrapolation(gpt, tokens, 16, config)
     assert (ntk.rope_scaling, dynamic.rope_scaling) == ("ntk", "dynamic_ntk")
@@ -206,7 +202,7 @@ def test_alibi_linear_at_evaluation_scores_as_the_model_trained_with_it(tokens):
     does in training), then restores them; kinds ALiBi does not take are "not applicable"."""
     from model.pe.rope_scaling import RopeScaling
 
-    gpt, trained = toy("alibi"), toy("alibi")
+    gpt, trained = tiny_gpt("alibi", config=CFG), tiny_gpt("alibi", config=CFG)
     trained.pe.scale(RopeScaling("linear", 4.0, 16))
     slopes = gpt.pe.slopes
     rows = evaluate_extrapolation(gpt, tokens, 16, ExtrapolationConfig(multipliers=[4], rope_scaling=["linear", "ntk"],

@@ -10,15 +10,10 @@ import torch.nn.functional as F
 
 from evaluation import extrapolation as ex
 from evaluation.position_loss import PositionSums, bin_rows, position_bins, read_csv, save_results
-from model import GPT, GPTConfig
-from model.pe import SCHEMES
+from model import GPTConfig
+from tests.tiny import tiny_gpt
 
 CFG = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
-
-
-def toy(scheme="alibi"):
-    torch.manual_seed(0)
-    return GPT(CFG, SCHEMES[scheme](CFG)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +37,7 @@ def naive_by_position(gpt, tokens, length, step):
 @pytest.mark.parametrize("mode,stride,q_chunk", [("nonoverlapping", None, None), ("nonoverlapping", None, 8),
                                                   ("sliding", 12, 5)])
 def test_per_position_mean_matches_hand_computed(tokens, mode, stride, q_chunk):
-    gpt, length = toy(), 32
+    gpt, length = tiny_gpt("alibi", config=CFG), 32
     sums = PositionSums(length)
     total, count, step = ex.score_length(gpt, tokens, length, mode, stride, precision="32", q_chunk=q_chunk,
                                          tokens_per_batch=64, by_position=sums)
@@ -73,7 +68,7 @@ def test_binned_mean_pools_targets():
 
 
 def test_two_rank_split_reduces_sums_and_counts_exactly(tokens, monkeypatch):
-    gpt, length = toy("rope"), 24
+    gpt, length = tiny_gpt("rope", config=CFG), 24
     whole = PositionSums(length)
     total, count, _ = ex.score_length(gpt, tokens, length, "nonoverlapping", precision="32", by_position=whole)
     sent = {}
@@ -93,7 +88,7 @@ def test_two_rank_split_reduces_sums_and_counts_exactly(tokens, monkeypatch):
 
 
 def test_evaluation_writes_position_rows_and_files(tokens, tmp_path):
-    gpt = toy()
+    gpt = tiny_gpt("alibi", config=CFG)
     config = ex.ExtrapolationConfig(multipliers=(1, 4), modes=("nonoverlapping", "sliding"), precision="32")
     result = ex.measure(gpt, tokens, 16, config, log=lambda _: None)
     rows, by_position = result.rows, result.position_rows
@@ -107,7 +102,7 @@ def test_evaluation_writes_position_rows_and_files(tokens, tmp_path):
 
 
 def test_wandb_payload_has_a_line_per_length(tokens, tmp_path):
-    gpt = toy()
+    gpt = tiny_gpt("alibi", config=CFG)
     by_position = ex.measure(gpt, tokens, 16, ex.ExtrapolationConfig(multipliers=(1, 2), precision="32"),
                              log=lambda _: None).position_rows
     paths = save_results(by_position, tmp_path, "t")
@@ -144,7 +139,7 @@ def test_randomized_positions_sorted_subsets_seeded_per_window():
 
 
 def test_randomized_evaluation_scores_with_those_positions(tokens):
-    gpt, length, limit = toy("alibi"), 16, 64  # ALiBi: distances change the attention even untrained
+    gpt, length, limit = tiny_gpt("alibi", config=CFG), 16, 64  # ALiBi: distances change the attention even untrained
     total, count, _ = ex.score_length(gpt, tokens, length, "nonoverlapping", precision="32", tokens_per_batch=48,
                                       positions="randomized", randomize_to=limit, seed=3)
     ref, n = 0.0, 0
@@ -162,7 +157,7 @@ def test_randomized_evaluation_scores_with_those_positions(tokens):
 
 
 def test_randomized_rows_say_so_and_lengths_past_n_are_not_applicable(tokens):
-    gpt = toy("rope")
+    gpt = tiny_gpt("rope", config=CFG)
     config = ex.ExtrapolationConfig(multipliers=(1, 2, 4), precision="32", positions="randomized")
     rows = ex.evaluate_extrapolation(gpt, tokens, 16, config, log=lambda _: None, randomize_to=32)
     assert [(r.eval_length, r.positions, r.ok) for r in rows] == [(16, "randomized", True), (32, "randomized", True),
@@ -181,9 +176,7 @@ def test_randomized_task_evaluation():
     from data.synthetic import Task
     from evaluation.tasks import TaskEvalConfig, evaluate_tasks
 
-    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
-    torch.manual_seed(0)
-    gpt = GPT(cfg, SCHEMES["rope"](cfg)).eval()
+    gpt = tiny_gpt("rope", vocab_size=256, n_layer=1, n_head=2, n_embd=16)
     config = TaskEvalConfig(multipliers=(1, 2), depths=(0.5,), samples=3, precision="32", positions="randomized")
     rows = evaluate_tasks(gpt, Task("passkey", key_length=2), 16, config, seed=0, log=lambda _: None, randomize_to=20)
     assert [(r.eval_length, r.positions, r.ok) for r in rows] == [(16, "randomized", True), (32, "randomized", False)]

@@ -16,18 +16,13 @@ from evaluation.tasks import (
     save_results, summary_metrics,
 )
 from model import GPT, GPTConfig
-from model.pe import SCHEMES
 from pelab.datamodule import SyntheticDataModule
 from pelab.evaluate import run_evaluations, subject_of
+from tests.tiny import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
-
-
-def toy(scheme="rope", cfg=CFG):
-    torch.manual_seed(0)
-    return GPT(cfg, SCHEMES[scheme](cfg)).eval()
 
 
 def naive_scores(gpt, task, length, samples, seed, depth=None):
@@ -58,7 +53,7 @@ def bits_only(gpt: GPT) -> GPT:
 
 @pytest.mark.parametrize("task", [Task("flipflop", p_ignore=0.5), Task("copy")], ids=lambda t: t.name)
 def test_accuracy_equals_a_naive_loop(task):
-    gpt = bits_only(toy("alibi")) if task.name == "flipflop" else toy("alibi")
+    gpt = bits_only(tiny_gpt("alibi", config=CFG)) if task.name == "flipflop" else tiny_gpt("alibi", config=CFG)
     config = TaskEvalConfig(multipliers=[1, 2], samples=7, tokens_per_batch=100, q_chunk=24, precision="32")
     rows = evaluate_tasks(gpt, task, 32, config, seed=4, log=lambda _: None)
     assert [r.eval_length for r in rows] == [32, 64] and all(math.isnan(r.depth) for r in rows)
@@ -74,7 +69,7 @@ def constant_model(token: int) -> GPT:
     """A model whose every prediction is ``token``: the final LayerNorm's gain is 0 and its bias
     is the (tied) output row of ``token``, which is set to all ones."""
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=16, bias=True)
-    gpt = toy("rope", cfg)
+    gpt = tiny_gpt("rope", config=cfg)
     with torch.no_grad():
         gpt.lm_head.weight[token] = 1.0
         gpt.ln_f.weight.zero_()
@@ -97,7 +92,7 @@ def test_accuracy_of_a_constant_predictor_by_hand():
 
 def test_learned_past_its_table_is_not_applicable_and_short_lengths_are_skipped(capsys):
     config = TaskEvalConfig(multipliers=[1, 2], lengths=[5], depths=[0, 1], samples=3, precision="32")
-    rows = evaluate_tasks(toy("learned"), Task("passkey"), 32, config, seed=0)
+    rows = evaluate_tasks(tiny_gpt("learned", config=CFG), Task("passkey"), 32, config, seed=0)
     assert [(r.eval_length, r.depth) for r in rows] == [(n, d) for n in (5, 32, 64) for d in (0.0, 1.0)]
     assert {r.status for r in rows[:2]} == {"skipped: a passkey sample needs at least 11 tokens"}
     assert all(r.ok and r.samples == 3 for r in rows[2:4])
