@@ -25,7 +25,7 @@ from model.pe.scaling import scaling_of
 from pelab.checkpoint import check_init_from, check_resume, init_state
 from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
                           target_class)
-from pelab.datamodule import build_datamodule
+from pelab.datamodule import build_datamodule, data_options
 from pelab.lit import Position, build_position, model_config, position_options
 from pelab.optim import OptimConfig
 
@@ -86,7 +86,7 @@ def resolve_original_length(cfg: DictConfig, source_length: int) -> None:
 
 
 def build_data(cfg: DictConfig, model: GPTConfig) -> L.LightningDataModule:
-    data = plain(cfg.data)
+    data = data_options(cfg.data)  # a yaml of its own may still name a former _target_
     if data.pop("tokens_per_step", None) is not None and cfg.trainer.get("accumulate_grad_batches", 1) != 1:
         raise ConfigError(f"data.tokens_per_step={cfg.data.tokens_per_step} and trainer.accumulate_grad_batches="
                           f"{cfg.trainer.accumulate_grad_batches} both given: tokens_per_step sets the accumulation; "

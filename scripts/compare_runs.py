@@ -40,8 +40,9 @@ from evaluation.extrapolation import loggable
 from pelab.run import NOT_IN_NAME
 
 # Config keys that do not split a seed group: the run names' list, the seed (what a group varies)
-# and the resolved output dir.
-NOT_TRAINED = ("seed", "data.seed", "trainer.default_root_dir", *NOT_IN_NAME)
+# the resolved output dir, and the data module's class path (runs saved before and after it moved
+# into pelab/ train the same; the corpus and its options still split groups).
+NOT_TRAINED = ("seed", "data.seed", "trainer.default_root_dir", "data._target_", *NOT_IN_NAME)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

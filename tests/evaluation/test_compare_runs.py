@@ -242,3 +242,19 @@ def test_run_settings_leave_out_the_keys_the_caller_names(tmp_path):
     assert info.seed == 3
     assert info.setting == {"pe._target_": "'model.pe.rope'", "pe.base": "100", "trainer.max_steps": "10"}
     assert run_info(str(tmp_path / "elsewhere"), ignored=()).setting is None  # no config.yaml: unknown
+
+
+def test_runs_saved_before_and_after_the_data_module_moved_share_a_seed_group(tmp_path):
+    import yaml
+
+    sweep = tmp_path / "multirun"
+    for seed, target in ((1, "data.datamodule.TextDataModule"), (2, "pelab.datamodule.TextDataModule")):
+        seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
+        path = sweep / f"{seed}-alibi" / "checkpoints" / "config.yaml"
+        config = yaml.safe_load(path.read_text())
+        config["data"]["_target_"] = target
+        path.write_text(yaml.safe_dump(config))
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    # one group of two seeds: mean 5.50 at 64, interval 12.706205 * 0.7071068 / sqrt(2) = 6.35
+    assert "| alibi (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in (tmp_path / "report" / "comparison.md").read_text()

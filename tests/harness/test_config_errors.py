@@ -227,6 +227,7 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["eval.extrapolation.modes=[sliding]", "eval.extrapolation.stride=4096"],  # the longest length: one window
     ["eval.extrapolation.modes=[nonoverlapping]", "eval.extrapolation.stride=100000"],  # no sliding: unused
     *[[f"pe={path.stem}"] for path in sorted((ROOT / "conf" / "pe").glob("*.yaml"))],  # every shipped scheme
+    ["data._target_=data.datamodule.TextDataModule"],  # a user's data yaml written before the module moved
 ])
 def test_shipped_configs_pass_validation(overrides, tmp_path):
     from pelab.validate import validate_config
