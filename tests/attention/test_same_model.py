@@ -16,7 +16,7 @@ from model.pe.schedule import random_positions
 from model.positions import Pass, layer_contexts
 from pelab.lit import COMPUTE_DTYPES
 from tests.attention.test_document_mask import EOT, naive_document_attention, windows
-from tests.naive import SLOPES_4, leaf_params, naive_alibi_bias, naive_scheme_bias
+from tests.naive import leaf_params, naive_scheme_bias
 from tests.tiny import build, schemes_where
 
 CPU = torch.device("cpu")
@@ -35,10 +35,8 @@ BIAS_ONLY = schemes_where(lambda pe: pe.uses_bias and not (pe.uses_rotate or pe.
 
 
 def naive_bias64(name, pe, qpos, kpos):
-    """(H, Tq, Tk) float64 bias at the given integer positions, from the formulas (ALiBi: MPT's
-    -m_h (p_i - p_j) with the slopes typed in)."""
-    if name == "alibi":
-        return naive_alibi_bias(SLOPES_4, qpos, kpos)
+    """(H, Tq, Tk) float64 bias at the given integer positions, from the scheme's formula in
+    tests/naive.py (ALiBi: MPT's -m_h (p_i - p_j) with the slopes typed in)."""
     return naive_scheme_bias(name, pe, leaf_params(pe), qpos, kpos).detach()
 
 

@@ -11,7 +11,8 @@ import torch
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-from tests.naive import VARIANT_IDS, VARIANTS, naive_attention, naive_gelu, naive_layer_norm, naive_linear, naive_spec
+from tests.naive import (VARIANT_IDS, VARIANTS, leaf_params, naive_attention, naive_gelu, naive_layer_norm, naive_linear,
+                         naive_reference, naive_spec)
 from tests.tiny import LEARNED_BIAS, attention_config, build, has_parameters, schemes_where, tiny_config
 
 
@@ -70,17 +71,8 @@ def naive_gpt(model, name, opts, idx, targets, positions: list[int]):
     spec = naive_spec(name, opts, cfg.n_head, cfg.head_dim)
     W_tok = model.wte.weight.detach().double()
     x = W_tok[idx]
-    if name == "learned":
-        x = x + model.pe.wpe.weight.detach().double()[positions]
-    if name == "sinusoidal":
-        d = cfg.n_embd
-        table = torch.zeros(len(positions), d, dtype=torch.float64)
-        for t, p in enumerate(positions):
-            for k in range(d // 2):
-                a = p / 10000.0 ** (2.0 * k / d)
-                table[t, 2 * k], table[t, 2 * k + 1] = math.sin(a), math.cos(a)
-        scale = opts.get("scale")
-        x = x + table * (1 / math.sqrt(d) if scale is None else scale)  # default: 1/sqrt(d_model)
+    if model.pe.uses_embed:
+        x = x + naive_reference("NAIVE_EMBED", name)(model.pe, leaf_params(model.pe), positions, opts).detach()
     for block in model.blocks:
         x = x + naive_attention(block.attn, naive_layer_norm(x, block.ln_1), positions, spec)
         h = naive_linear(block.mlp.c_fc, naive_layer_norm(x, block.ln_2))

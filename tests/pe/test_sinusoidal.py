@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from model.pe import SCHEMES
+from tests.naive import naive_sinusoidal
 from tests.tiny import tiny_config
-
-
-def naive_sinusoidal(p: int, d_model: int) -> list[float]:
-    row = [0.0] * d_model
-    for k in range(d_model // 2):
-        a = p / (10000.0 ** (2.0 * k / d_model))
-        row[2 * k] = math.sin(a)
-        row[2 * k + 1] = math.cos(a)
-    return row
 
 
 def test_sinusoidal_matches_formula():
@@ -27,7 +17,7 @@ def test_sinusoidal_matches_formula():
     out = pe.embed(torch.zeros(1, len(positions), 32), torch.tensor(positions))
     assert out.dtype == torch.float32
     for t, p in enumerate(positions):
-        ref = torch.tensor(naive_sinusoidal(p, 32), dtype=torch.float64)
+        ref = naive_sinusoidal([p], 32)[0]
         # float32 angles at p=3000 carry ~3e-4 rounding
         tol = 1e-6 if p < 10 else 1e-3
         torch.testing.assert_close(out[0, t].double(), ref, atol=tol, rtol=0)
@@ -46,7 +36,7 @@ def test_sinusoidal_is_added_and_has_no_parameters():
     pos = torch.tensor([2, 9, 4, 0])
     out = pe.embed(x, pos)
     for t, p in enumerate(pos.tolist()):
-        ref = torch.tensor(naive_sinusoidal(p, cfg.n_embd), dtype=torch.float32)
+        ref = naive_sinusoidal([p], cfg.n_embd)[0].float()
         torch.testing.assert_close(out[:, t], x[:, t] + ref, atol=1e-5, rtol=0)
 
 
