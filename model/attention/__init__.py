@@ -55,9 +55,8 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
         backend = BACKENDS["flex"]
     if queries == 1 and backend.decode is not None:
         backend = BACKENDS[backend.decode]
-    bias_grad = BACKENDS["bias_grad"]
-    if backend.name == "sdpa" and bias_grad.supports(pe, device, dtype, dropout, grad):
-        backend = bias_grad
+    if backend.grad_route is not None and BACKENDS[backend.grad_route].supports(pe, device, dtype, dropout, grad):
+        backend = BACKENDS[backend.grad_route]
     if backend.name == "math" and grad and device.type == "cuda" and batch is not None and queries is not None:
         check_math_memory(name, pe, device, dtype, dropout, batch, queries, layers)
     return backend

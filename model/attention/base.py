@@ -106,6 +106,7 @@ class AttentionBackend:
     fallback: ClassVar[tuple[str, ...]] = ("sdpa", "flex", "math")  # in order, where it does not apply
     strict: ClassVar[bool] = False  # True: where it does not apply it raises, saying why, instead of falling back
     decode: ClassVar[str | None] = None  # the backend that serves a single query (decoding); None: itself
+    grad_route: ClassVar[str | None] = None  # the backend that serves it under autograd where that one applies
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
 

@@ -146,6 +146,7 @@ class BiasGrad(SDPA):
     devices = ("cpu",)  # CUDA's SDPA kernels take the bias gradient themselves
     fallback = ("sdpa", "flex", "math")
     dropout = False
+    grad_route = None
 
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return grad and pe.uses_bias and any(p.requires_grad for p in pe.parameters())

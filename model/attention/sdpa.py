@@ -42,6 +42,7 @@ class SDPA(AttentionBackend):
 
     name = "sdpa"
     fallback = ("flex", "math")
+    grad_route = "bias_grad"  # a learned bias on CPU, where SDPA would take its float32 math path
 
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         # CUDA's fused kernels take a float mask only in q's dtype: the memory-efficient one
