@@ -61,13 +61,12 @@ def main(devices: int, batch: int, tokens: Path, out: Path) -> None:
     trainer.fit(module, datamodule=data)
     trainer.limit_val_batches = 1.0
     trainer.validate(module, datamodule=data, verbose=False)
-    from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation
+    from evaluation.extrapolation import ExtrapolationConfig, measure
 
     config = ExtrapolationConfig(multipliers=(1, 4), modes=("nonoverlapping", "sliding"), precision="32")
-    by_position = []
-    rows = evaluate_extrapolation(module.model, load_tokens(tokens, "uint16")[:6000], BLOCK, config,
-                                  log=lambda _: None, distributed=True,  # every rank, its share of the windows
-                                  position_rows=by_position)
+    result = measure(module.model, load_tokens(tokens, "uint16")[:6000], BLOCK, config,
+                     log=lambda _: None, distributed=True)  # every rank, its share of the windows
+    rows, by_position = result.rows, result.position_rows
     if trainer.is_global_zero:
         torch.save({"table": [(r.eval_length, r.mode, r.tokens, r.loss) for r in rows],
                     "positions": [(r.eval_length, r.mode, r.start, r.end, r.tokens, r.loss) for r in by_position],
