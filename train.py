@@ -25,7 +25,7 @@ def train(cfg: DictConfig) -> float | None:
     from pelab.hydra_callbacks import check_writable_dir
     from pelab.lit import LitGPT
     from pelab.loggers import build_loggers, closed_on_failure
-    from pelab.run import name_run, save_run, summary, wandb_run_id
+    from pelab.run import emulated_bf16_notice, name_run, save_run, summary, wandb_run_id
     from pelab.validate import validate_config
 
     # validate: every option, before any data is read; builds the data module, scheme and callbacks
@@ -51,6 +51,8 @@ def train(cfg: DictConfig) -> float | None:
     trainer = build("trainer", hydra.utils.instantiate, cfg.trainer, logger=loggers or False,
                     callbacks=checked.callbacks)  # Lightning's own device checks, as one line
     set_accumulation(trainer, cfg)
+    if trainer.is_global_zero and (notice := emulated_bf16_notice(trainer)):
+        print(notice)
     save_run(cfg, trainer, output_dir, run_id, loggers, identity)
 
     # fit, then evaluate: conf/callbacks' end_of_training runs when fit ends, under every strategy

@@ -189,6 +189,21 @@ def save_run(cfg: DictConfig, trainer, output_dir: Path, run_id: str, loggers: l
         logger.log_hyperparams({"config": resolved, **identity.as_dict()})
 
 
+def emulated_bf16_notice(trainer) -> str | None:
+    """One line when a bf16 run trains on a CPU without native bf16 matmuls (AVX2 only: oneDNN
+    emulates them, several times slower than float32), naming the faster setting; else None."""
+    import torch
+
+    if not str(trainer.precision).startswith("bf16") or trainer.strategy.root_device.type != "cpu":
+        return None
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if native is None or native():
+        return None
+    return (f"[pelab] note: trainer.precision={trainer.precision} on a CPU without native bf16 "
+            f"({torch.backends.cpu.get_cpu_capability()}): its matmuls are emulated, several times slower than "
+            f"float32; trainer.precision=32-true trains faster on this machine")
+
+
 def summary(trainer, identity: RunIdentity, output_dir: Path, loggers: list) -> float | None:
     """Close the loggers and print (rank zero) where everything went; the final val/loss."""
     from pelab.loggers import finish_loggers  # imports Lightning: this module is loaded before Hydra starts
