@@ -1,0 +1,46 @@
+"""Export a trained checkpoint to a Hugging Face transformers folder (docs/export.md).
+
+    python scripts/export_hf.py ckpt=outputs/DATE/TIME/checkpoints/last.ckpt out=hf/my-model [overwrite=true]
+
+The folder loads with ``AutoModelForCausalLM.from_pretrained(out)`` and ``AutoTokenizer``:
+pe=learned as GPT-2, pe=rope as GPT-NeoX, computing the same logits as pelab. Every other
+scheme or option is refused in one line before anything is written.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from _common import checkpoint_arg, describe_options, flag, parse_key_values
+
+OPTIONS = {
+    "ckpt": "path to a checkpoint written by train.py (required)",
+    "out": "the folder to write (required; must not exist or be empty unless overwrite=true)",
+    "overwrite": "true: replace an existing out folder (default false)",
+}
+
+
+def main(argv: list[str]) -> int:
+    if any(arg in ("-h", "--help", "help") for arg in argv):
+        print(f"{__doc__}\noptions:\n{describe_options(OPTIONS)}")
+        return 0
+    args = parse_key_values(argv, OPTIONS)
+    overwrite = flag("overwrite", args.get("overwrite", "false"))
+    if not args.get("out"):
+        raise SystemExit(f"out=DIR is required; options:\n{describe_options(OPTIONS)}")
+    from pelab.export import ExportError, check_out, export_hf
+
+    try:
+        check_out(args["out"], overwrite)  # before the checkpoint is read
+        ckpt = checkpoint_arg(args, OPTIONS)
+        exported = export_hf(ckpt, args["out"], overwrite=overwrite)
+    except ExportError as e:
+        raise SystemExit(str(e)) from None
+    for note in exported.notes:
+        print(f"[pelab] {note}", file=sys.stderr)
+    print(f"wrote {exported.path} ({exported.architecture})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

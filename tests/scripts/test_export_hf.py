@@ -1,0 +1,247 @@
+"""scripts/export_hf.py and pelab/export.py: a checkpoint exported to a native transformers class
+computes pelab's logits (float32, max abs diff <= 1e-4) and pelab's greedy text, loads through
+the Auto classes with its tokenizer, and everything not exact is refused before anything is written.
+The references are pelab's own model and tokenizers run on the same inputs."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+import yaml
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from data.tokenizers import get_tokenizer  # noqa: E402
+from model.config import GPTConfig  # noqa: E402
+from model.pe import SCHEMES  # noqa: E402
+from model.pe.scaling import apply_scaling  # noqa: E402
+from pelab.export import EXPORTERS, ExportError, export_model  # noqa: E402
+from pelab.lit import LitGPT  # noqa: E402
+from tests.tiny import tiny_gpt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = "Hello, wörld!\n  naïve café — 😀 日本語\n\tIt's 1234 don't\r\n\nend  "
+
+# name: (pe scheme, its options, model options, tokenizer)
+CASES = {
+    "learned": ("learned", {}, dict(bias=True), "bytes"),
+    "rope": ("rope", {"base": 500.0}, dict(bias=False), "bytes"),
+    "rope_half": ("rope", {"base": 2000.0, "rotary_fraction": 0.5}, dict(bias=True, pad_vocab_multiple=64), "gpt2"),
+}
+
+
+def target(scheme: str) -> str:
+    cls = SCHEMES[scheme]
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def spread_weights(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from GPT-2's small init (and non-zero biases), so that logits are spread,
+    greedy picks are clear and a misplaced weight shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.add_(noise * 0.1) if p.dim() == 1 else p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def write_checkpoint(folder: Path, scheme: str, pe_options: dict, model_options: dict, tokenizer: str) -> Path:
+    """A train.py-like checkpoint (LitGPT hyper-parameters and weights) with config.yaml beside it."""
+    torch.manual_seed(0)
+    vocab = get_tokenizer(tokenizer).vocab_size
+    model = dict(vocab_size=vocab, block_size=64, n_layer=2, n_head=4, n_embd=32, **model_options)
+    lit = LitGPT(model=model, pe={"_target_": target(scheme), **pe_options})
+    spread_weights(lit.model, seed=1)
+    folder.mkdir(parents=True)
+    ckpt = folder / "last.ckpt"
+    torch.save({"state_dict": lit.state_dict(), "hyper_parameters": dict(lit.hparams),
+                "pytorch-lightning_version": lightning.__version__}, ckpt)
+    (folder / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": tokenizer}}))
+    return ckpt
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("pelab_script_export_hf", ROOT / "scripts" / "export_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """name -> (checkpoint, exported folder), each written once through the script."""
+    root = tmp_path_factory.mktemp("export")
+    folders = {}
+    for name, (scheme, pe_options, model_options, tokenizer) in CASES.items():
+        ckpt = write_checkpoint(root / name / "checkpoints", scheme, pe_options, model_options, tokenizer)
+        out = root / name / "hf"
+        assert script().main([f"ckpt={ckpt}", f"out={out}"]) == 0
+        folders[name] = (ckpt, out)
+    return folders
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_exported_model_gives_pelab_logits_and_greedy_text(exported, name):
+    from pelab.checkpoint import load_lit_gpt
+
+    ckpt, out = exported[name]
+    gpt = load_lit_gpt(ckpt).model.eval()
+    hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    assert type(hf).__name__ == EXPORTERS[CASES[name][0]].architecture
+    ids = torch.randint(0, gpt.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = gpt(ids)[0], hf(ids).logits
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-4
+    assert want.std() > 0.5  # spread logits: the comparison is not of near-constants
+
+    prompt = ids[:1, :8]
+    hf.generation_config.eos_token_id = None  # pelab's greedy text runs all 50 tokens
+    text = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=50)
+    assert text.tolist() == gpt.generate(prompt, 50, temperature=0).tolist()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_tied_embeddings_are_stored_once_and_tied_on_load(exported, name):
+    from safetensors import safe_open
+
+    _, out = exported[name]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not any("lm_head" in key or "embed_out" in key for key in f.keys())
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert hf.get_output_embeddings().weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
+    assert hf.get_input_embeddings().weight.shape[0] == get_tokenizer(CASES[name][3]).vocab_size  # no padded rows
+    assert (out / "generation_config.json").is_file()
+
+
+def test_rope_settings_read_back_in_both_spellings(exported):
+    _, out = exported["rope_half"]
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["rope_parameters"]["rope_theta"] == saved["rope_theta"] == saved["rotary_emb_base"] == 2000.0
+    assert saved["rope_parameters"]["partial_rotary_factor"] == saved["rotary_pct"] == 0.5
+    assert saved["rope_scaling"] is None and saved["use_parallel_residual"] is False
+    config = AutoConfig.from_pretrained(out)
+    rope = getattr(config, "rope_parameters", None) or {}
+    assert rope.get("rope_theta", getattr(config, "rotary_emb_base", None)) == 2000.0
+    assert rope.get("partial_rotary_factor", getattr(config, "rotary_pct", None)) == 0.5
+
+
+@pytest.mark.parametrize("name", ["learned", "rope_half"])  # bytes and gpt2
+def test_tokenizer_gives_pelab_ids(exported, name):
+    _, out = exported[name]
+    pelab_tokenizer = get_tokenizer(CASES[name][3])
+    hf_tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = hf_tokenizer(TEXT)["input_ids"]
+    assert ids == pelab_tokenizer.encode(TEXT)
+    assert hf_tokenizer.decode(ids) == TEXT
+
+
+@pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - set(EXPORTERS)))
+def test_every_other_scheme_is_refused_before_anything_is_written(tmp_path, scheme):
+    out = tmp_path / "hf"
+    with pytest.raises(ExportError, match=f"pe={scheme} is not exportable to a native transformers class yet"):
+        export_model(tiny_gpt(scheme), out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def scaled_rope():
+    gpt = tiny_gpt("rope")
+    apply_scaling(gpt.pe, {"kind": "linear", "factor": 2.0}, gpt.config.block_size)
+    return gpt
+
+
+@pytest.mark.parametrize("build, pe_config, message", [
+    (lambda: tiny_gpt("rope", pe_options={"keep_fraction": 0.5}), {}, "pe.keep_fraction=0.5 (p-RoPE)"),
+    (lambda: tiny_gpt("rope", pe_options={"learnable_freq": True}), {}, "pe.learnable_freq=true"),
+    (scaled_rope, {}, "pe.scaling kind linear"),
+    (lambda: tiny_gpt("rope"), {"randomize_to": 64}, "pe.randomize_to=64"),
+    (lambda: tiny_gpt("learned"), {"nope_every": None, "randomize_to": 32}, "pe.randomize_to=32"),
+])
+def test_inexact_options_are_refused_naming_them(tmp_path, build, pe_config, message):
+    with pytest.raises(ExportError, match="not exportable") as err:
+        export_model(build(), tmp_path / "hf", pe_config=pe_config)
+    assert str(err.value).startswith(message)
+    assert list(tmp_path.iterdir()) == []
+
+
+# a non-default value of each model option no exporter maps (those this GPTConfig has)
+MODEL_OPTIONS = {"attn_temperature": "log_length", "norm": "rmsnorm", "mlp": "swiglu", "qk_norm": True, "n_kv_head": 2}
+
+
+@pytest.mark.parametrize("key", [k for k in MODEL_OPTIONS if k in GPTConfig.__dataclass_fields__])
+def test_non_default_model_options_are_refused(tmp_path, key):
+    value = MODEL_OPTIONS[key]
+    with pytest.raises(ExportError, match=f"model.{key}={value!r} is not exportable"):
+        export_model(tiny_gpt("rope", **{key: value}), tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nope_layers_are_refused(tmp_path):
+    from model.gpt import GPT
+    from tests.tiny import tiny_config
+
+    config = tiny_config()
+    gpt = GPT(config, SCHEMES["rope"](config), nope_layers=frozenset({1}))
+    with pytest.raises(ExportError, match=r"NoPE layers \[1\] \(pe.nope_every\) is not exportable"):
+        export_model(gpt, tmp_path / "hf")
+
+
+def test_script_refuses_a_non_empty_out_before_the_checkpoint_is_read(tmp_path, monkeypatch):
+    import pelab.checkpoint
+
+    monkeypatch.setattr(pelab.checkpoint, "read_checkpoint", lambda *a, **k: pytest.fail("checkpoint read"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"out=.* is a non-empty directory; set overwrite=true to replace it"):
+        script().main([f"ckpt={tmp_path / 'x.ckpt'}", f"out={tmp_path / 'out'}"])
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_script_refuses_a_missing_checkpoint_and_a_missing_out(tmp_path):
+    with pytest.raises(SystemExit, match=r"ckpt=.*missing.ckpt does not exist"):
+        script().main([f"ckpt={tmp_path / 'missing.ckpt'}", f"out={tmp_path / 'hf'}"])
+    with pytest.raises(SystemExit, match="out=DIR is required"):
+        script().main([f"ckpt={tmp_path / 'missing.ckpt'}"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_script_refuses_an_unexportable_checkpoint_and_writes_nothing(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "run", "alibi", {}, {}, "bytes")
+    with pytest.raises(SystemExit, match="pe=alibi is not exportable to a native transformers class yet"):
+        script().main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
+    assert not (tmp_path / "hf").exists()
+
+
+def test_script_help_lists_its_options(capsys):
+    assert script().main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert all(key in printed for key in ("ckpt=", "out=", "overwrite"))
+
+
+def test_overwrite_replaces_the_folder_whole_and_a_failed_export_keeps_the_old_one(exported, tmp_path, monkeypatch):
+    import pelab.export
+
+    ckpt, _ = exported["learned"]
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pelab.export, "save_tokenizer", broken)
+    with pytest.raises(OSError, match="disk full"):
+        script().main([f"ckpt={ckpt}", f"out={out}", "overwrite=true"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "stale.txt").is_file()
+    monkeypatch.undo()
+
+    assert script().main([f"ckpt={ckpt}", f"out={out}", "overwrite=true"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
