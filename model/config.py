@@ -8,6 +8,9 @@ from typing import Any
 from model.attention import BACKENDS, CHOICES
 from model.temperature import TEMPERATURES
 
+NORMS = ("layernorm", "rmsnorm")  # the values of model.norm
+MLPS = ("gelu", "swiglu")  # the values of model.mlp
+
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
     """A bad option fails early, naming its key, the value and what is allowed (the harness
@@ -34,6 +37,11 @@ class GPTConfig:
     attn_temperature_length: int | None = None  # log_length's L; None = block_size
     attn_temperature_floor: int = 8192  # llama4's floor_scale
     attn_temperature_scale: float = 0.1  # llama4's attn_scale
+    # Block options (docs/design.md, "Block options"); the defaults are GPT-2's block.
+    norm: str = "layernorm"  # layernorm | rmsnorm (never a bias)
+    mlp: str = "gelu"  # gelu | swiglu
+    qk_norm: bool = False  # RMSNorm of every head of q and k, before the rotation (Qwen 3)
+    n_kv_head: int | None = None  # key/value heads: GQA, 1 = MQA; None = n_head
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
@@ -51,6 +59,10 @@ class GPTConfig:
                 "model.attn_temperature_length", self.attn_temperature_length, "null or an integer >= 2 (ln L > 0)")
         require(self.attn_temperature_floor >= 1, "model.attn_temperature_floor", self.attn_temperature_floor,
                 "a positive integer")
+        require(self.norm in NORMS, "model.norm", self.norm, "one of " + ", ".join(map(repr, NORMS)))
+        require(self.mlp in MLPS, "model.mlp", self.mlp, "one of " + ", ".join(map(repr, MLPS)))
+        require(self.n_kv_head is None or (self.n_kv_head >= 1 and self.n_head % self.n_kv_head == 0),
+                "model.n_kv_head", self.n_kv_head, f"null or a divisor of model.n_head={self.n_head}")
         require(self.attn_temperature_scale >= 0, "model.attn_temperature_scale", self.attn_temperature_scale, ">= 0")
         require(self.attn_temperature != "log_length" or self.attn_temperature_length is not None
                 or self.block_size >= 2, "model.block_size", self.block_size, ">= 2 with log_length")
@@ -62,6 +74,10 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def padded_vocab_size(self) -> int:

@@ -11,7 +11,8 @@ from model.positions import Pass
 
 
 class LayerCache:
-    """One layer's cached keys (rotated once, at their own positions) and values."""
+    """One layer's cached keys (rotated once, at their own positions) and values, n_kv_head heads
+    each: GQA's query heads share them when attending (model/gpt.py), the cache never repeats them."""
 
     def __init__(self) -> None:
         self.k: Tensor | None = None

@@ -23,20 +23,43 @@ from model.positions import Pass, PositionContext, layer_contexts, resolve_posit
 from model.temperature import check_temperature, query_scales
 
 
+RMS_EPS = 1e-6  # Llama 2, Qwen 3 and OLMo 2's rms_norm_eps
+
+
+def swiglu_hidden(n_embd: int) -> int:
+    """Llama's SwiGLU width: 8d/3 keeps the GELU MLP's 8d^2 weights, rounded up to a multiple of 64."""
+    return -(-(8 * n_embd // 3) // 64) * 64
+
+
+def norm_layer(config: GPTConfig, dim: int) -> nn.Module:
+    """The block's normalisation: GPT-2's LayerNorm (a bias with model.bias) or RMSNorm (never a bias)."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=RMS_EPS)
+    return nn.LayerNorm(dim, bias=config.bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        self.kv_dim = self.n_kv_head * self.head_dim
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # per head, over the head dim, before the rotation: only the angles carry position
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def qkv(self, x: Tensor, ctx: PositionContext) -> tuple[Tensor, Tensor, Tensor]:
-        """Heads-first (B, H, T, hd) q, k, v with the scheme's rotation applied."""
+        """Heads-first q (B, H, T, hd) and k, v (B, n_kv_head, T, hd), normalised (qk_norm) and
+        with the scheme's rotation applied."""
         B, T, C = x.shape
         # split + transpose views: their backward is one cat into c_attn's gradient (a permute's is a stack + copy)
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for t in self.c_attn(x).split((C, self.kv_dim, self.kv_dim), dim=2))
+        if self.q_norm is not None:  # in float32 (HF's RMSNorm), back in the compute dtype v has
+            q, k = self.q_norm(q.float()).to(q.dtype), self.k_norm(k.float()).to(k.dtype)
         if ctx.tables is not None:
             q, k = ctx.pe.apply_rotation(q, k, ctx.tables)
         if ctx.q_scale is not None:  # attention temperature, before any backend (model/temperature.py)
@@ -46,8 +69,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x, ctx)
-        if cache is not None:
+        if cache is not None:  # the cache keeps only the n_kv_head heads
             k, v = cache.append(k, v)
+        if self.n_kv_head != self.n_head:  # query head h reads key/value head h // group (HF's repeat_kv)
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = attend(q, k, v, ctx, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -56,21 +82,28 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gated = config.mlp == "swiglu"
+        hidden = swiglu_hidden(config.n_embd) if self.gated else 4 * config.n_embd
+        # SwiGLU's gate and up projections are one matmul: c_fc's rows are [W1; W3]
+        self.c_fc = nn.Linear(config.n_embd, 2 * hidden if self.gated else hidden, bias=config.bias)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        h = self.c_fc(x)
+        if self.gated:  # SwiGLU: W2(silu(W1 x) * W3 x)
+            gate, up = h.chunk(2, dim=-1)
+            return self.dropout(self.c_proj(F.silu(gate) * up))
+        return self.dropout(self.c_proj(self.gelu(h)))
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = norm_layer(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = norm_layer(config, config.n_embd)
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
@@ -89,7 +122,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = norm_layer(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
 

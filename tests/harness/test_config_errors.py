@@ -113,6 +113,12 @@ CASES = [
     ("model.attn_temperature=cosine", ["model.attn_temperature must be one of 'none', 'log_length', 'llama4', "
                                        "got 'cosine'"]),
     ("eval.extrapolation.max_tokens=0", ["eval.extrapolation.max_tokens must be >= 1, got 0"]),
+    # block options (model/config.py)
+    ("model.norm=bogus", ["model.norm must be one of 'layernorm', 'rmsnorm', got 'bogus'"]),
+    ("model.mlp=relu", ["model.mlp must be one of 'gelu', 'swiglu', got 'relu'"]),
+    ("model.n_kv_head=3", ["model.n_kv_head must be null or a divisor of model.n_head=4, got 3"]),
+    ("model.qk_norm=maybe", ["model.qk_norm must be true or false, got 'maybe'"]),
+    ("+model.qknorm=true", ["model.qknorm=True is not an option of model", "qk_norm, n_kv_head"]),
     # callbacks are built before any data is read, by their own constructors
     ("callbacks.host_memory_reuse.mmap_threshold_mb=64", ["callbacks.host_memory_reuse.mmap_threshold_mb must be "
                                                           "an integer in [0, 32]", "got 64"]),
