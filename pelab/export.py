@@ -3,9 +3,10 @@ one computes exactly what pelab computes (docs/export.md):
 
 - ``learned`` -> GPT-2 (``GPT2LMHeadModel``; exact GELU, ``activation_function="gelu"``);
 - ``rope`` -> GPT-NeoX (``GPTNeoXForCausalLM``, sequential residual, half-split rotation,
-  ``rotary_pct`` = rotary_fraction, base = ``pe.base``).
+  ``rotary_pct`` = rotary_fraction, base = ``pe.base``; ``pe.scaling`` linear and llama3 as
+  the same ``rope_type``).
 
-Everything else (another scheme, NoPE layers, randomized positions, RoPE scaling, p-RoPE,
+Everything else (another scheme, NoPE layers, randomized positions, other RoPE scalings, p-RoPE,
 learned frequencies, a non-default model option) is refused before anything is written. The
 folder is written beside ``out`` under a temporary name and renamed into place, so a failed
 export leaves nothing half-written. transformers is imported only here, when exporting.
@@ -63,6 +64,7 @@ def export_hf(ckpt_path, out_dir, overwrite: bool = False) -> Exported:
     """The checkpoint ``ckpt_path`` (train.py's, with its run config beside it) as a transformers
     folder at ``out_dir``."""
     out = check_out(out_dir, overwrite)
+    require_transformers()
     pe_config = read_checkpoint(ckpt_path, key="ckpt")["hyper_parameters"]["pe"]  # tensors not read (mmap)
     refusal = scheme_refusal(scheme_name(pe_config))
     if refusal:  # before the weights load
@@ -136,9 +138,6 @@ def unexportable(gpt: GPT, pe_config: dict) -> str | None:
             return f"pe.{key}={value!r} {LATER}"
     if gpt.nope_layers:
         return f"NoPE layers {sorted(gpt.nope_layers)} (pe.nope_every) {LATER}"
-    scaling = getattr(gpt.pe, "scaling", None)
-    if scaling is not None:
-        return f"pe.scaling kind {scaling.kind} {LATER} (no logits-equality test proves it)"
     return EXPORTERS[name].refusal(gpt)
 
 
@@ -232,9 +231,27 @@ def rope_refusal(gpt: GPT) -> str | None:
         return f"pe.keep_fraction={pe.keep_fraction} (p-RoPE) {LATER}"
     if pe.log_freq_scale is not None:
         return f"pe.learnable_freq=true {LATER}"
+    if pe.scaling is not None and pe.scaling.kind not in HF_ROPE_TYPES:
+        return (f"pe.scaling kind {pe.scaling.kind} {LATER} (exported: "
+                f"{', '.join(HF_ROPE_TYPES)}, each proven by a logits-equality test)")
     if int(gpt.config.head_dim * rotary_pct(gpt)) != pe.rotary_dim:  # GPT-NeoX's own rounding of rotary_pct
         return f"a rotary dim of {pe.rotary_dim} of head_dim={gpt.config.head_dim} {LATER}"
     return None
+
+
+def hf_rope_type(scaling) -> dict:
+    """pelab's RoPE scaling as the rope_type keys of transformers' rope_parameters."""
+    if scaling is None:
+        return {"rope_type": "default"}
+    keys = {"rope_type": scaling.kind, "factor": scaling.factor}
+    if scaling.kind == "llama3":
+        keys.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                    original_max_position_embeddings=scaling.original_length)
+    return keys
+
+
+# pe.scaling kinds that transformers' rope_type computes exactly as pelab (static frequencies)
+HF_ROPE_TYPES = ("linear", "llama3")
 
 
 def per_head_qkv(x: Tensor, n_head: int) -> Tensor:
@@ -247,10 +264,11 @@ def gpt_neox(gpt: GPT) -> tuple[nn.Module, dict]:
 
     c, pe = gpt.config, gpt.pe
     pct, base = rotary_pct(gpt), float(pe.base)
+    scaling = hf_rope_type(pe.scaling)
+    rope = {**scaling, "rope_theta": base, "partial_rotary_factor": pct}
     config = GPTNeoXConfig(
         **common_config(c), hidden_size=c.n_embd, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-        intermediate_size=4 * c.n_embd, hidden_act="gelu", rotary_pct=pct, rotary_emb_base=base,
-        max_position_embeddings=c.block_size, layer_norm_eps=LAYER_NORM_EPS, use_parallel_residual=False,
+        intermediate_size=4 * c.n_embd, hidden_act="gelu", rope_parameters=dict(rope), max_position_embeddings=c.block_size, layer_norm_eps=LAYER_NORM_EPS, use_parallel_residual=False,
         attention_bias=c.bias, attention_dropout=c.dropout, hidden_dropout=c.dropout)
     hf = GPTNeoXForCausalLM(config).eval()
     body = hf.gpt_neox
@@ -267,9 +285,9 @@ def gpt_neox(gpt: GPT) -> tuple[nn.Module, dict]:
         put_linear(layer.mlp.dense_4h_to_h, block.mlp.c_proj)
     put_norm(body.final_layer_norm, gpt.ln_f)
     # both spellings: the current rope_parameters and the older keys, so any reader finds the base
-    rope = {"rope_type": "default", "rope_theta": base, "partial_rotary_factor": pct}
+    legacy_scaling = None if pe.scaling is None else {"type": scaling["rope_type"], **scaling}
     return hf, {"rope_parameters": rope, "rope_theta": base, "rotary_emb_base": base, "rotary_pct": pct,
-                "partial_rotary_factor": pct, "rope_scaling": None}
+                "partial_rotary_factor": pct, "rope_scaling": legacy_scaling}
 
 
 # The schemes with a native export: a new one is one line here.

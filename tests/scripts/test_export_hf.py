@@ -33,6 +33,9 @@ CASES = {
     "learned": ("learned", {}, dict(bias=True), "bytes"),
     "rope": ("rope", {"base": 500.0}, dict(bias=False), "bytes"),
     "rope_half": ("rope", {"base": 2000.0, "rotary_fraction": 0.5}, dict(bias=True, pad_vocab_multiple=64), "gpt2"),
+    "rope_linear": ("rope", {"scaling": {"kind": "linear", "factor": 2.0}}, {}, "bytes"),
+    "rope_llama3": ("rope", {"base": 50.0, "scaling": {"kind": "llama3", "factor": 4.0, "original_length": 32,
+                                                       "low_freq_factor": 1.5, "high_freq_factor": 6.0}}, {}, "bytes"),
 }
 
 
@@ -133,6 +136,16 @@ def test_rope_settings_read_back_in_both_spellings(exported):
     assert rope.get("partial_rotary_factor", getattr(config, "rotary_pct", None)) == 0.5
 
 
+def test_rope_scaling_reads_back_in_both_spellings(exported):
+    _, out = exported["rope_llama3"]
+    saved = json.loads((out / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.5, "high_freq_factor": 6.0,
+              "original_max_position_embeddings": 32}
+    assert saved["rope_parameters"] == {**llama3, "rope_theta": 50.0, "partial_rotary_factor": 1.0}
+    assert saved["rope_scaling"] == {**llama3, "type": "llama3"}
+    assert AutoConfig.from_pretrained(out).rope_parameters["rope_type"] == "llama3"
+
+
 @pytest.mark.parametrize("name", ["learned", "rope_half"])  # bytes and gpt2
 def test_tokenizer_gives_pelab_ids(exported, name):
     _, out = exported[name]
@@ -153,14 +166,14 @@ def test_every_other_scheme_is_refused_before_anything_is_written(tmp_path, sche
 
 def scaled_rope():
     gpt = tiny_gpt("rope")
-    apply_scaling(gpt.pe, {"kind": "linear", "factor": 2.0}, gpt.config.block_size)
+    apply_scaling(gpt.pe, {"kind": "yarn", "factor": 2.0}, gpt.config.block_size)
     return gpt
 
 
 @pytest.mark.parametrize("build, pe_config, message", [
     (lambda: tiny_gpt("rope", pe_options={"keep_fraction": 0.5}), {}, "pe.keep_fraction=0.5 (p-RoPE)"),
     (lambda: tiny_gpt("rope", pe_options={"learnable_freq": True}), {}, "pe.learnable_freq=true"),
-    (scaled_rope, {}, "pe.scaling kind linear"),
+    (scaled_rope, {}, "pe.scaling kind yarn"),
     (lambda: tiny_gpt("rope"), {"randomize_to": 64}, "pe.randomize_to=64"),
     (lambda: tiny_gpt("learned"), {"nope_every": None, "randomize_to": 32}, "pe.randomize_to=32"),
 ])
