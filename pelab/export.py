@@ -319,8 +319,9 @@ def save_tokenizer(tokenizer: Any, vocab_size: int, folder: Path) -> list[str]:
     file); a note for anything else."""
     encoding = getattr(tokenizer, "encoding", None)
     if encoding is None:
-        what = "no run config (config.yaml) beside the checkpoint" if tokenizer is None else f"tokenizer {tokenizer.name}"
-        return [f"no tokenizer files written: {what} has no export yet"]
+        if tokenizer is None:
+            return ["no tokenizer files written: no run config (config.yaml) beside the checkpoint names data.tokenizer"]
+        return [f"no tokenizer files written: data.tokenizer={tokenizer.name} (a tokenizer.json) has no export yet"]
     if encoding.n_vocab > vocab_size:
         raise ExportError(f"data.tokenizer={tokenizer.name} has {encoding.n_vocab} ids but model.vocab_size={vocab_size}")
     from transformers import PreTrainedTokenizerFast
