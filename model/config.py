@@ -37,7 +37,7 @@ class GPTConfig:
     attn_temperature_length: int | None = None  # log_length's L; None = block_size
     attn_temperature_floor: int = 8192  # llama4's floor_scale
     attn_temperature_scale: float = 0.1  # llama4's attn_scale
-    # Block options (docs/design.md, "Block options"); the defaults are GPT-2's block.
+    # Block options (docs/design.md, "The block's options"); the defaults are GPT-2's block.
     norm: str = "layernorm"  # layernorm | rmsnorm (never a bias)
     mlp: str = "gelu"  # gelu | swiglu
     qk_norm: bool = False  # RMSNorm of every head of q and k, before the rotation (Qwen 3)

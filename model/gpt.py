@@ -45,7 +45,7 @@ class CausalSelfAttention(nn.Module):
         self.kv_dim = self.n_kv_head * self.head_dim
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # per head, over the head dim, before the rotation: only the angles carry position
+        # per head over the head dim, before the rotation (Qwen 3): bounds q.k's scale, leaves the angles
         self.q_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.dropout = config.dropout
