@@ -65,8 +65,8 @@ def naive_logits(model, idx: torch.Tensor) -> torch.Tensor:
     for block in model.blocks:
         attn = block.attn
         y = linear(attn.c_attn, rms(x, block.ln_1.weight))
-        q, k, v = split_heads(y[..., :C], H, hd), split_heads(y[..., C : C + G * hd], G, hd), \
-            split_heads(y[..., C + G * hd :], G, hd)
+        q = split_heads(y[..., :C], H, hd)
+        k, v = split_heads(y[..., C : C + G * hd], G, hd), split_heads(y[..., C + G * hd :], G, hd)
         q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
         if rotation is not None:
             q, k = naive_rotate(q, positions, rotation, +1.0), naive_rotate(k, positions, rotation, -1.0)
@@ -169,7 +169,8 @@ def test_gqa_is_mha_with_each_kv_head_repeated_for_its_query_heads():
         w = state[f"blocks.{i}.attn.c_attn.weight"]  # rows: q (4 heads), k (2 heads), v (2 heads), 8 dims each
         k, v = w[32:48].view(2, 8, 32), w[48:64].view(2, 8, 32)
         heads = [0, 0, 1, 1]  # query head h reads kv head h // 2
-        state[f"blocks.{i}.attn.c_attn.weight"] = torch.cat((w[:32], k[heads].reshape(32, 32), v[heads].reshape(32, 32)))
+        k, v = k[heads].reshape(32, 32), v[heads].reshape(32, 32)
+        state[f"blocks.{i}.attn.c_attn.weight"] = torch.cat((w[:32], k, v))
     mha.load_state_dict(state)
     idx = torch.randint(0, 37, (2, 9))
     with torch.no_grad():
