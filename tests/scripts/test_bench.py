@@ -32,7 +32,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for row in written:
         assert FIELDS <= row.keys(), FIELDS - row.keys()
         assert "byte" in row["config"] and "tiny" in row["config"]
-        assert row["precision"] == "bf16-mixed" and row["compile"] is False
+        assert row["precision"] == "32" and row["compile"] is False  # the smoke run is float32
         loop = row["path"] == "pelab-loop"  # pelab's model in the reference loop: no memory or eval of its own
         for key in ("tokens_per_s", "mfu", "step_ms") + (() if loop else ("peak_mem_mb",)):
             assert isinstance(row[key], float), (key, row[key])
