@@ -268,7 +268,8 @@ def gpt_neox(gpt: GPT) -> tuple[nn.Module, dict]:
     rope = {**scaling, "rope_theta": base, "partial_rotary_factor": pct}
     config = GPTNeoXConfig(
         **common_config(c), hidden_size=c.n_embd, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-        intermediate_size=4 * c.n_embd, hidden_act="gelu", rope_parameters=dict(rope), max_position_embeddings=c.block_size, layer_norm_eps=LAYER_NORM_EPS, use_parallel_residual=False,
+        intermediate_size=4 * c.n_embd, hidden_act="gelu", rope_parameters=dict(rope),
+        max_position_embeddings=c.block_size, layer_norm_eps=LAYER_NORM_EPS, use_parallel_residual=False,
         attention_bias=c.bias, attention_dropout=c.dropout, hidden_dropout=c.dropout)
     hf = GPTNeoXForCausalLM(config).eval()
     body = hf.gpt_neox

@@ -16,7 +16,6 @@ from hydra import compose, initialize_config_dir
 from data.corpus import HubCorpus, TextFilesCorpus, document_key, find_corpus_files, held_out_by_hash, held_out_evenly
 from data.cache import prepare_token_files
 from data.tokenizers import get_tokenizer
-from pelab.datamodule import TextDataModule
 
 ROOT = Path(__file__).resolve().parents[2]
 SEP = 0x1E  # the bytes tokenizer's document separator
