@@ -152,7 +152,6 @@ def evaluate_checkpoint(ckpt: Path, cfg, options: dict, device, out: str | None 
     for name, outcome in outcomes.items():
         if "md" in outcome.paths:
             print(outcome.paths["md"].read_text())
-        print(f"[pelab] results: {outcome.paths['csv']} (+ .png{', .md' if 'md' in outcome.paths else ''})")
         if log_wandb:
             given = {k: v for k, v in options[name].items() if k != "enabled"}
             log_to_new_wandb_run([logged for logged, _ in outcome.reports], outcome.paths["csv"].parent,
