@@ -8,8 +8,9 @@ blocks are skipped), so every chunk of a length shares one compiled kernel.
 Inductor builds flex's backward only for a score_mod that indexes each captured tensor which
 requires gradients once (``validate_joint_graph``; tests/model/test_flex_joint_graph.py checks
 every scheme on CPU). A scheme whose elementwise form does not (``flex_reads_bias``: FIRE's
-unrolled MLP) gets, under autograd, its ``bias()`` computed outside the kernel and read once
-per score: (H, Tq, Tk) float32, or (B, H, Tq, Tk) with per-sequence positions, as a float mask.
+unrolled MLP), and on CUDA every bias with parameters (``Flex.reads_table``), gets under
+autograd its ``bias()`` computed outside the kernel and read once per score: (H, Tq, Tk)
+float32, or (B, H, Tq, Tk) with per-sequence positions, as a float mask.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from model.attention.base import AttentionBackend, Terms
 # chunks x batch sizes) passes dynamo's default limit of 8, past which flex runs unfused and
 # materialises the scores.
 FLEX_RECOMPILE_LIMIT = 64
+# The forward kernel reading a float32 (H, Tq, Tk) bias (``reads_table``) at head size 64 on an
+# H100 asks for 240 KiB of shared memory with Inductor's default 3 stages (the limit is 227 KiB):
+# two stages fit (docs/gpu.md, acceptance run).
+TABLE_KERNEL_OPTIONS = {"fwd_num_stages": 2}
 
 
 @dataclass
@@ -65,9 +70,22 @@ class Flex(AttentionBackend):
         if terms.documents and not chunked:  # built once per forward, shared by every layer
             documents = self.document_mask(terms.k_documents, terms.q_positions.shape[-1], None)
         table = None
-        if terms.with_bias and torch.is_grad_enabled() and getattr(terms.pe, "flex_reads_bias", False):
+        if terms.with_bias and torch.is_grad_enabled() and self.reads_table(terms.pe, terms.q_positions.device):
             table = terms.pe.bias(*terms.bias_positions())  # once per forward, shared by every layer
         return FlexState(score, terms.q_positions, terms.k_positions, documents=documents, table=table)
+
+    @staticmethod
+    def reads_table(pe, device: torch.device) -> bool:
+        """Under autograd, whether the bias is read as a float32 table computed outside the kernel
+        instead of through ``score_mod``: for a scheme whose score_mod Inductor cannot
+        differentiate (``flex_reads_bias``), and on CUDA for every bias with parameters. There,
+        flex's backward adds each score's gradient into the captured parameter with atomics, every
+        thread on the same few entries: at gpt2 size on an H100, t5's training step took 34x and
+        kerple_log's 50x rope's (docs/gpu.md). The table's gradient spreads over H*Tq*Tk entries
+        and autograd reduces it to the parameters once per forward."""
+        if getattr(pe, "flex_reads_bias", False):
+            return True
+        return device.type == "cuda" and pe.uses_bias and any(p.requires_grad for p in pe.parameters())
 
     def chunk(self, state: FlexState, terms: Terms, s: int, e: int) -> FlexState:
         """Rows [s, e) against all Tk keys: the BlockMask's offset hides the keys they do not see."""
@@ -123,14 +141,14 @@ class Flex(AttentionBackend):
                 self._block_masks[key] = build()
         return self._block_masks[key]
 
-    def compiled(self, q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask) -> Tensor:
+    def compiled(self, q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask, options=None) -> Tensor:
         """``flex_attention`` compiled once per process, one kernel per shape (the CUDA path)."""
         from torch.nn.attention.flex_attention import flex_attention
 
         if self._compiled is None:
             self._compiled = torch.compile(flex_attention, dynamic=False, backend=self.compile_backend)
         with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-            return self._compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+            return self._compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
         from torch.nn.attention.flex_attention import flex_attention
@@ -157,11 +175,13 @@ class Flex(AttentionBackend):
 
         block_mask = self.block_mask(Tq, Tk, q.device, state.offset) if state.documents is None else state.documents
         dtype = v.dtype
+        options = TABLE_KERNEL_OPTIONS if state.table is not None and v.is_cuda else None
         with torch.autocast(v.device.type, enabled=False):
             if torch.compiler.is_compiling():  # inside the model's graph: traced, no warnings filter (a break)
-                return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)
+                return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask,
+                                      kernel_options=options)
             if v.device.type in self.compile_devices:
-                return self.compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask)
+                return self.compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask, options)
             with warnings.catch_warnings():  # eager flex warns that it is not the fused kernel
                 warnings.simplefilter("ignore")
                 return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)

@@ -209,6 +209,18 @@ def test_flex_backend_refuses_a_bias_without_an_elementwise_form():
         contexts(model, torch.arange(4))
 
 
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_flex_reads_a_learned_bias_as_a_table_on_cuda(name):
+    """Under autograd on CUDA flex reads every bias with parameters from a table (its in-kernel
+    gradient into a few shared entries took 34-50x rope's step, docs/gpu.md); on CPU only FIRE,
+    whose score_mod Inductor cannot differentiate; never a bias without parameters."""
+    _, model, _ = backend_model(name, {}, "math")
+    flex = BACKEND_REGISTRY["flex"]
+    on_cuda = flex.reads_table(model.pe, torch.device("cuda"))
+    assert on_cuda == (name in LEARNED_BIAS)
+    assert flex.reads_table(model.pe, torch.device("cpu")) == (name == "fire")
+
+
 # --------------------------------------------------------------------------------------
 # backend choice and the scheme hooks it relies on
 # --------------------------------------------------------------------------------------

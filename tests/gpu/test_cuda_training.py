@@ -62,9 +62,29 @@ def compare_with_math(record_property, scheme: str, precision: str, route: str) 
     check_bounded(record_property, "logits", logits, m_logits, r_logits, floor)
     check_bounded(record_property, "grads", flat(grads), flat(m_grads), flat(r_grads), floor)
     names = [n for n, _ in model.named_parameters()]
-    for i in scheme_parameter_indices(model):  # the scheme's own gradients, each tensor alone
-        name = names[i]
-        check_bounded(record_property, f"grad[{name}]", grads[i], m_grads[i], r_grads[i], floor)
+    ids = scheme_parameter_indices(model)
+    scale = flat([r_grads[i] for i in ids]).norm().item() if ids else 0.0
+    for i in ids:  # the scheme's own gradients, each tensor alone
+        check_scheme_tensor(record_property, names[i], grads[i], m_grads[i], r_grads[i], floor, scale)
+
+
+def check_scheme_tensor(record_property, name: str, route, math_, ref, floor: float, scale: float) -> None:
+    """One tensor of the scheme (``scale``: the norm of the scheme's whole float32 gradient).
+    ‖route − math‖ ≤ (floor + 2·own)·‖math‖ + floor·scale. The second term: a flash-style backward
+    (flex, SDPA's kernels) takes each row's D_i = dO_i·O_i from the output rounded to the compute
+    dtype, so every score gradient dS_ij carries P_ij·δD_i, which a tensor's gradient sums.
+    A tensor whose exact gradient vanishes (‖ref‖ ≤ 1e-3·scale: FIRE's output bias adds one
+    constant to every score of a row, which softmax ignores) keeps only that noise, and math's own
+    relative error is > 1: it is held to ‖route − math‖ ≤ 0.1·scale (garbage, not rounding)."""
+    err = (route.double() - math_.double()).norm().item()
+    own = rel(math_, ref)
+    vanishing = ref.double().norm().item() <= 1e-3 * scale
+    bound = 0.1 * scale if vanishing else (floor + 2 * own) * math_.double().norm().item() + floor * scale
+    record_property(f"grad[{name}]_abs_err", f"{err:.3g}")
+    record_property(f"grad[{name}]_bound", f"{bound:.3g}")
+    assert err <= bound, (f"grad[{name}]: error {err:.3g} against math > bound {bound:.3g} (relative "
+                          f"{rel(route, math_):.3g}, math's own {own:.3g}, the scheme's gradient {scale:.3g}, "
+                          f"vanishing: {vanishing})")
 
 
 @pytest.mark.parametrize("scheme, precision, route", COMPARED, ids=["-".join(c) for c in COMPARED])
@@ -194,7 +214,8 @@ def test_sdpa_key_runs_on_the_flash_kernel_alone(scheme, n_embd, dropout):
 def test_chunked_loss_gradients_on_cuda(precision):
     """The chunked LM-head loss (gpt2's vocabulary) on CUDA under autocast, the loss scaled by
     GradScaler's first scale for fp16: gradients against a float64 reference of the same
-    rounded operands within 2e-3 relative, and no vocabulary row loses its gradient (audit #5)."""
+    rounded operands within 2e-3 relative (bf16: one rounding, 2^-8), and no vocabulary row loses
+    its gradient (audit #5)."""
     import torch.nn.functional as F
 
     from model.loss import chunked_cross_entropy
@@ -214,7 +235,9 @@ def test_chunked_loss_gradients_on_cuda(precision):
     ref = F.cross_entropy(h64 @ w64.T, targets)
     ref.backward()
     assert abs(loss.item() - ref.item()) <= 2e-3 * ref.item()
+    # d loss / d logits enters the backward's matmuls rounded once to the compute dtype (bf16 2^-8)
+    bound = max(2e-3, torch.finfo(dtype).eps / 2)
     for name, got, want in (("hidden", h.grad / scale, h64.grad), ("weight", w.grad / scale, w64.grad)):
-        assert rel(got, want) < 2e-3, f"{name}: relative error {rel(got, want):.3g}"
+        assert rel(got, want) < bound, f"{name}: relative error {rel(got, want):.3g} > {bound:.3g}"
     zero_rows = int(((w.grad == 0).all(1) & (w64.grad != 0).any(1)).sum())
     assert zero_rows == 0, f"{zero_rows} vocabulary rows lost their gradient"
