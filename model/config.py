@@ -19,6 +19,29 @@ def require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{key} must be {allowed}, got {value!r}")
 
 
+def is_window(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_windows(config: GPTConfig) -> None:
+    """``model.window`` and ``model.window_pattern``: positive integers (null = full), one of
+    the two; a pattern repeats over the layers and may not be longer than them."""
+    require(config.window is None or is_window(config.window), "model.window", config.window,
+            "null (full attention) or an integer >= 1 (keys i-W+1..i)")
+    pattern = config.window_pattern
+    if pattern is not None:
+        require(isinstance(pattern, (list, tuple)) and all(w is None or is_window(w) for w in pattern),
+                "model.window_pattern", pattern, "null or a list of integers >= 1 and nulls (null = full attention)")
+        require(config.window is None, "model.window and model.window_pattern", (config.window, list(pattern)),
+                "one of the two (window sets every layer, window_pattern each)")
+        require(1 <= len(pattern) <= config.n_layer, "model.window_pattern", list(pattern),
+                f"1 to model.n_layer={config.n_layer} entries (layer l uses entry l % length: a shorter "
+                f"pattern repeats)")
+    windowed = any(w is not None for w in config.layer_windows)
+    require(config.attn_temperature != "log_length" or not windowed, "model.attn_temperature",
+            config.attn_temperature, "none or llama4 with windows (log_length counts every earlier key)")
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int
@@ -42,6 +65,9 @@ class GPTConfig:
     mlp: str = "gelu"  # gelu | swiglu
     qk_norm: bool = False  # RMSNorm of every head of q and k, before the rotation (Qwen 3)
     n_kv_head: int | None = None  # key/value heads: GQA, 1 = MQA; None = n_head
+    # Sliding windows (docs/design.md, "Sliding windows"): query i sees keys i-W+1..i; None = full.
+    window: int | None = None  # every layer's window
+    window_pattern: list[int | None] | None = None  # layer l: window_pattern[l % len]; exclusive with window
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
@@ -66,10 +92,18 @@ class GPTConfig:
         require(self.attn_temperature_scale >= 0, "model.attn_temperature_scale", self.attn_temperature_scale, ">= 0")
         require(self.attn_temperature != "log_length" or self.attn_temperature_length is not None
                 or self.block_size >= 2, "model.block_size", self.block_size, ">= 2 with log_length")
+        check_windows(self)
         backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
         require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),
                 "model.attention", self.attention,
                 f"not {self.attention} when model.dropout > 0 ({self.attention} has no attention dropout)")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full causal attention)."""
+        if self.window_pattern:
+            return tuple(self.window_pattern[i % len(self.window_pattern)] for i in range(self.n_layer))
+        return (self.window,) * self.n_layer
 
     @property
     def head_dim(self) -> int:
