@@ -28,6 +28,8 @@ from tests.tiny import tiny_gpt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = "Hello, wörld!\n  naïve café — 😀 日本語\n\tIt's 1234 don't\r\n\nend  "
 
+LLAMA = dict(norm="rmsnorm", mlp="swiglu")  # conf/model/llama_tiny.yaml's block, without QK-norm
+
 # name: (pe scheme, its options, model options, tokenizer)
 CASES = {
     "learned": ("learned", {}, dict(bias=True), "bytes"),
@@ -36,7 +38,13 @@ CASES = {
     "rope_linear": ("rope", {"scaling": {"kind": "linear", "factor": 2.0}}, {}, "bytes"),
     "rope_llama3": ("rope", {"base": 50.0, "scaling": {"kind": "llama3", "factor": 4.0, "original_length": 32,
                                                        "low_freq_factor": 1.5, "high_freq_factor": 6.0}}, {}, "bytes"),
+    "llama": ("rope", {"base": 500.0}, dict(**LLAMA, n_kv_head=2, bias=False), "bytes"),
+    "llama_mqa": ("rope", {"base": 50.0, "scaling": {"kind": "llama3", "factor": 4.0, "original_length": 32,
+                                                     "low_freq_factor": 1.5, "high_freq_factor": 6.0}},
+                  dict(**LLAMA, n_kv_head=1, bias=True, pad_vocab_multiple=64), "gpt2"),
 }
+ARCHITECTURE = {"learned": "GPT2LMHeadModel", **{name: "GPTNeoXForCausalLM" for name in CASES if name.startswith("rope")},
+                "llama": "LlamaForCausalLM", "llama_mqa": "LlamaForCausalLM"}
 
 
 def target(scheme: str) -> str:
@@ -97,7 +105,7 @@ def test_exported_model_gives_pelab_logits_and_greedy_text(exported, name):
     ckpt, out = exported[name]
     gpt = load_lit_gpt(ckpt).model.eval()
     hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
-    assert type(hf).__name__ == EXPORTERS[CASES[name][0]].architecture
+    assert type(hf).__name__ == ARCHITECTURE[name]
     ids = torch.randint(0, gpt.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want, got = gpt(ids)[0], hf(ids).logits
@@ -156,7 +164,7 @@ def test_tokenizer_gives_pelab_ids(exported, name):
     assert hf_tokenizer.decode(ids) == TEXT
 
 
-@pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - set(EXPORTERS)))
+@pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - {e.scheme for e in EXPORTERS.values()}))
 def test_every_other_scheme_is_refused_before_anything_is_written(tmp_path, scheme):
     out = tmp_path / "hf"
     with pytest.raises(ExportError, match=f"pe={scheme} is not exportable to a native transformers class yet"):
