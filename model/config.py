@@ -38,8 +38,8 @@ def check_windows(config: GPTConfig) -> None:
                 f"1 to model.n_layer={config.n_layer} entries (layer l uses entry l % length: a shorter "
                 f"pattern repeats)")
     windowed = any(w is not None for w in config.layer_windows)
-    require(config.attn_temperature != "log_length" or not windowed, "model.attn_temperature",
-            config.attn_temperature, "none or llama4 with windows (log_length counts every earlier key)")
+    require(config.attn_temperature not in ("log_length", "ssmax") or not windowed, "model.attn_temperature",
+            config.attn_temperature, "none or llama4 with windows (log_length and ssmax count every earlier key)")
 
 
 @dataclass
@@ -55,9 +55,9 @@ class GPTConfig:
     pad_vocab_multiple: int = 1
     # Attention backend (model/attention/): auto or a name of model.attention.BACKENDS.
     attention: str = "auto"
-    # Attention temperature (model/temperature.py): none, log_length or llama4, and their options.
+    # Attention temperature (model/temperature.py): none, log_length, llama4 or ssmax, and their options.
     attn_temperature: str = "none"
-    attn_temperature_length: int | None = None  # log_length's L; None = block_size
+    attn_temperature_length: int | None = None  # log_length's L and ssmax's initial-s L; None = block_size
     attn_temperature_floor: int = 8192  # llama4's floor_scale
     attn_temperature_scale: float = 0.1  # llama4's attn_scale
     # Block options (docs/design.md, "The block's options"); the defaults are GPT-2's block.
@@ -90,8 +90,8 @@ class GPTConfig:
         require(self.n_kv_head is None or (self.n_kv_head >= 1 and self.n_head % self.n_kv_head == 0),
                 "model.n_kv_head", self.n_kv_head, f"null or a divisor of model.n_head={self.n_head}")
         require(self.attn_temperature_scale >= 0, "model.attn_temperature_scale", self.attn_temperature_scale, ">= 0")
-        require(self.attn_temperature != "log_length" or self.attn_temperature_length is not None
-                or self.block_size >= 2, "model.block_size", self.block_size, ">= 2 with log_length")
+        require(self.attn_temperature not in ("log_length", "ssmax") or self.attn_temperature_length is not None
+                or self.block_size >= 2, "model.block_size", self.block_size, f">= 2 with {self.attn_temperature}")
         check_windows(self)
         backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
         require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),

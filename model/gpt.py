@@ -20,7 +20,7 @@ from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.pe.base import PositionEncoding
 from model.pe.schedule import check_nope_layers
 from model.positions import Pass, PositionContext, layer_contexts, resolve_positions
-from model.temperature import check_temperature, query_scales
+from model.temperature import check_temperature, head_scales, query_scales, scale_queries
 
 
 RMS_EPS = 1e-6  # Llama 2, Qwen 3 and OLMo 2's rms_norm_eps
@@ -48,6 +48,7 @@ class CausalSelfAttention(nn.Module):
         # per head over the head dim, before the rotation (Qwen 3): bounds q.k's scale, leaves the angles
         self.q_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
+        self.ssmax = head_scales(config)  # model.attn_temperature=ssmax: this layer's learned s_h, else None
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -63,7 +64,7 @@ class CausalSelfAttention(nn.Module):
         if ctx.tables is not None:
             q, k = ctx.pe.apply_rotation(q, k, ctx.tables)
         if ctx.q_scale is not None:  # attention temperature, before any backend (model/temperature.py)
-            q = (q * ctx.q_scale).to(q.dtype)  # float32 scale: multiplied in float32, then cast (HF Llama 4)
+            q = scale_queries(q, ctx.q_scale, self.ssmax)  # in float32, then cast (HF Llama 4's order)
         return q, k, v
 
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:

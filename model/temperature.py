@@ -3,7 +3,7 @@ multiplied by c (a position bias, added after, is not scaled). Applied in every 
 before the attention backend runs, so every backend (sdpa, sdpa_key, flex, math, bias_grad),
 chunked evaluation and KV-cache decoding apply it alike. c is computed in float32, q is
 multiplied by it in float32 and the product cast to q's dtype (Hugging Face Llama 4's order).
-Neither kind reads position values: randomized positions (``pe.randomize_to``) and positions that
+No kind reads position values: randomized positions (``pe.randomize_to``) and positions that
 restart per document change nothing.
 
 - ``log_length`` (Chiang & Cholak 2022, "Overcoming a Theoretical Limitation of
@@ -18,6 +18,12 @@ restart per document change nothing.
   0.1 and floor_scale 8192 by default; only in the layers without position information
   (Llama 4's NoPE layers: ``pe.nope_every``, or every layer of a scheme that acts outside
   attention). c = 1 until t + 1 reaches floor_scale, so small models need a smaller floor.
+- ``ssmax`` (Nakanishi 2025, "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399:
+  softmax of (s ln n) z, implemented by scaling q): c = s_h * ln(n), n as ``log_length``'s,
+  s_h one learned scalar per head and layer (the paper's "for each layer and head"), every layer.
+  s_h starts at 1 / mean(ln n) over n = 1..L (the paper's 0.168 at its L = 1024), so that the
+  average scale over a training window is 1; L = ``attn_temperature_length`` or the training
+  length. No reference code of the paper's was found: this follows its equation, q times s ln n.
 """
 
 from __future__ import annotations
@@ -25,17 +31,36 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-TEMPERATURES = ("none", "log_length", "llama4")
+TEMPERATURES = ("none", "log_length", "llama4", "ssmax")
 
 
 def check_temperature(config, pe, nope_layers: frozenset[int]) -> None:
     """``model.attn_temperature=llama4`` needs a layer without position information."""
     if config.attn_temperature == "llama4" and not nope_layers and (pe.uses_rotate or pe.uses_bias):
-        raise ValueError(f"model.attn_temperature must be none or log_length for pe={pe.name} with no NoPE layer "
-                         f"(llama4 scales the queries of layers without position information: set pe.nope_every, "
+        raise ValueError(f"model.attn_temperature must be none, log_length or ssmax for pe={pe.name} with no NoPE "
+                         f"layer (llama4 scales the queries of layers without position information: set pe.nope_every, "
                          f"or use a scheme without rotation or bias), got 'llama4'")
+
+
+def ssmax_init(length: int) -> float:
+    """SSMax's initial s: 1 / mean(ln n) over n = 1..length = length / ln(length!)."""
+    return length / math.lgamma(length + 1)
+
+
+def head_scales(config) -> nn.Parameter | None:
+    """One layer's learned per-head factor of its query scale (``ssmax``'s s_h, (n_head,) float32), else None."""
+    if config.attn_temperature != "ssmax":
+        return None
+    return nn.Parameter(torch.full((config.n_head,), ssmax_init(config.attn_temperature_length or config.block_size)))
+
+
+def scale_queries(q: Tensor, q_scale: Tensor, heads: Tensor | None = None) -> Tensor:
+    """q (B, H, T, hd) times the per-query scale (and the per-head ``heads``) in float32, cast back to q's dtype."""
+    if heads is not None:  # (H, 1, 1) x (T, 1) or (B, 1, T, 1)
+        q_scale = heads[:, None, None] * q_scale
+    return (q * q_scale).to(q.dtype)
 
 
 def keys_seen(T: int, past: int, documents: Tensor | None, device: torch.device) -> Tensor:
@@ -56,15 +81,18 @@ def query_scales(config, pe, positions: Tensor, past: int = 0, documents: Tensor
                  ) -> tuple[Tensor | None, Tensor | None]:
     """(the scale for layers with the scheme, the scale for NoPE layers), each None or a float32
     tensor that broadcasts over q (B, H, T, hd): (T, 1), or (B, 1, T, 1) under a document mask
-    (``log_length``). ``positions``: the T queries' (only their number and device are read);
-    ``past``: tokens already in the KV cache; ``documents``: (B, T) document ids or None."""
+    (``log_length``, ``ssmax``: ln n, times each layer's s_h in ``scale_queries``). ``positions``:
+    the T queries' (only their number and device are read); ``past``: tokens already in the KV
+    cache; ``documents``: (B, T) document ids or None."""
     kind = config.attn_temperature
     if kind == "none":
         return None, None
     T, device = positions.shape[-1], positions.device
-    if kind == "log_length":
+    if kind in ("log_length", "ssmax"):
         n = keys_seen(T, past, documents, device).float()
-        scale = n.log() / math.log(config.attn_temperature_length or config.block_size)
+        scale = n.log()
+        if kind == "log_length":
+            scale = scale / math.log(config.attn_temperature_length or config.block_size)
     else:  # llama4, as Hugging Face: log1p(floor((t + 1) / F)) * a + 1 in float32, t the token index
         t = torch.arange(past, past + T, device=device).float()
         floor, a = config.attn_temperature_floor, config.attn_temperature_scale

@@ -108,10 +108,10 @@ CASES = [
     ("pe.scaling.kind=yarn pe.scaling.factor=4 eval.extrapolation.rope_scaling=[null,ntk]",
      ["eval.extrapolation.rope_scaling must be [null]", "pe.scaling.kind=yarn", "got [None, 'ntk']"]),
     ("init_from=/nonexistent/base.ckpt", ["init_from=/nonexistent/base.ckpt does not exist"]),
-    ("model.attn_temperature=llama4", ["model.attn_temperature must be none or log_length for pe=rope with no NoPE "
-                                       "layer", "got 'llama4'"]),
+    ("model.attn_temperature=llama4", ["model.attn_temperature must be none, log_length or ssmax for pe=rope with no "
+                                       "NoPE layer", "got 'llama4'"]),
     ("model.attn_temperature=cosine", ["model.attn_temperature must be one of 'none', 'log_length', 'llama4', "
-                                       "got 'cosine'"]),
+                                       "'ssmax', got 'cosine'"]),
     ("eval.extrapolation.max_tokens=0", ["eval.extrapolation.max_tokens must be >= 1, got 0"]),
     # block options (model/config.py)
     ("model.norm=bogus", ["model.norm must be one of 'layernorm', 'rmsnorm', got 'bogus'"]),
