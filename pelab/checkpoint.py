@@ -520,9 +520,16 @@ INIT_FREE = ("model.block_size", "model.dropout", "model.attention", "model.attn
 
 def check_init_from(path, cfg) -> dict[str, Any]:
     """``train.py init_from=...``: a readable pelab checkpoint (weights only is enough) of the
-    run's architecture; every differing key is listed."""
+    run's architecture; every differing key is listed. ``hf:DIR``: a Hugging Face transformers
+    folder (pelab/hf_import.py)."""
     from omegaconf import OmegaConf
 
+    if str(path).startswith("hf:"):
+        from pelab.hf_import import check_hf_init
+
+        ckpt = check_hf_init(str(path), cfg)
+        _refuse_non_finite_init(ckpt["state_dict"], path)
+        return ckpt
     ckpt = read_checkpoint(path, "init_from", verify=True)
     if Path(path).is_dir():
         ckpt["state_dict"] = sharded_state(path)["model"]
@@ -550,13 +557,15 @@ def _refuse_non_finite_init(state_dict: dict[str, Any], path) -> None:
 
 def init_state(ckpt: dict[str, Any], scheme, path) -> dict[str, Any]:
     """The GPT's state dict of an ``init_from`` checkpoint, its scheme tensors made to fit
-    ``scheme`` (``resized_state``: a learned table of another length) and checked against it."""
+    ``scheme`` (``resized_state``: a learned table of another length) and checked against it;
+    ``fresh_pe`` (an ``hf:`` folder of another scheme): the scheme's own initial tensors."""
     state = {}
     for key, value in ckpt["state_dict"].items():
         key = key.replace("_orig_mod.", "")  # saved from a torch.compile'd model
         if key.startswith("model."):
             state[key.removeprefix("model.")] = value
-    pe = scheme.resized_state({k.removeprefix("pe."): v for k, v in state.items() if k.startswith("pe.")})
+    pe = (scheme.state_dict() if ckpt.get("fresh_pe") else
+          scheme.resized_state({k.removeprefix("pe."): v for k, v in state.items() if k.startswith("pe.")}))
     want = scheme.state_dict()
     wrong = sorted(set(want) ^ set(pe)) + sorted(k for k in set(want) & set(pe) if want[k].shape != pe[k].shape)
     if wrong:
@@ -570,6 +579,7 @@ def load_init_weights(gpt, state: dict[str, Any], path) -> None:
     """Copy ``init_state``'s weights into ``gpt`` (a GPT), naming any tensor of another shape
     (the vocabulary comes from the data, known only once the tokenizer is loaded)."""
     own = gpt.state_dict()
+    state = _fit_vocabulary(state, own, gpt.config, path)
     wrong = [k for k in own if k in state and own[k].shape != state[k].shape]
     if wrong:
         raise CheckpointError(
@@ -578,6 +588,21 @@ def load_init_weights(gpt, state: dict[str, Any], path) -> None:
             + " (a different tokenizer or data.vocab?)")
     gpt.load_state_dict(state)
     print(f"[pelab] init_from: weights of {path} (optimizer, schedule, step and data start fresh)", flush=True)
+
+
+def _fit_vocabulary(state: dict[str, Any], own: dict[str, Any], config, path) -> dict[str, Any]:
+    """A token table of the run's vocab_size rows (an ``hf:`` folder keeps no padding) takes the
+    run's own padding rows; a table of another vocabulary is refused naming both sizes."""
+    table, rows = state.get("wte.weight"), own["wte.weight"].shape[0]
+    if table is None or table.shape[0] == rows:
+        return state
+    if table.shape[0] == config.vocab_size:
+        padded = torch.cat((table, own["wte.weight"][config.vocab_size:].to(table.dtype)))
+        return {**state, "wte.weight": padded, "lm_head.weight": padded}
+    raise CheckpointError(f"init_from={path} has {table.shape[0]} token rows (wte.weight), this run's model "
+                          f"{rows} (model.vocab_size={config.vocab_size} from the data's tokenizer, "
+                          f"model.pad_vocab_multiple={config.pad_vocab_multiple}): use the data.tokenizer it was "
+                          "trained with")
 
 
 def load_lit_gpt(path, map_location=None, key: str = "ckpt"):

@@ -1,0 +1,130 @@
+"""``train.py init_from=hf:DIR``: a run that starts from a local Hugging Face transformers folder
+(GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM) through the weight layouts the exporter
+writes (pelab/export.py), read the other way; docs/export.md.
+
+The folder must hold the run's model: layers, heads, width, key/value heads, norm, MLP, QK-norm
+(here, before any data is read) and vocabulary (``load_init_weights``, once the tokenizer gives
+the run's). Its positions are kept or replaced:
+
+- the run's ``pe`` is the folder's scheme (learned for GPT-2, rope for GPT-NeoX and Llama): its
+  settings must be the folder's (rope's base, rotary_fraction and scaling; learned's table size,
+  unless ``pe.extend=interpolate``); ``pe.scaling`` may be added, and only then may
+  ``model.block_size`` exceed the folder's length (context extension);
+- another ``pe``: the folder's position weights (GPT-2's table) are dropped and the run's scheme
+  starts from its own initialisation, said in one printed line (recalibrating a pretrained model
+  to another scheme).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from model.pe import SCHEMES
+from pelab.checkpoint import CheckpointError
+from pelab.export import EXPORTERS, ExportError, Folder, scheme_name, to_pelab_state
+from pelab.lit import model_config
+
+PREFIX = "hf:"
+MATCHED = ("n_layer", "n_head", "n_embd", "n_kv_head", "norm", "mlp", "qk_norm")  # the weights' shapes and block
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_hf_init(spec: str, cfg) -> dict[str, Any]:
+    """The folder ``spec`` (``hf:DIR``) checked against the run's config ``cfg`` and read, in the
+    form ``check_init_from`` returns a checkpoint: pelab state dict, the folder's length, and
+    whether the run's scheme starts fresh."""
+    where = f"init_from={spec}"
+    path = Path(spec.removeprefix(PREFIX))
+    architecture = folder_architecture(path, where)
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise CheckpointError(f'{where} needs transformers: pip install -e ".[dev]"') from None
+    exporter = EXPORTERS[architecture]
+    config = transformers.AutoConfig.from_pretrained(path)
+    folder = exporter.read(config)
+    if not getattr(config, "tie_word_embeddings", True):
+        folder.refusals.append("tie_word_embeddings=false (pelab ties the output head to the embedding)")
+    if folder.refusals:
+        raise CheckpointError(f"{where} ({architecture}) has {'; '.join(folder.refusals)}: pelab's model cannot "
+                              "compute it")
+    model = model_config({**OmegaConf.to_container(cfg.model, resolve=True), "vocab_size": folder.model["vocab_size"]})
+    pe = OmegaConf.to_container(cfg.pe, resolve=True)
+    check_model(folder, model, architecture, where)
+    same = scheme_name(pe) == folder.scheme
+    if same:
+        check_positions(folder, pe, model.block_size, where)
+    for note in folder.notes:
+        print(f"[pelab] {where}: {note}", flush=True)
+    if not same:
+        print(f"[pelab] {where}: its positions are pe={folder.scheme} ({architecture}), this run's "
+              f"pe={scheme_name(pe)}: {'its position table is dropped and ' if folder.scheme == 'learned' else ''}"
+              f"the run's scheme starts from its own initialisation", flush=True)
+
+    hf, info = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    missing = info.get("missing_keys") or []
+    if missing:  # transformers would start them at random: never a silent guess
+        raise CheckpointError(f"{where} has no weight for {sorted(missing)[0]} (and {len(missing) - 1} more)")
+    try:
+        state = to_pelab_state(dict(hf.named_parameters()), exporter.layout(model), model, where)
+    except ExportError as err:
+        raise CheckpointError(str(err)) from None
+    if not same:
+        state = {k: v for k, v in state.items() if not k.startswith("pe.")}
+    return {"state_dict": {f"model.{k}": v.detach() for k, v in state.items()},
+            "hyper_parameters": {"model": {"block_size": folder.length}}, "fresh_pe": not same}
+
+
+def folder_architecture(path: Path, where: str) -> str:
+    """The class named by ``path``'s config.json, one pelab imports, in a folder with weights."""
+    if not path.is_dir():
+        raise CheckpointError(f"{where}: {path} is not a folder (a local Hugging Face transformers folder)")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{where}: {path} has no config.json (not a Hugging Face transformers folder)")
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"{where}: {path / 'config.json'} is not a JSON object ({err})") from None
+    known = ", ".join(EXPORTERS)
+    if len(architectures) != 1 or architectures[0] not in EXPORTERS:
+        raise CheckpointError(f"{where} is a {', '.join(architectures) or 'folder with no architectures'}; "
+                              f"pelab imports {known}")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        raise CheckpointError(f"{where}: {path} has no weights ({' or '.join(WEIGHT_FILES)})")
+    return architectures[0]
+
+
+def check_model(folder: Folder, model, architecture: str, where: str) -> None:
+    run = {key: model.kv_heads if key == "n_kv_head" else getattr(model, key) for key in MATCHED}
+    diffs = [key for key in MATCHED if folder.model[key] != run[key]]
+    if diffs:
+        raise CheckpointError(
+            f"{where} holds another model: the folder ({architecture}) has "
+            f"{', '.join(f'model.{k}={folder.model[k]}' for k in diffs)}, this run has "
+            f"{', '.join(f'model.{k}={run[k]}' for k in diffs)}; set the run's to the folder's")
+
+
+def check_positions(folder: Folder, pe: dict, block_size: int, where: str) -> None:
+    """A run of the folder's own scheme keeps its settings (``pe.scaling`` may be added)."""
+    defaults = {k: p.default for k, p in inspect.signature(SCHEMES[folder.scheme].__init__).parameters.items()}
+    diffs = [(f"pe.{k}", v, pe.get(k, defaults.get(k))) for k, v in folder.pe.items() if pe.get(k, defaults.get(k)) != v]
+    scaling = pe.get("scaling") or {}
+    diffs += [(f"pe.scaling.{k}", v, scaling.get(k)) for k, v in (folder.scaling or {}).items() if scaling.get(k) != v]
+    if folder.scheme == "learned":
+        table = pe.get("max_positions") or block_size
+        if table != folder.length and pe.get("extend") is None:
+            diffs.append(("pe.max_positions", folder.length, f"{table} (null = model.block_size)"))
+    elif block_size > folder.length and scaling.get("kind", "none") == "none":
+        diffs.append(("model.block_size", f"<= {folder.length} (max_position_embeddings; longer with pe.scaling)",
+                      block_size))
+    if diffs:
+        raise CheckpointError(
+            f"{where} was trained with {', '.join(f'{k}={v}' for k, v, _ in diffs)}, this run has "
+            f"{', '.join(f'{k}={r}' for k, _, r in diffs)}; set them to the folder's, or choose another pe "
+            f"(its own parameters then start fresh)")

@@ -1,0 +1,149 @@
+"""``init_from=hf:DIR``: a run that starts from a Hugging Face transformers folder. pelab -> HF ->
+pelab gives back every parameter tensor bit for bit (GPT-2, GPT-NeoX, Llama); a folder of another
+model, position setting or vocabulary is refused in one line before any data is read; another
+scheme starts fresh, saying so; a 2-step fine-tune from a folder runs through train.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+pytest.importorskip("transformers")
+
+from model.config import GPTConfig  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from pelab.checkpoint import CheckpointError, load_init_weights  # noqa: E402
+from pelab.export import export_model  # noqa: E402
+from pelab.lit import LitGPT  # noqa: E402
+from pelab.validate import validate_config  # noqa: E402
+from tests.harness.test_train import TINY_RUN, compose_config, run_train  # noqa: E402
+
+SMALL = ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=32", "data.tokenizer=bytes"]
+VOCAB = 256  # bytes
+LLAMA = ["model=llama_tiny", "model.qk_norm=false"]
+
+# name: the run's overrides (its model and scheme, exported and imported with the same ones)
+CASES = {
+    "learned": ["pe=learned", "model.bias=true"],
+    "rope": ["pe.base=500", "pe.rotary_fraction=0.5"],  # GPT-NeoX, its zero biases dropped on the way back
+    "llama": [*LLAMA, "pe.base=500", "model.n_kv_head=2"],
+    "llama_bias_padded": [*LLAMA, "model.n_kv_head=1", "model.bias=true", "model.pad_vocab_multiple=96"],
+}
+
+
+def trained_like(overrides, seed=0) -> LitGPT:
+    """A run's model with weights far from their init (biases too), as training leaves them."""
+    cfg = compose_config([*SMALL, *overrides])
+    torch.manual_seed(seed)
+    lit = LitGPT(model={**OmegaConf.to_container(cfg.model), "vocab_size": VOCAB}, pe=OmegaConf.to_container(cfg.pe))
+    with torch.no_grad():
+        for p in lit.model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return lit
+
+
+def export(tmp_path, overrides, name="hf"):
+    lit = trained_like(overrides)
+    export_model(lit.model, tmp_path / name)
+    return lit.model, tmp_path / name
+
+
+def imported(folder, overrides, vocab=VOCAB) -> tuple[GPT, GPT]:
+    """(the run's model as built, the same after init_from=hf:folder), as train.py does it."""
+    cfg = compose_config([*SMALL, *overrides, f"init_from=hf:{folder}"])
+    checked = validate_config(cfg)
+    gpt = GPT(GPTConfig(vocab_size=vocab, **OmegaConf.to_container(cfg.model)), checked.position.scheme)
+    fresh = {k: v.clone() for k, v in gpt.state_dict().items()}
+    load_init_weights(gpt, checked.init_state, cfg.init_from)
+    return fresh, gpt
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_round_trip_gives_every_parameter_back_bit_for_bit(tmp_path, name):
+    source, folder = export(tmp_path, CASES[name])
+    fresh, gpt = imported(folder, CASES[name])
+    got, want = gpt.state_dict(), source.state_dict()
+    assert got.keys() == want.keys()
+    vocab = VOCAB if name == "llama_bias_padded" else want["wte.weight"].shape[0]
+    for key, value in want.items():
+        if key in ("wte.weight", "lm_head.weight"):  # the folder keeps no padding rows: the run's own stay
+            assert torch.equal(got[key][:vocab], value[:vocab]), key
+            assert torch.equal(got[key][vocab:], fresh[key][vocab:]), key
+        else:
+            assert torch.equal(got[key], value), key
+    if name == "llama_bias_padded":
+        assert want["wte.weight"].shape[0] == 288  # 256 padded to 3 x 96
+    assert gpt.lm_head.weight is gpt.wte.weight
+
+
+def one_line_error(folder, overrides, match):
+    with pytest.raises(ValueError, match=match) as err:
+        imported(folder, overrides)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_another_model_is_refused_naming_each_key(tmp_path):
+    _, folder = export(tmp_path, CASES["llama"])
+    msg = one_line_error(folder, [*LLAMA, "model.n_layer=3", "model.n_kv_head=4", "model.qk_norm=true"],
+                         "holds another model")
+    assert "the folder (LlamaForCausalLM) has model.n_layer=2, model.n_kv_head=2, model.qk_norm=False" in msg
+    assert "this run has model.n_layer=3, model.n_kv_head=4, model.qk_norm=True" in msg
+    one_line_error(folder, [], r"model.norm=rmsnorm, model.mlp=swiglu.* this run has .*model.norm=layernorm")
+
+
+def test_another_vocabulary_is_refused_before_the_weights_load(tmp_path):
+    _, folder = export(tmp_path, CASES["rope"])
+    with pytest.raises(CheckpointError, match=r"has 256 token rows \(wte.weight\), this run's model 64 "
+                                              r"\(model.vocab_size=64 from the data's tokenizer"):
+        imported(folder, CASES["rope"], vocab=64)
+
+
+def test_the_folders_position_settings_are_kept_or_refused(tmp_path):
+    _, folder = export(tmp_path, CASES["rope"])
+    msg = one_line_error(folder, ["pe.base=10000", "pe.rotary_fraction=1.0"], "was trained with")
+    assert "pe.base=500.0, pe.rotary_fraction=0.5, this run has pe.base=10000, pe.rotary_fraction=1.0" in msg
+    one_line_error(folder, [*CASES["rope"], "model.block_size=64"], r"model.block_size=<= 32 .* this run has model.block_size=64")
+    imported(folder, [*CASES["rope"], "model.block_size=64", "pe.scaling.kind=linear", "pe.scaling.factor=2"])
+    _, table = export(tmp_path, CASES["learned"], "gpt2")
+    one_line_error(table, ["pe=learned", "model.bias=true", "pe.max_positions=64"], r"pe.max_positions=32")
+
+
+def test_another_scheme_starts_fresh_saying_so(tmp_path, capsys):
+    source, folder = export(tmp_path, CASES["learned"])
+    fresh, gpt = imported(folder, ["pe=t5", "model.bias=true"])
+    printed = capsys.readouterr().out
+    assert "its positions are pe=learned (GPT2LMHeadModel), this run's pe=t5: its position table is dropped" in printed
+    for key, value in gpt.state_dict().items():
+        assert torch.equal(value, fresh[key] if key.startswith("pe.") else source.state_dict()[key]), key
+
+
+def test_non_zero_biases_need_model_bias(tmp_path):
+    _, folder = export(tmp_path, CASES["learned"])
+    one_line_error(folder, ["pe=learned", "model.bias=false"],
+                   r"has a non-zero transformer.h.0.ln_1.bias and this run has model.bias=false; set model.bias=true")
+
+
+def test_bad_folders_are_refused_in_one_line(tmp_path):
+    one_line_error(tmp_path / "missing", [], "is not a folder")
+    _, folder = export(tmp_path, CASES["rope"])
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+    one_line_error(folder, [], "is a BertForMaskedLM; pelab imports GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").unlink()
+    one_line_error(folder, [], r"has no weights \(\*.safetensors or pytorch_model\*.bin\)")
+    (folder / "config.json").unlink()
+    one_line_error(folder, [], "has no config.json")
+
+
+def test_a_fine_tune_from_a_folder_runs(tmp_path):
+    _, folder = export(tmp_path, CASES["llama"])
+    proc = run_train([*SMALL, *CASES["llama"], f"init_from=hf:{folder}", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
+                      "eval.probe.enabled=false", *[a for a in TINY_RUN if not a.startswith("model.")]], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[pelab] init_from: weights of hf:{folder}" in proc.stdout
+    assert (tmp_path / "run" / "checkpoints").is_dir()
