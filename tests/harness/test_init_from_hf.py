@@ -6,6 +6,7 @@ scheme starts fresh, saying so; a 2-step fine-tune from a folder runs through tr
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -138,6 +139,12 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
     one_line_error(folder, [], r"has no weights \(\*.safetensors or pytorch_model\*.bin\)")
     (folder / "config.json").unlink()
     one_line_error(folder, [], "has no config.json")
+
+
+def test_without_transformers_the_import_names_the_install(tmp_path, monkeypatch):
+    _, folder = export(tmp_path, CASES["rope"])
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as when not installed
+    one_line_error(folder, CASES["rope"], r'needs transformers: pip install -e "\.\[dev\]"')
 
 
 def test_a_fine_tune_from_a_folder_runs(tmp_path):

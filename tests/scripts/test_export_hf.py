@@ -204,6 +204,17 @@ def test_non_default_model_options_are_refused(tmp_path, key):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("options, pe_options, message", [
+    (dict(qk_norm=True), {}, "model.qk_norm=true is not exportable: transformers' LlamaForCausalLM has no QK-norm"),
+    ({}, {"rotary_fraction": 0.5}, "pe.rotary_fraction=0.5 with the Llama block: LlamaForCausalLM rotates the whole head"),
+])
+def test_the_llama_block_refuses_what_llama_lacks(tmp_path, options, pe_options, message):
+    with pytest.raises(ExportError) as err:
+        export_model(tiny_gpt("rope", pe_options=pe_options, **LLAMA, **options), tmp_path / "hf")
+    assert str(err.value).startswith(message)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_nope_layers_are_refused(tmp_path):
     from model.gpt import GPT
     from tests.tiny import tiny_config
