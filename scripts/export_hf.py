@@ -3,8 +3,9 @@
     python scripts/export_hf.py ckpt=outputs/DATE/TIME/checkpoints/last.ckpt out=hf/my-model [overwrite=true]
 
 The folder loads with ``AutoModelForCausalLM.from_pretrained(out)`` and ``AutoTokenizer``:
-pe=learned as GPT-2, pe=rope as GPT-NeoX, computing the same logits as pelab. Every other
-scheme or option is refused in one line before anything is written.
+pe=learned as GPT-2, pe=rope as GPT-NeoX, or as Llama with the Llama block (model.norm=rmsnorm,
+model.mlp=swiglu), computing the same logits as pelab. Every other scheme or option is refused
+in one line before anything is written. ``train.py init_from=hf:OUT`` starts a run from it.
 """
 
 from __future__ import annotations
