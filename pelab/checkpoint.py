@@ -520,20 +520,14 @@ INIT_FREE = ("model.block_size", "model.dropout", "model.attention", "model.attn
 
 def check_init_from(path, cfg) -> dict[str, Any]:
     """``train.py init_from=...``: a readable pelab checkpoint (weights only is enough) of the
-    run's architecture; every differing key is listed. ``hf:DIR``: a Hugging Face transformers
-    folder (pelab/hf_import.py)."""
+    run's architecture; every differing key is listed. (``hf:DIR``, a transformers folder, is
+    pelab/hf_import.py's ``check_hf_init``.)"""
     from omegaconf import OmegaConf
 
-    if str(path).startswith("hf:"):
-        from pelab.hf_import import check_hf_init
-
-        ckpt = check_hf_init(str(path), cfg)
-        _refuse_non_finite_init(ckpt["state_dict"], path)
-        return ckpt
     ckpt = read_checkpoint(path, "init_from", verify=True)
     if Path(path).is_dir():
         ckpt["state_dict"] = sharded_state(path)["model"]
-    _refuse_non_finite_init(ckpt["state_dict"], path)
+    refuse_non_finite_init(ckpt["state_dict"], path)
     run = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("pe", "model")}
     diffs = [(k, s, r) for k, s, r in config_mismatches(ckpt["hyper_parameters"], run)
              if k == "pe" or k.startswith("model.") and k not in INIT_FREE]
@@ -546,7 +540,7 @@ def check_init_from(path, cfg) -> dict[str, Any]:
     return ckpt
 
 
-def _refuse_non_finite_init(state_dict: dict[str, Any], path) -> None:
+def refuse_non_finite_init(state_dict: dict[str, Any], path) -> None:
     floats = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
     bad = [k for k, v in floats.items() if not bool(v.isfinite().all())]
     if bad:

@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from model.pe import SCHEMES
-from pelab.checkpoint import CheckpointError
+from pelab.checkpoint import CheckpointError, refuse_non_finite_init
 from pelab.export import EXPORTERS, ExportError, Folder, scheme_name, to_pelab_state
 from pelab.lit import model_config
 
@@ -35,8 +35,8 @@ WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
 def check_hf_init(spec: str, cfg) -> dict[str, Any]:
-    """The folder ``spec`` (``hf:DIR``) checked against the run's config ``cfg`` and read, in the
-    form ``check_init_from`` returns a checkpoint: pelab state dict, the folder's length, and
+    """``init_from=hf:DIR``: the folder ``spec`` checked against the run's config ``cfg`` and read,
+    in the form ``check_init_from`` returns a checkpoint: pelab state dict, the folder's length, and
     whether the run's scheme starts fresh."""
     where = f"init_from={spec}"
     path = Path(spec.removeprefix(PREFIX))
@@ -77,6 +77,7 @@ def check_hf_init(spec: str, cfg) -> dict[str, Any]:
         raise CheckpointError(str(err)) from None
     if not same:
         state = {k: v for k, v in state.items() if not k.startswith("pe.")}
+    refuse_non_finite_init(state, spec)
     return {"state_dict": {f"model.{k}": v.detach() for k, v in state.items()},
             "hyper_parameters": {"model": {"block_size": folder.length}}, "fresh_pe": not same}
 

@@ -26,6 +26,7 @@ from pelab.checkpoint import check_init_from, check_resume, init_state
 from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
                           target_class)
 from pelab.datamodule import build_datamodule, data_options
+from pelab.hf_import import PREFIX as HF_PREFIX, check_hf_init
 from pelab.lit import Position, build_position, model_config, position_options
 from pelab.optim import OptimConfig
 
@@ -50,7 +51,8 @@ def validate_config(cfg: DictConfig) -> Checked:
             fail(key, plain(cfg.get(key)), describe(hint))
     # vocab_size comes from the tokenizer, loaded once the config has passed; no check depends on it
     model = model_config({"vocab_size": 1, **plain(cfg.model)})
-    init = build("init_from", check_init_from, cfg.init_from, cfg) if cfg.get("init_from") else None
+    check_init = check_hf_init if str(cfg.get("init_from")).startswith(HF_PREFIX) else check_init_from
+    init = build("init_from", check_init, cfg.init_from, cfg) if cfg.get("init_from") else None
     resolve_original_length(cfg, init["hyper_parameters"]["model"]["block_size"] if init else model.block_size)
     optim_values = plain(cfg.optim)
     check_options("optim", optim_values, OptimConfig)
