@@ -128,6 +128,15 @@ def test_non_zero_biases_need_model_bias(tmp_path):
                    r"has a non-zero transformer.h.0.ln_1.bias and this run has model.bias=false; set model.bias=true")
 
 
+def test_model_bias_fills_the_biases_a_folder_lacks_with_zeros(tmp_path):
+    source, folder = export(tmp_path, CASES["rope"])  # GPT-NeoX without attention_bias
+    _, gpt = imported(folder, [*CASES["rope"], "model.bias=true"])
+    attn = gpt.blocks[0].attn
+    assert torch.equal(attn.c_attn.bias, torch.zeros(96)) and torch.equal(attn.c_proj.bias, torch.zeros(32))
+    assert torch.equal(gpt.blocks[0].ln_1.bias, torch.zeros(32))  # the folder's zero LayerNorm bias, read
+    assert torch.equal(attn.c_attn.weight, source.blocks[0].attn.c_attn.weight)
+
+
 def test_bad_folders_are_refused_in_one_line(tmp_path):
     one_line_error(tmp_path / "missing", [], "is not a folder")
     _, folder = export(tmp_path, CASES["rope"])
