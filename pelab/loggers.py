@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import netrc
 import os
+import re
 import socket
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 from urllib.parse import urlparse
 
 import hydra
@@ -19,6 +20,7 @@ from lightning.pytorch.loggers.logger import DummyExperiment
 from omegaconf import DictConfig
 
 from evaluation.results import Logged
+from pelab.config import ConfigError
 from pelab.redact import redact, redact_text
 
 
@@ -37,12 +39,20 @@ class SafeWandbLogger(WandbLogger):
     """``WandbLogger`` for which W&B failing (unwritable offline directory, network gone, any
     exception from wandb) costs the W&B run, never the training run: the first error is
     reported once, on one line, and every later W&B call is a no-op. Hyperparameters are
-    logged with secrets masked."""
+    logged with secrets masked.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    ``log_model``: checkpoints of the ``ModelCheckpoint`` callback as W&B model artifacts, with
+    aliases ``latest`` and ``best`` (its monitored metric): ``true`` when training ends, ``all``
+    as each is written, ``false`` none. Offline, they wait in the offline run for ``wandb sync``."""
+
+    def __init__(self, *args: Any, log_model: Literal["all"] | bool = False, offline: bool = False,
+                 **kwargs: Any) -> None:
+        if log_model and offline:  # Lightning refuses the pair, yet an offline run keeps its artifacts for sync
+            kwargs["mode"], offline = "offline", False
+        super().__init__(*args, log_model=log_model, offline=offline, **kwargs)
         self.failure: str | None = None  # why W&B was switched off, once it was
         self._last_step: int | None = None
+        self._said_sharded = False
 
     def run_safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, unless W&B already failed; an exception switches W&B off
@@ -97,11 +107,21 @@ class SafeWandbLogger(WandbLogger):
     def log_video(self, *args: Any, **kwargs: Any) -> None:
         self.run_safely(super().log_video, *args, **kwargs)
 
-    def after_save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        self.run_safely(super().after_save_checkpoint, *args, **kwargs)
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self._say_if_sharded(checkpoint_callback)
+        self.run_safely(super().after_save_checkpoint, checkpoint_callback)
 
     def finalize(self, status: str) -> None:
         self.run_safely(super().finalize, status)
+
+    def _say_if_sharded(self, checkpoint_callback: Any) -> None:
+        """Lightning logs only checkpoint files: a sharded checkpoint (a directory) is said once."""
+        path = getattr(checkpoint_callback, "last_model_path", "") or ""
+        if self._log_model and path and Path(path).is_dir() and not self._said_sharded:
+            self._said_sharded = True
+            print(f"[pelab] logger.wandb.log_model={self._log_model}: {path} is a sharded checkpoint (a directory) and "
+                  f"is not logged as a W&B artifact; trainer.strategy.state_dict_type=full writes one file",
+                  file=sys.stderr, flush=True)
 
     def finish(self, exit_code: int = 0) -> str | None:
         """Close the W&B run; one line saying where it went (offline: how to upload it)."""
@@ -127,7 +147,8 @@ class SafeWandbLogger(WandbLogger):
 
 
 def log_to_wandb(logged: Logged, run) -> None:
-    """One probe's tables, line charts and images in one ``run.log``, then its summary scalars."""
+    """One probe's tables, line charts and images in one ``run.log``, then its summary scalars,
+    then those measured at several lengths once more, one ``run.log`` per length (``by_length``)."""
     import wandb
 
     payload = {key: wandb.Table(columns=columns, data=data) for key, (columns, data) in logged.tables.items()}
@@ -137,6 +158,28 @@ def log_to_wandb(logged: Logged, run) -> None:
     run.log(payload)
     for key, value in logged.summary.items():
         run.summary[key] = value
+    for prefix, rows in by_length(logged.summary).items():
+        axis = f"{prefix}/length"
+        run.define_metric(axis)
+        for metric in sorted({name for row in rows.values() for name in row}):
+            run.define_metric(metric, step_metric=axis, summary="none")  # its value per length is in the summary
+        for length in sorted(rows):
+            run.log({axis: length, **rows[length]})
+
+
+AT_LENGTH = re.compile(r"(?P<metric>(?P<prefix>[^/@]+)/[^@]+)@(?P<length>\d+)")
+
+
+def by_length(summary: dict[str, Any]) -> dict[str, dict[int, dict[str, float]]]:
+    """The scalars named ``{prefix}/.../{name}@{length}`` (``extrapolation/nonoverlapping/none/
+    ppl@512``, ``tasks/passkey/accuracy@256``) as rows by length under each prefix, the metric
+    named without ``@{length}``: one W&B log call per row puts length on the x-axis."""
+    rows: dict[str, dict[int, dict[str, float]]] = {}
+    for key, value in summary.items():
+        match = AT_LENGTH.fullmatch(key)
+        if match and isinstance(value, (int, float)) and not isinstance(value, bool):
+            rows.setdefault(match["prefix"], {}).setdefault(int(match["length"]), {})[match["metric"]] = value
+    return rows
 
 
 def log_results(loggers: list, logged: Logged, metrics: dict[str, float], step: int) -> None:
@@ -177,6 +220,15 @@ def wandb_offline_reason() -> str | None:
     if not wandb_reachable():
         return "W&B server unreachable"
     return None
+
+
+def check_log_model(key: str, log_model: Any, trainer: dict) -> None:
+    """Lightning logs checkpoint files only: with sharded checkpoints (directories) the artifacts
+    would silently never appear, so the pair is refused."""
+    strategy = trainer.get("strategy")
+    if log_model and isinstance(strategy, dict) and strategy.get("state_dict_type") == "sharded":
+        raise ConfigError(f"{key}={log_model!r} logs checkpoint files, but trainer.strategy.state_dict_type=sharded "
+                          f"writes directories: set trainer.strategy.state_dict_type=full or {key}=false")
 
 
 def build_loggers(cfg: DictConfig, identity, run_id: str | None = None) -> list:

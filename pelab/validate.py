@@ -28,6 +28,7 @@ from pelab.config import (ConfigError, build, check_options, describe, fail, mat
 from pelab.datamodule import build_datamodule, data_options
 from pelab.hf_import import PREFIX as HF_PREFIX, check_hf_init
 from pelab.lit import Position, build_position, model_config, position_options
+from pelab.loggers import check_log_model
 from pelab.optim import OptimConfig
 
 TOP_LEVEL = {"seed": int, "compile": bool, "init_from": str | None, "project": str, "run_name": str | None, "group": str | None,
@@ -67,6 +68,7 @@ def validate_config(cfg: DictConfig) -> Checked:
     for name, node in (cfg.get("logger") or {}).items():
         if node and "_target_" in node:
             check_options(f"logger.{name}", plain(node), target_class(f"logger.{name}", plain(node)))
+            check_log_model(f"logger.{name}.log_model", plain(node).get("log_model"), plain(cfg.trainer))
     if cfg.ckpt_path:  # readable, a pelab checkpoint, of this run's scheme and model
         build("ckpt_path", check_resume, cfg.ckpt_path, cfg)
     L.seed_everything(cfg.seed, workers=True)  # the scheme below takes its initial weights from the seed
