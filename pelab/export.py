@@ -14,7 +14,7 @@ pelab/hf_import.py to start a run from a folder (``init_from=hf:DIR``).
 Everything else (another scheme, NoPE layers, randomized positions, other RoPE scalings, p-RoPE,
 learned frequencies, a non-default model option) is refused before anything is written. The
 folder is written beside ``out`` under a temporary name and renamed into place, so a failed
-export leaves nothing half-written. transformers is imported only here, when exporting.
+export leaves nothing half-written. transformers is imported only when exporting or importing.
 """
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: An
     refusal = unexportable(gpt, pe_config or {})
     if refusal:
         raise ExportError(refusal)
-    require_transformers()
+    transformers = require_transformers()
     exporter = exporter_for(gpt)
     config, extra_config = exporter.config(gpt)
-    hf_model = getattr(require_transformers(), exporter.architecture)(config).eval()
+    hf_model = getattr(transformers, exporter.architecture)(config).eval()
     hf_model.load_state_dict(to_hf_state(gpt, exporter.layout(gpt.config), hf_model), strict=False)
     eot = getattr(tokenizer, "eot_token", None)
     notes: list[str] = []
@@ -163,9 +163,9 @@ def exporter_for(gpt: GPT) -> Exporter | None:
 def scheme_refusal(name: str) -> str | None:
     if any(e.scheme == name for e in EXPORTERS.values()):
         return None
-    native = ", ".join(f"{e.scheme}{' (' + ', '.join(f'{k}={v}' for k, v in e.block.items()) + ')' if e.block else ''}"
-                       f" -> {e.architecture}" for e in EXPORTERS.values())
-    return f"pe={name} {LATER} (native exports: {native})"
+    native = [" ".join([e.scheme, *(f"model.{k}={v}" for k, v in e.block.items())]) + f" -> {e.architecture}"
+              for e in EXPORTERS.values()]
+    return f"pe={name} {LATER} (native exports: {', '.join(native)})"
 
 
 def scheme_name(pe_config: dict) -> str:
@@ -247,7 +247,7 @@ def to_hf_state(gpt: GPT, rules: list[Rule], hf_model: nn.Module) -> dict[str, T
     state = {}
     for rule in rules:
         values = (rule.codec.to_hf(own[rule.pelab], gpt.config) if rule.pelab in own
-                  else [torch.zeros_like(params[key]) for key in rule.hf if key in params])
+                  else [torch.zeros_like(params[key]) if key in params else None for key in rule.hf])
         state.update((key, value.detach().clone()) for key, value in zip(rule.hf, values) if key in params)
     if set(params) - set(state):  # a layout that misses a parameter of the class: a bug, never a random weight
         raise ExportError(f"{type(hf_model).__name__}: no pelab weight for {sorted(set(params) - set(state))}")

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from model.pe import SCHEMES
@@ -42,7 +43,6 @@ def check_hf_init(spec: str, cfg) -> dict[str, Any]:
     path = Path(spec.removeprefix(PREFIX))
     architecture = folder_architecture(path, where)
     try:
-        import torch
         import transformers
     except ImportError:
         raise CheckpointError(f'{where} needs transformers: pip install -e ".[dev]"') from None

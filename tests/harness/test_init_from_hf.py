@@ -137,6 +137,20 @@ def test_model_bias_fills_the_biases_a_folder_lacks_with_zeros(tmp_path):
     assert torch.equal(attn.c_attn.weight, source.blocks[0].attn.c_attn.weight)
 
 
+def test_near_settings_are_printed_and_other_blocks_refused(tmp_path, capsys):
+    _, folder = export(tmp_path, CASES["learned"])
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "activation_function": "gelu_new",
+                                                    "layer_norm_epsilon": 1e-6}))
+    imported(folder, CASES["learned"])
+    printed = capsys.readouterr().out
+    assert "activation_function=gelu_new (tanh GELU) computed with pelab's exact GELU" in printed
+    assert "layer_norm_epsilon=1e-06 computed with pelab's 1e-05" in printed
+    (folder / "config.json").write_text(json.dumps({**config, "activation_function": "relu", "n_inner": 64}))
+    one_line_error(folder, CASES["learned"], r"\(GPT2LMHeadModel\) has n_inner=64 \(pelab's MLP is 4 x n_embd wide\); "
+                                             r"activation_function='relu' \(pelab's MLP is GELU\)")
+
+
 def test_bad_folders_are_refused_in_one_line(tmp_path):
     one_line_error(tmp_path / "missing", [], "is not a folder")
     _, folder = export(tmp_path, CASES["rope"])
