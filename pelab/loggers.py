@@ -47,9 +47,8 @@ class SafeWandbLogger(WandbLogger):
 
     def __init__(self, *args: Any, log_model: Literal["all"] | bool = False, offline: bool = False,
                  **kwargs: Any) -> None:
-        if log_model and offline:  # Lightning refuses the pair, yet an offline run keeps its artifacts for sync
-            kwargs["mode"], offline = "offline", False
-        super().__init__(*args, log_model=log_model, offline=offline, **kwargs)
+        super().__init__(*args, log_model=log_model, offline=offline and not log_model, **kwargs)
+        self._offline = offline  # Lightning refuses it with log_model, yet an offline run keeps artifacts for sync
         self.failure: str | None = None  # why W&B was switched off, once it was
         self._last_step: int | None = None
         self._said_sharded = False
