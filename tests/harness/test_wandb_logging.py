@@ -18,8 +18,10 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from wandb.proto import wandb_internal_pb2
 
 from evaluation.extrapolation import ExtrapolationRow, loggable
+from evaluation.tasks import TaskRow
+from evaluation.tasks import loggable as task_loggable
 from pelab.config import ConfigError
-from pelab.loggers import SafeWandbLogger, log_to_wandb
+from pelab.loggers import SafeWandbLogger, by_length, log_to_wandb
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,6 +155,18 @@ def test_extrapolation_is_plotted_against_length(offline):
     got = [(json.loads(h["extrapolation/length"]), json.loads(h.get(ppl, "null")),
             json.loads(h.get("extrapolation/sliding/none/ppl", "null"))) for h in by_length]
     assert got == [(64, 10.5, None), (128, 12.25, 11.0), (256, 20.0, None)]  # one row a length, ok rows only
+
+
+def test_task_accuracy_rows_by_length():
+    rows = [TaskRow("passkey", "rope", 64, n, depth, 10, acc, tok, 0.1, learned="yes")
+            for n, depth, acc, tok in [(64, 0.0, 1.0, 1.0), (64, 1.0, 0.5, 0.75), (128, 0.0, 0.25, 0.5),
+                                       (128, 1.0, 0.75, 0.75)]]
+    rows.append(TaskRow("passkey", "rope", 64, 256, 0.0, 0, float("nan"), float("nan"), 0.0, status="skipped: x"))
+    assert by_length(task_loggable(rows).summary) == {"tasks": {
+        64: {"tasks/passkey/depth0/accuracy": 1.0, "tasks/passkey/depth1/accuracy": 0.5,
+             "tasks/passkey/accuracy": 0.75, "tasks/passkey/token_accuracy": 0.875},
+        128: {"tasks/passkey/depth0/accuracy": 0.25, "tasks/passkey/depth1/accuracy": 0.75,
+              "tasks/passkey/accuracy": 0.5, "tasks/passkey/token_accuracy": 0.625}}}  # learned_at_... is no length
 
 
 def test_bad_log_model_is_one_line(tmp_path):
