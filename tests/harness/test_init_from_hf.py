@@ -80,6 +80,48 @@ def test_round_trip_gives_every_parameter_back_bit_for_bit(tmp_path, name):
     assert gpt.lm_head.weight is gpt.wte.weight
 
 
+def hf_written(folder, name):
+    """A folder written by transformers itself (its own random init, spread out): not by the exporter."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, tie_word_embeddings=True, initializer_range=0.3, bos_token_id=None, eos_token_id=None)
+    config = {
+        "GPT2LMHeadModel": transformers.GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                                   activation_function="gelu", **common),
+        "GPTNeoXForCausalLM": transformers.GPTNeoXConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, hidden_act="gelu",
+            max_position_embeddings=32, use_parallel_residual=False, attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}, **common),
+        "LlamaForCausalLM": transformers.LlamaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            max_position_embeddings=32, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **common),
+    }[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms' weights near 1, biases near 0, as trained models have them
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if torch.all(p == 1) else 0.0))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("GPT2LMHeadModel", ["pe=learned", "model.bias=true"]),
+    ("GPTNeoXForCausalLM", [*CASES["rope"], "model.bias=true"]),
+    ("LlamaForCausalLM", CASES["llama"]),
+])
+def test_a_folder_transformers_wrote_gives_its_logits_in_pelab(tmp_path, name, overrides):
+    hf = hf_written(tmp_path / "hf", name)
+    _, gpt = imported(tmp_path / "hf", overrides)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = hf(ids).logits, gpt.eval()(ids)[0]
+    assert want.std() > 0.5  # spread logits: the comparison is not of near-constants
+    assert (got - want).abs().max().item() <= 1e-4
+
+
 def one_line_error(folder, overrides, match):
     with pytest.raises(ValueError, match=match) as err:
         imported(folder, overrides)
