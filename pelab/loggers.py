@@ -160,8 +160,8 @@ def log_to_wandb(logged: Logged, run) -> None:
     for prefix, rows in by_length(logged.summary).items():
         axis = f"{prefix}/length"
         run.define_metric(axis)
-        for metric in sorted({name for row in rows.values() for name in row}):
-            run.define_metric(metric, step_metric=axis, summary="none")  # its value per length is in the summary
+        for metric in sorted({name for row in rows.values() for name in row}):  # by name: Lightning's "*" glob
+            run.define_metric(metric, step_metric=axis, summary="none")  # puts the rest on trainer/global_step
         for length in sorted(rows):
             run.log({axis: length, **rows[length]})
 
