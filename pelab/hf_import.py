@@ -1,6 +1,6 @@
 """``train.py init_from=hf:DIR``: a run that starts from a local Hugging Face transformers folder
 (GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM) through the weight layouts the exporter
-writes (pelab/export.py), read the other way; docs/export.md.
+writes (pelab/hf_classes.py), read the other way; docs/export.md.
 
 The folder must hold the run's model: layers, heads, width, key/value heads, norm, MLP, QK-norm
 (here, before any data is read) and vocabulary (``load_init_weights``, once the tokenizer gives
@@ -27,7 +27,8 @@ from omegaconf import OmegaConf
 
 from model.pe import SCHEMES
 from pelab.checkpoint import CheckpointError, refuse_non_finite_init
-from pelab.export import EXPORTERS, ExportError, Folder, scheme_name, to_pelab_state
+from pelab.export import scheme_name
+from pelab.hf_classes import EXPORTERS, ExportError, Folder, to_pelab_state
 from pelab.lit import model_config
 
 PREFIX = "hf:"
@@ -114,7 +115,8 @@ def check_model(folder: Folder, model, architecture: str, where: str) -> None:
 def check_positions(folder: Folder, pe: dict, block_size: int, where: str) -> None:
     """A run of the folder's own scheme keeps its settings (``pe.scaling`` may be added)."""
     defaults = {k: p.default for k, p in inspect.signature(SCHEMES[folder.scheme].__init__).parameters.items()}
-    diffs = [(f"pe.{k}", v, pe.get(k, defaults.get(k))) for k, v in folder.pe.items() if pe.get(k, defaults.get(k)) != v]
+    run = {k: pe.get(k, defaults.get(k)) for k in folder.pe}
+    diffs = [(f"pe.{k}", v, run[k]) for k, v in folder.pe.items() if run[k] != v]
     scaling = pe.get("scaling") or {}
     diffs += [(f"pe.scaling.{k}", v, scaling.get(k)) for k, v in (folder.scaling or {}).items() if scaling.get(k) != v]
     if folder.scheme == "learned":

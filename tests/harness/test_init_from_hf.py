@@ -84,7 +84,8 @@ def hf_written(folder, name):
     """A folder written by transformers itself (its own random init, spread out): not by the exporter."""
     import transformers
 
-    common = dict(vocab_size=VOCAB, tie_word_embeddings=True, initializer_range=0.3, bos_token_id=None, eos_token_id=None)
+    common = dict(vocab_size=VOCAB, tie_word_embeddings=True, initializer_range=0.3, bos_token_id=None,
+                  eos_token_id=None)
     config = {
         "GPT2LMHeadModel": transformers.GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                                    activation_function="gelu", **common),
@@ -94,7 +95,8 @@ def hf_written(folder, name):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}, **common),
         "LlamaForCausalLM": transformers.LlamaConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-            max_position_embeddings=32, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            max_position_embeddings=32, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **common),
     }[name]
     torch.manual_seed(0)
@@ -149,7 +151,8 @@ def test_the_folders_position_settings_are_kept_or_refused(tmp_path):
     _, folder = export(tmp_path, CASES["rope"])
     msg = one_line_error(folder, ["pe.base=10000", "pe.rotary_fraction=1.0"], "was trained with")
     assert "pe.base=500.0, pe.rotary_fraction=0.5, this run has pe.base=10000, pe.rotary_fraction=1.0" in msg
-    one_line_error(folder, [*CASES["rope"], "model.block_size=64"], r"model.block_size=<= 32 .* this run has model.block_size=64")
+    one_line_error(folder, [*CASES["rope"], "model.block_size=64"],
+                   r"model.block_size=<= 32 .* this run has model.block_size=64")
     imported(folder, [*CASES["rope"], "model.block_size=64", "pe.scaling.kind=linear", "pe.scaling.factor=2"])
     _, table = export(tmp_path, CASES["learned"], "gpt2")
     one_line_error(table, ["pe=learned", "model.bias=true", "pe.max_positions=64"], r"pe.max_positions=32")
@@ -198,7 +201,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
     _, folder = export(tmp_path, CASES["rope"])
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
-    one_line_error(folder, [], "is a BertForMaskedLM; pelab imports GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM")
+    one_line_error(folder, [],
+                   "is a BertForMaskedLM; pelab imports GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM")
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").unlink()
     one_line_error(folder, [], r"has no weights \(\*.safetensors or pytorch_model\*.bin\)")
@@ -214,7 +218,8 @@ def test_without_transformers_the_import_names_the_install(tmp_path, monkeypatch
 
 def test_a_fine_tune_from_a_folder_runs(tmp_path):
     _, folder = export(tmp_path, CASES["llama"])
-    proc = run_train([*SMALL, *CASES["llama"], f"init_from=hf:{folder}", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
+    proc = run_train([*SMALL, *CASES["llama"], f"init_from=hf:{folder}", "logger=none",
+                      f"hydra.run.dir={tmp_path / 'run'}",
                       "eval.probe.enabled=false", *[a for a in TINY_RUN if not a.startswith("model.")]], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"[pelab] init_from: weights of hf:{folder}" in proc.stdout

@@ -21,7 +21,8 @@ from data.tokenizers import get_tokenizer  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
 from model.pe import SCHEMES  # noqa: E402
 from model.pe.scaling import apply_scaling  # noqa: E402
-from pelab.export import EXPORTERS, ExportError, export_model  # noqa: E402
+from pelab.export import ExportError, export_model  # noqa: E402
+from pelab.hf_classes import EXPORTERS  # noqa: E402
 from pelab.lit import LitGPT  # noqa: E402
 from tests.tiny import tiny_gpt  # noqa: E402
 
@@ -43,7 +44,8 @@ CASES = {
                                                      "low_freq_factor": 1.5, "high_freq_factor": 6.0}},
                   dict(**LLAMA, n_kv_head=1, bias=True, pad_vocab_multiple=64), "gpt2"),
 }
-ARCHITECTURE = {"learned": "GPT2LMHeadModel", **{name: "GPTNeoXForCausalLM" for name in CASES if name.startswith("rope")},
+ARCHITECTURE = {"learned": "GPT2LMHeadModel",
+                **{name: "GPTNeoXForCausalLM" for name in CASES if name.startswith("rope")},
                 "llama": "LlamaForCausalLM", "llama_mqa": "LlamaForCausalLM"}
 
 
@@ -206,7 +208,8 @@ def test_non_default_model_options_are_refused(tmp_path, key):
 
 @pytest.mark.parametrize("options, pe_options, message", [
     (dict(qk_norm=True), {}, "model.qk_norm=true is not exportable: transformers' LlamaForCausalLM has no QK-norm"),
-    ({}, {"rotary_fraction": 0.5}, "pe.rotary_fraction=0.5 with the Llama block: LlamaForCausalLM rotates the whole head"),
+    ({}, {"rotary_fraction": 0.5},
+     "pe.rotary_fraction=0.5 with the Llama block: LlamaForCausalLM rotates the whole head"),
 ])
 def test_the_llama_block_refuses_what_llama_lacks(tmp_path, options, pe_options, message):
     with pytest.raises(ExportError) as err:
