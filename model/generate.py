@@ -12,28 +12,36 @@ from model.positions import Pass
 
 class LayerCache:
     """One layer's cached keys (rotated once, at their own positions) and values, n_kv_head heads
-    each: GQA's query heads share them when attending (model/gpt.py), the cache never repeats them."""
+    each: GQA's query heads share them when attending (model/gpt.py), the cache never repeats them.
+    A layer with a sliding window W keeps only the last W - 1 keys: with the next token's own,
+    the W keys it sees (memory flat however long the generation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        self.window = window
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
-        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        return self.k, self.v
+        """The kept keys and values followed by these (what the new tokens attend); keeps the
+        last W - 1 of them with a window, all without."""
+        k = k if self.k is None else torch.cat((self.k, k), dim=2)
+        v = v if self.v is None else torch.cat((self.v, v), dim=2)
+        start = 0 if self.window is None else max(0, k.shape[2] - self.window + 1)
+        self.k, self.v = k[:, :, start:], v[:, :, start:]
+        return k, v
 
 
 class KVCache:
     """Keys and values of every layer for incremental decoding. ``span`` is every position
     the generation will cover, fixed up front: schemes whose tables depend on the context
     (xPos's reference point, dynamic NTK's length) read it, so cached keys stay valid and
-    decoding equals one full forward over the final sequence."""
+    decoding equals one full forward over the final sequence. ``windows``: each layer's sliding
+    window (None: full; absent: every layer full), as ``GPTConfig.layer_windows``."""
 
-    def __init__(self, n_layer: int, span: Tensor) -> None:
+    def __init__(self, n_layer: int, span: Tensor, windows: tuple[int | None, ...] = ()) -> None:
         self.span = span
         self.positions = span[:0]
-        self.layers = [LayerCache() for _ in range(n_layer)]
+        self.layers = [LayerCache(windows[i] if i < len(windows) else None) for i in range(n_layer)]
 
     @property
     def length(self) -> int:
@@ -76,7 +84,7 @@ def generate(model: Any, idx: Tensor, max_new_tokens: int, temperature: float = 
         raise ValueError(f"generating to {total} tokens exceeds the {limit} positions of pe={model.pe.name}; "
                          f"ask for at most {limit - idx.shape[1]} new tokens")
     span = torch.arange(total, device=idx.device)
-    kv = KVCache(len(model.blocks), span) if cache else None
+    kv = KVCache(len(model.blocks), span, model.config.layer_windows) if cache else None
     new = idx
     for step in range(max_new_tokens):
         if kv is not None:

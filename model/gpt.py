@@ -72,6 +72,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x, ctx)
         if cache is not None:  # the cache keeps only the n_kv_head heads
             k, v = cache.append(k, v)
+            keys = ctx.terms.k_positions.shape[-1]  # a windowed layer attends its window's keys only
+            k, v = k[:, :, -keys:], v[:, :, -keys:]
         if self.n_kv_head != self.n_head:  # query head h reads key/value head h // group (HF's repeat_kv)
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -174,7 +176,8 @@ class GPT(nn.Module):
                       explicit_mask=past > 0 and T > 1,  # several new tokens after a cache
                       q_documents=documents, k_documents=documents)
         contexts = layer_contexts(terms, backend, how, len(self.blocks), self.nope_layers,
-                                  query_scales(self.config, self.pe, positions, past, documents))
+                                  query_scales(self.config, self.pe, positions, past, documents),
+                                  self.config.layer_windows)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)

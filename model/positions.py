@@ -54,26 +54,30 @@ class Pass:
 
 def layer_contexts(terms: Terms, backend: AttentionBackend, how: Pass = Pass(), n_layer: int = 1,
                    nope_layers: frozenset[int] = frozenset(),
-                   q_scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> list[PositionContext]:
+                   q_scales: tuple[Tensor | None, Tensor | None] = (None, None),
+                   windows: tuple[int | None, ...] = ()) -> list[PositionContext]:
     """One forward's per-layer contexts, built once from its position ``terms``: the scheme's
     (rotation tables over ``how.span`` and the backend's position terms) and, for the NoPE
-    layers of a schedule, a causal-only one. ``q_scales``: the attention temperature of the
-    scheme's layers and of the NoPE layers (``query_scales``)."""
+    layers of a schedule, a causal-only one; one of each per distinct sliding window
+    (``windows``: layer i's, None or absent = full). ``q_scales``: the attention temperature of
+    the scheme's layers and of the NoPE layers (``query_scales``)."""
     pe, positions = terms.pe, terms.q_positions
     chunk = how.q_chunk if how.q_chunk is not None and positions.shape[-1] > how.q_chunk else None
+    tables = None
+    if pe.uses_rotate:  # over every key of the forward, whatever a window keeps
+        tables = pe.rotation_tables(positions, terms.k_positions if how.span is None else how.span)
 
-    def build(with_pe: bool) -> PositionContext:
+    def build(with_pe: bool, window: int | None) -> PositionContext:
         kind = backend if with_pe else BACKENDS[backend.plain]
-        layer_terms = terms if with_pe else replace(terms, bias=False)
-        tables = None
-        if with_pe and pe.uses_rotate:
-            tables = pe.rotation_tables(positions, terms.k_positions if how.span is None else how.span)
-        return PositionContext(pe, layer_terms, kind, kind.prepare(layer_terms, chunked=chunk is not None), tables,
-                               chunk, how.record, q_scales[0] if with_pe else q_scales[1])
+        layer_terms = (terms if with_pe else replace(terms, bias=False)).windowed(window)
+        return PositionContext(pe, layer_terms, kind, kind.prepare(layer_terms, chunked=chunk is not None),
+                               tables if with_pe else None, chunk, how.record, q_scales[0] if with_pe else q_scales[1])
 
-    scheme = build(True)
-    plain = build(False) if nope_layers else scheme
-    return [plain if i in nope_layers else scheme for i in range(n_layer)]
+    keys = terms.k_positions.shape[-1]  # a window of at least every key is full attention
+    windows = [w if w is not None and w < keys else None for w in windows]
+    layers = [(i not in nope_layers, windows[i] if i < len(windows) else None) for i in range(n_layer)]
+    built = {layer: build(*layer) for layer in dict.fromkeys(layers)}  # masks once per kind of layer
+    return [built[layer] for layer in layers]
 
 
 def resolve_positions(pe: Any, T: int, positions: Tensor | None, device: torch.device, start: int = 0) -> Tensor:

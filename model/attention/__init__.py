@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
@@ -110,17 +111,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> T
     spans = [(0, Tq)] if ctx.chunk is None else [(s, min(Tq, s + ctx.chunk)) for s in range(0, Tq, ctx.chunk)]
     parts = []
     for s, e in spans:
-        ke = Tk - Tq + e  # rows [s, e) see keys [0, ke)
+        ks, ke = ctx.terms.key_span(s, e)  # rows [s, e) see keys [ks, ke): their windows' (all earlier without)
         if ctx.chunk is None:
             out = backend(q, k, v, ctx.state, dropout)
         elif backend.full_keys:  # same K/V shape for every chunk: one compiled kernel per length
             out = backend(q[:, :, s:e], k, v, backend.chunk(ctx.state, ctx.terms, s, e), dropout)
         else:
-            out = backend(q[:, :, s:e], k[:, :, :ke], v[:, :, :ke], backend.chunk(ctx.state, ctx.terms, s, e), dropout)
+            out = backend(q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], backend.chunk(ctx.state, ctx.terms, s, e),
+                          dropout)
         if backend.records:
             out, p = out
             if ctx.record is not None:
-                ctx.record.add_chunk(p, s, Tk)
+                ctx.record.add_chunk(F.pad(p, (ks if ctx.chunk is not None else 0, 0)), s, Tk)
         parts.append(out)
     if ctx.record is not None and backend.records:
         ctx.record.end_layer()

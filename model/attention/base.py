@@ -36,18 +36,38 @@ class Terms:
     explicit_mask: bool = False  # an explicit causal mask even without a bias
     q_documents: Tensor | None = None  # (B, Tq) document ids (packed documents); None: one document
     k_documents: Tensor | None = None  # (B, Tk)
+    window: int | None = None  # sliding window W, query i sees keys i-W+1..i; None (or W >= Tk): all earlier keys
 
     @property
     def with_bias(self) -> bool:
         return self.bias and self.pe.uses_bias
 
+    def key_span(self, s: int, e: int) -> tuple[int, int]:
+        """The keys [ks, ke) that query rows [s, e) see: up to the last row's token, from the
+        first row's window on (all earlier keys without a window)."""
+        Tq, Tk = self.q_positions.shape[-1], self.k_positions.shape[-1]
+        return (0 if self.window is None else max(0, Tk - Tq + s - self.window + 1)), Tk - Tq + e
+
     def rows(self, s: int, e: int) -> Terms:
-        """Query rows [s, e) against the keys they see (a query chunk)."""
-        ke = self.k_positions.shape[-1] - self.q_positions.shape[-1] + e
+        """Query rows [s, e) against the keys they see (a query chunk): O(rows x W) with a window."""
+        return self.keys(*self.key_span(s, e), s, e, explicit_mask=True)
+
+    def keys(self, ks: int, ke: int, s: int = 0, e: int | None = None, explicit_mask: bool | None = None) -> Terms:
+        """Query rows [s, e) against keys [ks, ke), the rows being the last of those keys; a
+        window that hides none of them is dropped (no mask needed for it)."""
+        e = self.q_positions.shape[-1] if e is None else e
+        window = self.window if self.window is not None and self.window < ke - ks else None
         documents = {} if self.q_documents is None else {"q_documents": self.q_documents[:, s:e],
-                                                          "k_documents": self.k_documents[:, :ke]}
-        return replace(self, q_positions=self.q_positions[..., s:e], k_positions=self.k_positions[..., :ke],
-                       explicit_mask=True, **documents)
+                                                          "k_documents": self.k_documents[:, ks:ke]}
+        return replace(self, q_positions=self.q_positions[..., s:e], k_positions=self.k_positions[..., ks:ke],
+                       window=window, explicit_mask=self.explicit_mask if explicit_mask is None else explicit_mask,
+                       **documents)
+
+    def windowed(self, window: int | None) -> Terms:
+        """These terms for a layer with ``window``: the keys no query sees dropped (a KV cache
+        longer than the window), the window kept only where it hides a key."""
+        terms = replace(self, window=window)
+        return terms.keys(*terms.key_span(0, self.q_positions.shape[-1])) if window is not None else terms
 
     @property
     def documents(self) -> bool:
@@ -57,8 +77,8 @@ class Terms:
     def mask(self, always: bool = False) -> Tensor | None:
         """The float32 mask (bias + causal -inf), or None for a plain causal layer."""
         return attention_mask(self.pe, *self.bias_positions(), torch.float32,
-                              always=always or self.explicit_mask, with_bias=self.bias,
-                              q_documents=self.q_documents, k_documents=self.k_documents)
+                              always=always or self.explicit_mask or self.window is not None, with_bias=self.bias,
+                              q_documents=self.q_documents, k_documents=self.k_documents, window=self.window)
 
     def order_mask(self) -> Tensor | None:
         """SDPA's mask: the float32 one with a bias; else a boolean order mask (Tq, Tk) where
@@ -66,7 +86,7 @@ class Terms:
         Documents without a bias: (B, 1, Tq, Tk) bool, never a float per head."""
         if self.with_bias:
             return self.mask()
-        if self.documents:
+        if self.documents or self.window is not None:
             return ~self.hidden()
         if not self.explicit_mask:
             return None
@@ -86,9 +106,10 @@ class Terms:
         return order[order.shape[0] - self.q_positions.shape[-1]:], order
 
     def hidden(self) -> Tensor:
-        """(Tq, Tk) or, with documents, (B, 1, Tq, Tk) bool: True where a key is hidden."""
+        """(Tq, Tk) or, with documents, (B, 1, Tq, Tk) bool: True where a key is hidden (later,
+        before the window, or of another document)."""
         return hidden_keys(self.q_positions.shape[-1], self.k_positions.shape[-1], self.q_positions.device,
-                           self.q_documents, self.k_documents)
+                           self.q_documents, self.k_documents, self.window)
 
 
 class AttentionBackend:

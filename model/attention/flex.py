@@ -42,6 +42,7 @@ class FlexState:
     offset: int | None = None  # query row i is token offset + i of the keys (None: the last Tq tokens)
     documents: Any = None  # packed documents: this forward's (or chunk's) document BlockMask, else None
     table: Tensor | None = None  # (H, Tq, Tk) or (B, H, Tq, Tk) float32 bias read instead of score, or None
+    window: int | None = None  # sliding window: the BlockMask also hides keys before it (and skips their blocks)
 
 
 class Flex(AttentionBackend):
@@ -57,7 +58,7 @@ class Flex(AttentionBackend):
 
     def __init__(self) -> None:
         self._compiled = None
-        self._block_masks: dict = {}  # causal BlockMasks per (Tq, Tk, device)
+        self._block_masks: dict = {}  # causal BlockMasks per (Tq, Tk, offset, window, device)
 
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return not pe.uses_bias or pe.bias_score() is not None
@@ -68,11 +69,12 @@ class Flex(AttentionBackend):
             raise ValueError(f"model.attention=flex: pe={terms.pe.name} gives no elementwise bias (bias_score)")
         documents = None
         if terms.documents and not chunked:  # built once per forward, shared by every layer
-            documents = self.document_mask(terms.k_documents, terms.q_positions.shape[-1], None)
+            documents = self.document_mask(terms.k_documents, terms.q_positions.shape[-1], None, terms.window)
         table = None
         if terms.with_bias and torch.is_grad_enabled() and self.reads_table(terms.pe, terms.q_positions.device):
             table = terms.pe.bias(*terms.bias_positions())  # once per forward, shared by every layer
-        return FlexState(score, terms.q_positions, terms.k_positions, documents=documents, table=table)
+        return FlexState(score, terms.q_positions, terms.k_positions, documents=documents, table=table,
+                         window=terms.window)
 
     @staticmethod
     def reads_table(pe, device: torch.device) -> bool:
@@ -92,16 +94,17 @@ class Flex(AttentionBackend):
         offset = terms.k_positions.shape[-1] - terms.q_positions.shape[-1] + s
         documents = None
         if terms.documents:
-            documents = self.document_mask(terms.k_documents, e - s, offset)
+            documents = self.document_mask(terms.k_documents, e - s, offset, terms.window)
         table = None if state.table is None else state.table[..., s:e, :]
-        return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset, documents, table)
+        return FlexState(state.score, terms.q_positions[..., s:e], terms.k_positions, offset, documents, table,
+                         terms.window)
 
     @staticmethod
-    def document_mask(documents: Tensor, Tq: int, offset: int | None):
+    def document_mask(documents: Tensor, Tq: int, offset: int | None, window: int | None = None):
         """The BlockMask of packed documents: Tq queries (tokens offset.., by default the last
         Tq) against the (B, Tk) document ids of the keys, causal and inside the query's
-        document. Blocks with no pair of one document are skipped, so attention gets cheaper as
-        documents get shorter. The queries' ids are read from the keys' (one captured tensor:
+        document (and its ``window``). Blocks with no pair of one document are skipped, so
+        attention gets cheaper as documents get shorter. The queries' ids are read from the keys' (one captured tensor:
         flex's compiled wrapper guards captured tensors against aliasing)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -110,17 +113,20 @@ class Flex(AttentionBackend):
 
         def same_document(b, h, q_idx, kv_idx):
             token = q_idx + shift
-            return (kv_idx <= token) & (documents[b, token] == documents[b, kv_idx])
+            visible = (kv_idx <= token) & (documents[b, token] == documents[b, kv_idx])
+            return visible if window is None else visible & (kv_idx > token - window)
 
         if torch.compiler.is_compiling():
             return create_block_mask(same_document, B, None, Tq, Tk, device=documents.device)
         with torch.inference_mode(False):  # as the causal masks: a later backward may save it
             return create_block_mask(same_document, B, None, Tq, Tk, device=documents.device)
 
-    def block_mask(self, Tq: int, Tk: int, device: torch.device, offset: int | None = None):
+    def block_mask(self, Tq: int, Tk: int, device: torch.device, offset: int | None = None,
+                   window: int | None = None):
         """The causal BlockMask of Tq queries (tokens offset..offset+Tq-1, by default the last Tq)
-        against Tk keys, built once per (shape, offset) in eager mode; a compiled graph builds its
-        own (a cache mutated inside the graph would recompile it)."""
+        against Tk keys, with a sliding ``window`` (query t sees keys t-W+1..t; blocks wholly
+        before it are skipped), built once per (shape, offset, window) in eager mode; a compiled
+        graph builds its own (a cache mutated inside the graph would recompile it)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         offset = Tk - Tq if offset is None else offset
@@ -128,12 +134,16 @@ class Flex(AttentionBackend):
         def build():
             # the offset as a tensor, not a constant: masks at other offsets share one compiled kernel
             shift = torch.tensor(offset, device=device)
-            return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + shift, None, None, Tq, Tk,
-                                     device=device)
+
+            def causal(b, h, q_idx, kv_idx):
+                visible = kv_idx <= q_idx + shift
+                return visible if window is None else visible & (kv_idx > q_idx + shift - window)
+
+            return create_block_mask(causal, None, None, Tq, Tk, device=device)
 
         if torch.compiler.is_compiling():
             return build()
-        key = (Tq, Tk, offset, str(device))
+        key = (Tq, Tk, offset, window, str(device))
         if key not in self._block_masks:
             # normal tensors even when first asked for under inference_mode (Lightning's sanity
             # validation): inference tensors in the cache could not be saved for a later backward
@@ -173,7 +183,8 @@ class Flex(AttentionBackend):
             def score_mod(s, b, h, q_idx, kv_idx):
                 return s + score(qp[b, q_idx], kp[b, kv_idx], h)
 
-        block_mask = self.block_mask(Tq, Tk, q.device, state.offset) if state.documents is None else state.documents
+        block_mask = (self.block_mask(Tq, Tk, q.device, state.offset, state.window) if state.documents is None
+                      else state.documents)
         dtype = v.dtype
         options = TABLE_KERNEL_OPTIONS if state.table is not None and v.is_cuda else None
         with torch.autocast(v.device.type, enabled=False):

@@ -46,8 +46,8 @@ def key_features(slopes: Tensor, k_positions: Tensor, head_dim: int, dtype: torc
 
 
 class SDPAKey(AttentionBackend):
-    """The state is the key features of every key of the forward (chunks take a prefix) and,
-    for packed documents, SDPA's (B, 1, Tq, Tk) boolean mask (else None: SDPA's causal kernel).
+    """The state is the key features of every key of the forward (chunks take their keys) and,
+    for packed documents or a window, SDPA's boolean mask (else None: SDPA's causal kernel).
     The form stays exact under a document mask: -m_h p_i is constant along each query's row
     whichever keys of it are hidden, and p_j - p_ref is per sequence (per-document positions)."""
 
@@ -59,11 +59,13 @@ class SDPAKey(AttentionBackend):
 
     def prepare(self, terms: Terms, chunked: bool = False) -> tuple[Tensor, Tensor | None]:
         features = key_features(terms.pe.key_only_slopes(), terms.k_positions, terms.pe.head_dim, terms.dtype)
-        return features, (~terms.hidden() if terms.documents and not chunked else None)
+        visible = ~terms.hidden() if (terms.documents or terms.window is not None) and not chunked else None
+        return features, visible
 
     def chunk(self, state: tuple[Tensor, Tensor | None], terms: Terms, s: int, e: int) -> tuple[Tensor, Tensor | None]:
-        rows = terms.rows(s, e)
-        return state[0][..., : rows.k_positions.shape[-1], :], (~rows.hidden() if rows.documents else None)
+        rows, (ks, ke) = terms.rows(s, e), terms.key_span(s, e)
+        visible = ~rows.hidden() if rows.documents or rows.window is not None else None
+        return state[0][..., ks:ke, :], visible
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: tuple[Tensor, Tensor | None],
                  dropout: float) -> Tensor:
