@@ -52,6 +52,19 @@ class Pass:
     record: AttentionRecorder | None = None  # collects the attention probabilities (math backend)
 
 
+# the fewest query rows of a windowed layer's chunk: fewer would spend more on the loop than they save
+WINDOW_ROWS = 64
+
+
+def window_rows(window: int, queries: int) -> int | None:
+    """Query rows per chunk of a layer with a sliding window (training included): each chunk
+    reads only its window's keys, so attention costs O(T W), not the O(T^2) of a masked kernel
+    (measured: docs/design.md, "Sliding windows"); None where the sequence is too short for
+    chunks to pay."""
+    rows = max(WINDOW_ROWS, window // 2)
+    return rows if queries >= 2 * (rows + window) else None
+
+
 def layer_contexts(terms: Terms, backend: AttentionBackend, how: Pass = Pass(), n_layer: int = 1,
                    nope_layers: frozenset[int] = frozenset(),
                    q_scales: tuple[Tensor | None, Tensor | None] = (None, None),
@@ -59,7 +72,8 @@ def layer_contexts(terms: Terms, backend: AttentionBackend, how: Pass = Pass(), 
     """One forward's per-layer contexts, built once from its position ``terms``: the scheme's
     (rotation tables over ``how.span`` and the backend's position terms) and, for the NoPE
     layers of a schedule, a causal-only one; one of each per distinct sliding window
-    (``windows``: layer i's, None or absent = full). ``q_scales``: the attention temperature of
+    (``windows``: layer i's, None or absent = full; long windowed layers attend in query chunks,
+    ``window_rows``). ``q_scales``: the attention temperature of
     the scheme's layers and of the NoPE layers (``query_scales``)."""
     pe, positions = terms.pe, terms.q_positions
     chunk = how.q_chunk if how.q_chunk is not None and positions.shape[-1] > how.q_chunk else None
@@ -70,8 +84,11 @@ def layer_contexts(terms: Terms, backend: AttentionBackend, how: Pass = Pass(), 
     def build(with_pe: bool, window: int | None) -> PositionContext:
         kind = backend if with_pe else BACKENDS[backend.plain]
         layer_terms = (terms if with_pe else replace(terms, bias=False)).windowed(window)
-        return PositionContext(pe, layer_terms, kind, kind.prepare(layer_terms, chunked=chunk is not None),
-                               tables if with_pe else None, chunk, how.record, q_scales[0] if with_pe else q_scales[1])
+        rows = chunk
+        if rows is None and layer_terms.window is not None and not kind.full_keys:
+            rows = window_rows(layer_terms.window, positions.shape[-1])
+        return PositionContext(pe, layer_terms, kind, kind.prepare(layer_terms, chunked=rows is not None),
+                               tables if with_pe else None, rows, how.record, q_scales[0] if with_pe else q_scales[1])
 
     keys = terms.k_positions.shape[-1]  # a window of at least every key is full attention
     windows = [w if w is not None and w < keys else None for w in windows]

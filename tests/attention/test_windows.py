@@ -15,6 +15,7 @@ from model.attention.masks import causal_future
 from model.config import GPTConfig
 from model.generate import KVCache
 from model.pe import SCHEMES
+from model import positions
 from model.positions import Pass, layer_contexts
 from tests.naive import (
     leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate, set_naive_params,
@@ -199,6 +200,41 @@ def test_chunked_evaluation_reads_only_the_window_and_equals_unchunked(name, bac
     assert seen and all(q == 4 for q, _ in seen)
     if backend != "flex":
         assert max(k for _, k in seen) == 4 + 5 - 1
+
+
+@pytest.mark.parametrize("name", ["rope", "t5"])
+def test_long_windowed_training_forward_attends_in_window_chunks(name, monkeypatch):
+    """T=160 with W=5: training chunks of 64 rows read at most 64 + 4 keys; the loss and every
+    gradient equal the unchunked masked kernel's, the logits the float64 model's."""
+    _, model, _ = build(name, seed=12, window=5, block_size=160)
+    set_naive_params(model.pe)
+    model.train()
+    idx = torch.randint(0, 31, (2, 160), generator=torch.Generator().manual_seed(13))
+    targets = torch.roll(idx, -1, dims=1)
+    cls = type(route(model, "sdpa", True))
+    call, seen = cls.__call__, []
+
+    def spy(self, q, k, v, state, dropout):
+        seen.append((q.shape[2], k.shape[2]))
+        return call(self, q, k, v, state, dropout)
+
+    def step():
+        model.zero_grad()
+        logits, loss = model(idx, targets)
+        loss.backward()
+        return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    monkeypatch.setattr(cls, "__call__", spy)
+    logits, loss, grads = step()
+    assert {q for q, _ in seen} == {64, 32} and max(k for _, k in seen) == 64 + 4
+    monkeypatch.setattr(positions, "WINDOW_ROWS", 10**6)  # one masked kernel over all 160 rows
+    seen.clear()
+    _, whole, whole_grads = step()
+    assert {q for q, _ in seen} == {160}
+    torch.testing.assert_close(loss, whole, atol=1e-6, rtol=1e-6)
+    for n, g in whole_grads.items():
+        torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    torch.testing.assert_close(logits.double(), naive_logits(model.eval(), idx, (5, 5)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("windows", [{"window": 3}, {"window_pattern": [3, None]}], ids=["window", "pattern"])
