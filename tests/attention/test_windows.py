@@ -20,7 +20,7 @@ from model.positions import Pass, layer_contexts
 from tests.naive import (
     leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate, set_naive_params,
 )
-from tests.tiny import LEARNED_BIAS, build, schemes_where
+from tests.tiny import LEARNED_BIAS, attention_config, build, schemes_where
 
 T = 9
 WINDOWS = [1, 3, T]
@@ -43,10 +43,11 @@ def naive_windowed(q, k, v, bias, window, documents=None):
     return torch.einsum("bhij,bhjd->bihd", p, v).reshape(1, n, H * hd)
 
 
-def naive_layer(W, Wp, x64, rows, pe, params, window, documents=None):
-    """One attention layer in float64, sequence b at positions rows[b], with the window."""
-    rotation = naive_reference("NAIVE_ROTATION", pe.name)({}, pe.head_dim) if pe.uses_rotate else None
-    bias = naive_reference("NAIVE_BIAS", pe.name) if pe.uses_bias else None
+def naive_layer(W, Wp, x64, rows, pe, params, window, documents=None, nope=False):
+    """One attention layer in float64, sequence b at positions rows[b], with the window;
+    ``nope``: a NoPE layer of a schedule (no rotation, no bias)."""
+    rotation = naive_reference("NAIVE_ROTATION", pe.name)({}, pe.head_dim) if pe.uses_rotate and not nope else None
+    bias = naive_reference("NAIVE_BIAS", pe.name) if pe.uses_bias and not nope else None
     C = x64.shape[-1]
     outs = []
     for b, pos in enumerate(rows):
@@ -60,17 +61,19 @@ def naive_layer(W, Wp, x64, rows, pe, params, window, documents=None):
 
 
 def naive_logits(model, idx, windows):
-    """Whole-model float64 logits at positions 0.., layer l with windows[l]."""
+    """Whole-model float64 logits at positions 0.., layer l with windows[l] (and without position
+    terms in the model's NoPE layers)."""
     pe, n = model.pe, idx.shape[1]
     params = {name: t.detach() for name, t in leaf_params(pe).items()}
     x = model.wte.weight.detach().double()[idx]
     rows = [list(range(n))] * idx.shape[0]
     if pe.uses_embed:
         x = x + torch.stack([naive_reference("NAIVE_EMBED", pe.name)(pe, params, r, {}) for r in rows])
-    for block, window in zip(model.blocks, windows):
+    for layer, (block, window) in enumerate(zip(model.blocks, windows)):
         a = block.attn
         x = x + naive_layer(a.c_attn.weight.detach().double(), a.c_proj.weight.detach().double(),
-                            naive_layer_norm(x, block.ln_1), rows, pe, params, window)
+                            naive_layer_norm(x, block.ln_1), rows, pe, params, window,
+                            nope=layer in model.nope_layers)
         h = naive_linear(block.mlp.c_fc, naive_layer_norm(x, block.ln_2))
         x = x + naive_linear(block.mlp.c_proj, naive_gelu(h))
     return (naive_layer_norm(x, model.ln_f) @ model.lm_head.weight.detach().double().T)[..., : model.config.vocab_size]
@@ -168,6 +171,23 @@ def test_pattern_sets_each_layers_window(name):
 
 
 # every backend once (bias_grad runs sdpa without autograd), a rotation, a key-only bias and learned biases
+@pytest.mark.parametrize("name", ["rope", "alibi"])
+def test_pattern_with_nope_layers_builds_each_kind_of_layer(name):
+    """window_pattern=[2, null] with NoPE layers 1 and 2: (scheme, 2), (NoPE, full), (NoPE, 2),
+    (scheme, full), each as the float64 model says."""
+    from model.gpt import GPT
+
+    torch.manual_seed(14)
+    config = attention_config(n_layer=4, window_pattern=[2, None])
+    model = GPT(config, SCHEMES[name](config), nope_layers=frozenset({1, 2})).eval()
+    for block in model.blocks:
+        torch.nn.init.normal_(block.attn.c_attn.weight, std=0.3)
+    idx = torch.randint(0, 31, (2, 10), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        logits = model(idx)[0]
+    torch.testing.assert_close(logits.double(), naive_logits(model, idx, (2, None, 2, None)), atol=1e-5, rtol=1e-5)
+
+
 CHUNK_ROUTES = [("rope", "sdpa"), ("nope", "math"), ("alibi", "sdpa_key"), ("alibi", "flex"), ("t5", "flex"),
                 ("fire", "bias_grad")]
 
