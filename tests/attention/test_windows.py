@@ -303,6 +303,20 @@ def test_windowed_model_compiles_to_one_graph():
     torch.testing.assert_close(loss, eager, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_window_block_mask_compiles_fullgraph(name="alibi"):
+    """flex's window BlockMask built inside the compiled graph (forward: CPU flex has no backward),
+    with and without packed documents; eager's logits."""
+    torch._dynamo.reset()
+    _, model, _ = build(name, attention="flex", window=3)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    idx = torch.randint(0, 31, (2, 12), generator=torch.Generator().manual_seed(16))
+    documents = torch.tensor([[0] * 5 + [1] * 7, [0] * 8 + [1] * 4])
+    with torch.no_grad():
+        for docs in (None, documents):
+            torch.testing.assert_close(compiled(idx, None, None, docs)[0], model(idx, None, None, docs)[0],
+                                       atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"window": 0}, "model.window must be null (full attention) or an integer >= 1 (keys i-W+1..i), got 0"),
     ({"window": -4}, "model.window must be null (full attention) or an integer >= 1"),
