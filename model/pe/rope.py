@@ -5,7 +5,7 @@ rotated by angle p * theta_k, theta_k = base^(-2k/r). This is the half-split
 ("rotate_half") layout of GPT-NeoX / LLaMA / Hugging Face, not RoFormer's interleaved
 pairs; the two are the same function up to a fixed permutation of the head dims.
 
-Two options (RoPE only; xPos and RoPE+ALiBi keep the defaults):
+Four options (RoPE only; xPos and RoPE+ALiBi keep the defaults):
 
 - ``keep_fraction`` p (p-RoPE, Barbero et al. 2024, "Round and Round We Go! What makes
   Rotary Positional Encodings useful?"): only the n = floor(p * r/2) highest frequencies,
@@ -13,6 +13,13 @@ Two options (RoPE only; xPos and RoPE+ALiBi keep the defaults):
   dims k and k + r/2 of those pairs pass unrotated (exactly: cos 0 = 1, sin 0 = 0). The
   kept pairs keep their RoPE frequencies base^(-2k/r) (unlike ``rotary_fraction``, which
   spreads base^(-2k/r') over fewer dims r'). p = 1 is plain RoPE; p -> 0 would be NoPE.
+- ``max_period`` P: only the pairs whose period 2 pi / theta_k is at most P tokens rotate,
+  removed as ``keep_fraction``'s (HoPE, Chen et al. 2024: P = the training length, so every
+  rotating pair completes a period inside a training window). Periods of the unscaled, initial
+  frequencies; with ``keep_fraction`` the smaller of the two kept sets.
+- ``min_frequency`` w (modded-nanogpt's half-truncated RoPE): the n = r/2 frequencies run
+  geometrically from 1 down to w inclusive, theta_k = w^(k/(n-1)) = (1/w)^-linspace(0, 1, n),
+  i.e. ``base`` = w^(-n/(n-1)); so one of ``base`` and ``min_frequency`` is set.
 - ``learnable_freq``: theta_k * exp(alpha_k) with a learned alpha (init 0, so training
   starts from plain RoPE). Off by default, and then no parameter exists (old checkpoints
   load unchanged).
@@ -27,6 +34,7 @@ part of the state dict.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -105,6 +113,27 @@ def _heads(table: Tensor, dtype: torch.dtype) -> Tensor:
     return (table[:, None] if table.dim() == 3 else table).to(dtype)
 
 
+def frequency_base(min_frequency: float, n_pairs: int, base: float) -> float:
+    """The base whose n_pairs frequencies base^(-k/n) run from 1 down to ``min_frequency`` inclusive."""
+    if n_pairs < 2 or not 0.0 < min_frequency < 1.0:
+        raise ValueError(f"pe.min_frequency must be in (0, 1) with at least 2 rotary pairs (theta runs from 1 down "
+                         f"to it), got {min_frequency} with {n_pairs}")
+    if base != 10000.0:
+        raise ValueError(f"pe.base and pe.min_frequency: set one of the two (min_frequency={min_frequency} sets "
+                         f"base = min_frequency^(-n/(n-1))), got base={base}")
+    return min_frequency ** (-n_pairs / (n_pairs - 1))
+
+
+def pairs_within(max_period: float, inv_freq: Tensor) -> int:
+    """How many pairs, from the highest frequency down, have a period 2 pi / theta_k of at most ``max_period``."""
+    shortest = 2 * math.pi / inv_freq[0].item()
+    if not max_period >= shortest:
+        raise ValueError(f"pe.max_period must be at least the shortest period 2 pi / theta_0 = {shortest:.4g} tokens "
+                         f"(a smaller one keeps no pair to rotate; no rotation at all is pe=nope), got {max_period}")
+    # theta_k falls with k, so the pairs within the period are a prefix; 1e-12 absorbs pow's rounding at equality
+    return int((2 * math.pi / inv_freq <= max_period * (1 + 1e-12)).sum())
+
+
 class RoPE(PositionEncoding, name="rope"):
     scaling_kinds: ClassVar[tuple[str, ...]] = SCALING_KINDS
 
@@ -115,6 +144,8 @@ class RoPE(PositionEncoding, name="rope"):
         rotary_fraction: float = 1.0,
         keep_fraction: float = 1.0,
         learnable_freq: bool = False,
+        max_period: float | None = None,
+        min_frequency: float | None = None,
     ) -> None:
         super().__init__(config)
         if not 0.0 < rotary_fraction <= 1.0:
@@ -126,16 +157,21 @@ class RoPE(PositionEncoding, name="rope"):
             raise ValueError(
                 f"pe.rotary_fraction={rotary_fraction} of head_dim={config.head_dim} leaves no pair to rotate"
             )
+        n_pairs = self.rotary_dim // 2
+        if min_frequency is not None:
+            base = frequency_base(min_frequency, n_pairs, base)
         self.base = base
         k2 = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
-        self.register_buffer("inv_freq", (base ** (-k2 / self.rotary_dim)).float(), persistent=False)
-        n_pairs = self.rotary_dim // 2
+        inv_freq = base ** (-k2 / self.rotary_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         # floor(p * r/2); the rounding to 6 places stops 0.29 * 100 = 28.999... from losing a pair
         self.kept_pairs = int(round(keep_fraction * n_pairs, 6))
         if not 0.0 < keep_fraction <= 1.0 or self.kept_pairs < 1:
             raise ValueError(f"pe.keep_fraction must be in (0, 1] and keep at least one of the {n_pairs} "
                              f"frequency pairs, got {keep_fraction} (no rotation at all is pe=nope)")
-        self.keep_fraction = keep_fraction
+        if max_period is not None:
+            self.kept_pairs = min(self.kept_pairs, pairs_within(max_period, inv_freq))
+        self.keep_fraction, self.max_period, self.min_frequency = keep_fraction, max_period, min_frequency
         # 1 for the kept (highest) frequencies, 0 for the removed ones; None = keep all
         keep = (torch.arange(n_pairs) < self.kept_pairs).float()
         self.register_buffer("keep", keep if self.kept_pairs < n_pairs else None, persistent=False)
@@ -216,6 +252,8 @@ class RoPE(PositionEncoding, name="rope"):
         extra = f", scaling={self.scaling}" if self.scaling is not None else ""
         if self.keep is not None:
             extra += f", kept_pairs={self.kept_pairs}/{self.rotary_dim // 2}"
+        if self.max_period is not None:
+            extra += f", max_period={self.max_period}"
         if self.log_freq_scale is not None:
             extra += ", learnable_freq=True"
         return f"{super().extra_repr()}, base={self.base}, rotary_dim={self.rotary_dim}{extra}"

@@ -85,7 +85,8 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
 
     yamls = sorted((project_root / "conf" / "pe").glob("*.yaml"))
     assert {p.stem for p in yamls} >= set(SCHEMES)
-    for path in yamls:
+    presets = {"hope", "rope_half_truncated", "rope_frayed"}  # set options on purpose: tests/pe/test_rope_presets.py
+    for path in (p for p in yamls if p.stem not in presets):
         with initialize_config_dir(str(project_root / "conf"), version_base="1.3"):  # as train.py composes it
             cfg = OmegaConf.to_container(compose("config", overrides=[f"pe={path.stem}"]).pe)
         for key in ("nope_every", "randomize_to"):  # model-level options (model/pe/schedule.py), off by default
