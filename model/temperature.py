@@ -44,6 +44,14 @@ def check_temperature(config, pe, nope_layers: frozenset[int]) -> None:
                          f"or use a scheme without rotation or bias), got 'llama4'")
 
 
+def check_init_temperature(run: str, source: str, path) -> None:
+    """``init_from``: ssmax's learned s_h must exist on both sides or on neither (no weight to load or to drop)."""
+    if (run == "ssmax") != (source == "ssmax"):
+        allowed = "'ssmax'" if source == "ssmax" else "not 'ssmax'"
+        raise ValueError(f"model.attn_temperature must be {allowed} with init_from={path} (trained with "
+                         f"attn_temperature={source!r}: ssmax's learned per-head s_h live in the weights), got {run!r}")
+
+
 def ssmax_init(length: int) -> float:
     """SSMax's initial s: 1 / mean(ln n) over n = 1..length = length / ln(length!)."""
     return length / math.lgamma(length + 1)

@@ -21,6 +21,7 @@ from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.registry import PROBES, enabled_probes
 from model.config import GPTConfig
+from model.temperature import check_init_temperature
 from model.pe.scaling import scaling_of
 from pelab.checkpoint import check_init_from, check_resume, init_state
 from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
@@ -54,6 +55,9 @@ def validate_config(cfg: DictConfig) -> Checked:
     model = model_config({"vocab_size": 1, **plain(cfg.model)})
     check_init = check_hf_init if str(cfg.get("init_from")).startswith(HF_PREFIX) else check_init_from
     init = build("init_from", check_init, cfg.init_from, cfg) if cfg.get("init_from") else None
+    if init:  # ssmax's s_h are weights: both runs have them or neither
+        build("model.attn_temperature", check_init_temperature, model.attn_temperature,
+              init["hyper_parameters"]["model"].get("attn_temperature", "none"), cfg.init_from)
     resolve_original_length(cfg, init["hyper_parameters"]["model"]["block_size"] if init else model.block_size)
     optim_values = plain(cfg.optim)
     check_options("optim", optim_values, OptimConfig)

@@ -190,3 +190,18 @@ def test_bad_options_are_refused_in_one_line(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         GPTConfig(vocab_size=31, **options)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("base, run, allowed", [("none", "ssmax", "not 'ssmax'"), ("ssmax", "log_length", "'ssmax'")])
+def test_init_from_across_ssmax_is_refused_in_one_line_before_any_data(tmp_path, base, run, allowed):
+    """ssmax's s_h are weights: a checkpoint without them cannot start an ssmax run, nor one with them a run without."""
+    from pelab.validate import validate_config
+    from tests.harness.test_init_from import run_config, save_base
+
+    save_base(tmp_path / "base.ckpt", [f"model.attn_temperature={base}"])
+    with pytest.raises(ValueError) as err:
+        validate_config(run_config(tmp_path / "base.ckpt", f"model.attn_temperature={run}"))
+    assert f"model.attn_temperature must be {allowed} with init_from={tmp_path / 'base.ckpt'} (trained with " \
+           f"attn_temperature='{base}'" in str(err.value) and "\n" not in str(err.value)
+    save_base(tmp_path / "same.ckpt", [f"model.attn_temperature={base}"])  # the same side: the weights load
+    validate_config(run_config(tmp_path / "same.ckpt", f"model.attn_temperature={base}"))
