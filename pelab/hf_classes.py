@@ -218,8 +218,11 @@ def rotary_pct(gpt: GPT) -> float:
 
 def rope_refusal(gpt: GPT) -> str | None:
     pe = gpt.pe
-    if pe.keep is not None:
-        return f"pe.keep_fraction={pe.keep_fraction} (p-RoPE) {LATER}"
+    if pe.keep is not None:  # unrotated pairs: p-RoPE's keep_fraction or HoPE's max_period
+        kept = f"pe.max_period={pe.max_period} (HoPE)" if pe.max_period is not None else ""
+        if pe.keep_fraction < 1:
+            kept = " and ".join(filter(None, [f"pe.keep_fraction={pe.keep_fraction} (p-RoPE)", kept]))
+        return f"{kept} {LATER}"
     if pe.log_freq_scale is not None:
         return f"pe.learnable_freq=true {LATER}"
     if pe.scaling is not None and pe.scaling.kind not in HF_ROPE_TYPES:
