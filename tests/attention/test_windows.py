@@ -341,3 +341,23 @@ def test_bad_window_types_fail_in_the_harness_check():
     assert model_config({"vocab_size": 1, "window_pattern": [64, None]}).layer_windows == (64, None, 64, None)
     with pytest.raises(ConfigError, match="model.window must be an integer or null, got True"):
         model_config({"vocab_size": 1, "window": True})
+
+
+@pytest.mark.parametrize("n_layer", [4, 6, 8, 12])
+def test_rnope_swa_preset_puts_nope_on_the_full_attention_layers(project_root, n_layer):
+    """experiment=rnope_swa as train.py composes it: RNoPE-SWA's layout (Yang et al. 2025) is
+    three windowed layers with positions, then one full-attention NoPE layer: 0-based layer i is
+    global iff i % 4 == 3, and those are exactly the NoPE layers."""
+    from hydra import compose, initialize_config_dir
+
+    from model.pe.schedule import nope_layers
+    from pelab.config import plain
+    from pelab.lit import model_config
+
+    with initialize_config_dir(str(project_root / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=rnope_swa", f"model.n_layer={n_layer}"])
+    config = model_config({"vocab_size": 1, **plain(cfg.model)})
+    full = {i for i, w in enumerate(config.layer_windows) if w is None}
+    assert full == {i for i in range(n_layer) if i % 4 == 3}
+    assert nope_layers(n_layer, cfg.pe.nope_every) == full
+    assert all(w == 64 for i, w in enumerate(config.layer_windows) if i not in full)

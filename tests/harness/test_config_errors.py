@@ -225,6 +225,7 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["data=gutenberg_gpt2"],
     ["experiment=pe_ablation"],
     ["experiment=task_ablation"],
+    ["experiment=rnope_swa"],
     ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],
     ["trainer.devices=auto"],
     ["trainer.devices='0,1'"],  # a string: Lightning's device-id list form
