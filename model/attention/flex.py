@@ -34,6 +34,13 @@ FLEX_RECOMPILE_LIMIT = 64
 TABLE_KERNEL_OPTIONS = {"fwd_num_stages": 2}
 
 
+def in_order(kv_idx, token, window: int | None):
+    """mask_mod's test of token order: the key at or before the query's token, and inside its
+    sliding window (keys token-W+1..token) when there is one."""
+    visible = kv_idx <= token
+    return visible if window is None else visible & (kv_idx > token - window)
+
+
 @dataclass
 class FlexState:
     score: Callable | None  # the scheme's f(q_pos, k_pos, head) -> float32 bias, None: causal only
@@ -104,8 +111,9 @@ class Flex(AttentionBackend):
         """The BlockMask of packed documents: Tq queries (tokens offset.., by default the last
         Tq) against the (B, Tk) document ids of the keys, causal and inside the query's
         document (and its ``window``). Blocks with no pair of one document are skipped, so
-        attention gets cheaper as documents get shorter. The queries' ids are read from the keys' (one captured tensor:
-        flex's compiled wrapper guards captured tensors against aliasing)."""
+        attention gets cheaper as documents get shorter. The queries' ids are read from the
+        keys' (one captured tensor: flex's compiled wrapper guards captured tensors against
+        aliasing)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         B, Tk = documents.shape
@@ -113,8 +121,7 @@ class Flex(AttentionBackend):
 
         def same_document(b, h, q_idx, kv_idx):
             token = q_idx + shift
-            visible = (kv_idx <= token) & (documents[b, token] == documents[b, kv_idx])
-            return visible if window is None else visible & (kv_idx > token - window)
+            return in_order(kv_idx, token, window) & (documents[b, token] == documents[b, kv_idx])
 
         if torch.compiler.is_compiling():
             return create_block_mask(same_document, B, None, Tq, Tk, device=documents.device)
@@ -135,11 +142,8 @@ class Flex(AttentionBackend):
             # the offset as a tensor, not a constant: masks at other offsets share one compiled kernel
             shift = torch.tensor(offset, device=device)
 
-            def causal(b, h, q_idx, kv_idx):
-                visible = kv_idx <= q_idx + shift
-                return visible if window is None else visible & (kv_idx > q_idx + shift - window)
-
-            return create_block_mask(causal, None, None, Tq, Tk, device=device)
+            return create_block_mask(lambda b, h, q_idx, kv_idx: in_order(kv_idx, q_idx + shift, window), None, None,
+                                     Tq, Tk, device=device)
 
         if torch.compiler.is_compiling():
             return build()
