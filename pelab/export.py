@@ -1,5 +1,6 @@
-"""Export a pelab checkpoint to a Hugging Face transformers folder, with a native class where
-one computes exactly what pelab computes (docs/export.md):
+"""Export a pelab checkpoint to a Hugging Face transformers folder (docs/export.md).
+
+A native class first, where one computes exactly what pelab computes:
 
 - ``learned`` -> GPT-2 (``GPT2LMHeadModel``; exact GELU, ``activation_function="gelu"``);
 - ``rope`` -> GPT-NeoX (``GPTNeoXForCausalLM``, sequential residual, half-split rotation,
@@ -11,10 +12,12 @@ one computes exactly what pelab computes (docs/export.md):
 The classes, their configs and their weight layouts are pelab/hf_classes.py's, read both ways:
 here to export, by pelab/hf_import.py to start a run from a folder (``init_from=hf:DIR``).
 
-Everything else (another scheme, NoPE layers, randomized positions, other RoPE scalings, p-RoPE,
-learned frequencies, a non-default model option) is refused before anything is written. The
-folder is written beside ``out`` under a temporary name and renamed into place, so a failed
-export leaves nothing half-written. transformers is imported only when exporting or importing.
+Every other scheme and option (another scheme, NoPE layers, other RoPE scalings, p-RoPE,
+learned frequencies, temperatures, windows, other blocks) is written as remote code
+(pelab/hf_remote/: ``trust_remote_code=True``); what that cannot compute either is refused
+before anything is written. The folder is written beside ``out`` under a temporary name and
+renamed into place, so a failed export leaves nothing half-written. transformers is imported
+only when exporting or importing.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ from model.pe.schedule import split_schedule
 from model.pe import SCHEMES
 from pelab.checkpoint import load_lit_gpt, read_checkpoint, replace_dir
 from pelab.hf_classes import EXPORTERS, LATER, Exporter, ExportError, to_hf_state
+from pelab.hf_remote import ARCHITECTURE, AUTO_MAP, REMOTE_SCHEMES, copy_templates, missing_scheme, remote_model, \
+    remote_refusal
 
 # GPTConfig fields every exporter maps (attention backends all compute the same function);
 # any other field must be at its default.
 HANDLED_FIELDS = frozenset({"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias",
                             "pad_vocab_multiple", "attention"})
+TRAINING_ONLY = frozenset({"randomize_to"})  # pe schedule keys that move training positions only
 
 
 class Exported(NamedTuple):
@@ -65,9 +71,9 @@ def export_hf(ckpt_path, out_dir, overwrite: bool = False) -> Exported:
     out = check_out(out_dir, overwrite)
     require_transformers()
     pe_config = read_checkpoint(ckpt_path, key="ckpt")["hyper_parameters"]["pe"]  # tensors not read (mmap)
-    refusal = scheme_refusal(scheme_name(pe_config))
-    if refusal:  # before the weights load
-        raise ExportError(refusal)
+    name = scheme_name(pe_config)
+    if scheme_refusal(name) and name not in REMOTE_SCHEMES:  # before the weights load
+        raise ExportError(missing_scheme(name))
     lit = load_lit_gpt(ckpt_path, map_location="cpu")
     return export_model(lit.model.eval(), out, pe_config=dict(lit.hparams["pe"]),
                         tokenizer=run_tokenizer(Path(ckpt_path)), overwrite=overwrite)
@@ -76,28 +82,46 @@ def export_hf(ckpt_path, out_dir, overwrite: bool = False) -> Exported:
 def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: Any = None,
                  overwrite: bool = False) -> Exported:
     """``gpt`` (built from the ``pe`` config ``pe_config``) with ``tokenizer``'s files (a pelab
-    tokenizer of data/tokenizers.py, or None) written to ``out_dir``."""
+    tokenizer of data/tokenizers.py, or None) written to ``out_dir``: as a native class where one
+    is exact, else as remote code."""
     out = check_out(out_dir, overwrite)
-    refusal = unexportable(gpt, pe_config or {})
-    if refusal:
-        raise ExportError(refusal)
+    pe_config = pe_config or {}
+    native_refusal = unexportable(gpt, pe_config)
+    if native_refusal:
+        refusal = remote_refusal(gpt, pe_config)
+        if refusal:
+            raise ExportError(refusal)
     transformers = require_transformers()
-    exporter = exporter_for(gpt)
-    config, extra_config = exporter.config(gpt)
-    hf_model = getattr(transformers, exporter.architecture)(config).eval()
-    hf_model.load_state_dict(to_hf_state(gpt, exporter.layout(gpt.config), hf_model), strict=False)
-    eot = getattr(tokenizer, "eot_token", None)
     notes: list[str] = []
+    if native_refusal is None:
+        (hf_model, extra_config), generation = native_model(transformers, gpt), {}
+    else:
+        hf_model, extra_config = remote_model(gpt), {"auto_map": AUTO_MAP}
+        generation = {"use_cache": False}  # the remote code keeps no KV cache
+        notes.append(f"{native_refusal}: written as remote code ({ARCHITECTURE}); load it with "
+                     f"trust_remote_code=True")
+    eot = getattr(tokenizer, "eot_token", None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        save_model(hf_model, tmp, extra_config, eot)
+        save_model(hf_model, tmp, extra_config, eot, generation)
+        if native_refusal is not None:
+            copy_templates(tmp)
         notes += save_tokenizer(tokenizer, gpt.config.vocab_size, tmp)
         replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return Exported(out, type(hf_model).__name__, notes)
+
+
+def native_model(transformers, gpt: GPT) -> tuple[nn.Module, dict]:
+    """``gpt``'s weights in its native class (``exporter_for``), and the extra config.json keys."""
+    exporter = exporter_for(gpt)
+    config, extra_config = exporter.config(gpt)
+    hf_model = getattr(transformers, exporter.architecture)(config).eval()
+    hf_model.load_state_dict(to_hf_state(gpt, exporter.layout(gpt.config), hf_model), strict=False)
+    return hf_model, extra_config
 
 
 def check_out(out_dir, overwrite: bool) -> Path:
@@ -139,10 +163,12 @@ def unexportable(gpt: GPT, pe_config: dict) -> str | None:
             return f"model.{field}={value!r} {LATER} (only the default {default!r} is)"
     _, schedule = split_schedule(pe_config)
     for key, value in schedule.items():
-        if value is not None:
+        if value is not None and key not in TRAINING_ONLY:
             return f"pe.{key}={value!r} {LATER}"
     if gpt.nope_layers:
         return f"NoPE layers {sorted(gpt.nope_layers)} (pe.nope_every) {LATER}"
+    if any(base is not None for base in getattr(gpt, "layer_bases", ())):
+        return f"per-layer RoPE bases (pe.global_base) {LATER}"
     return None
 
 
@@ -171,14 +197,15 @@ def scheme_name(pe_config: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 # files
 
-def save_model(hf_model: nn.Module, folder: Path, extra_config: dict, eot: int | None) -> None:
+def save_model(hf_model: nn.Module, folder: Path, extra_config: dict, eot: int | None,
+               generation: dict | None = None) -> None:
     """safetensors weights (tied head written once), config.json with ``extra_config`` added,
-    generation_config.json."""
+    generation_config.json (with ``generation``'s settings)."""
     from transformers import GenerationConfig
 
     hf_model.config.bos_token_id = hf_model.config.eos_token_id = eot
     hf_model.save_pretrained(folder, safe_serialization=True)
-    GenerationConfig(bos_token_id=eot, eos_token_id=eot).save_pretrained(folder)
+    GenerationConfig(bos_token_id=eot, eos_token_id=eot, **(generation or {})).save_pretrained(folder)
     path = folder / "config.json"
     config = json.loads(path.read_text())
     config.update(extra_config)

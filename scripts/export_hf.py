@@ -4,8 +4,10 @@
 
 The folder loads with ``AutoModelForCausalLM.from_pretrained(out)`` and ``AutoTokenizer``:
 pe=learned as GPT-2, pe=rope as GPT-NeoX, or as Llama with the Llama block (model.norm=rmsnorm,
-model.mlp=swiglu), computing the same logits as pelab. Every other scheme or option is refused
-in one line before anything is written. ``train.py init_from=hf:OUT`` starts a run from it.
+model.mlp=swiglu), computing the same logits as pelab; ``train.py init_from=hf:OUT`` starts a run
+from it. Every other scheme or option is written as remote code (modeling_pelab.py beside the
+weights: ``from_pretrained(out, trust_remote_code=True)``), with a note saying why no native class
+holds it; what that cannot compute either is refused in one line before anything is written.
 """
 
 from __future__ import annotations

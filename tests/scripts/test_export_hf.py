@@ -1,7 +1,8 @@
 """scripts/export_hf.py and pelab/export.py: a checkpoint exported to a native transformers class
 computes pelab's logits (float32, max abs diff <= 1e-4) and pelab's greedy text, loads through
-the Auto classes with its tokenizer, and everything not exact is refused before anything is written.
-The references are pelab's own model and tokenizers run on the same inputs."""
+the Auto classes with its tokenizer; what no native class holds exactly is named and goes to remote
+code (tests/scripts/test_export_remote.py), and what that cannot hold is refused before anything is
+written. The references are pelab's own model and tokenizers run on the same inputs."""
 
 import importlib.util
 import json
@@ -22,8 +23,9 @@ from data.tokenizers import get_tokenizer  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
 from model.pe import SCHEMES  # noqa: E402
 from model.pe.scaling import apply_scaling  # noqa: E402
-from pelab.export import ExportError, export_model  # noqa: E402
+from pelab.export import unexportable  # noqa: E402
 from pelab.hf_classes import EXPORTERS  # noqa: E402
+from pelab.hf_remote import REMOTE_SCHEMES, remote_refusal  # noqa: E402
 from pelab.lit import LitGPT  # noqa: E402
 from tests.tiny import tiny_gpt  # noqa: E402
 
@@ -167,12 +169,17 @@ def test_tokenizer_gives_pelab_ids(exported, name):
     assert hf_tokenizer.decode(ids) == TEXT
 
 
+def native_refusal(gpt, pe_config=None) -> str:
+    """Why ``gpt`` has no native class; the remote code takes it (tests/scripts/test_export_remote.py)."""
+    reason = unexportable(gpt, pe_config or {})
+    assert reason is not None and remote_refusal(gpt, pe_config or {}) is None
+    return reason
+
+
 @pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - {e.scheme for e in EXPORTERS.values()}))
-def test_every_other_scheme_is_refused_before_anything_is_written(tmp_path, scheme):
-    out = tmp_path / "hf"
-    with pytest.raises(ExportError, match=f"pe={scheme} is not exportable to a native transformers class yet"):
-        export_model(tiny_gpt(scheme), out)
-    assert list(tmp_path.iterdir()) == []
+def test_every_other_scheme_has_no_native_class(scheme):
+    assert native_refusal(tiny_gpt(scheme)).startswith(
+        f"pe={scheme} is not exportable to a native transformers class yet")
 
 
 def scaled_rope():
@@ -186,14 +193,17 @@ def scaled_rope():
     (lambda: tiny_gpt("rope", pe_options={"max_period": 64}), {}, "pe.max_period=64 (HoPE)"),
     (lambda: tiny_gpt("rope", pe_options={"learnable_freq": True}), {}, "pe.learnable_freq=true"),
     (scaled_rope, {}, "pe.scaling kind yarn"),
-    (lambda: tiny_gpt("rope"), {"randomize_to": 64}, "pe.randomize_to=64"),
-    (lambda: tiny_gpt("learned"), {"nope_every": None, "randomize_to": 32}, "pe.randomize_to=32"),
 ])
-def test_inexact_options_are_refused_naming_them(tmp_path, build, pe_config, message):
-    with pytest.raises(ExportError, match="not exportable") as err:
-        export_model(build(), tmp_path / "hf", pe_config=pe_config)
-    assert str(err.value).startswith(message)
-    assert list(tmp_path.iterdir()) == []
+def test_inexact_options_have_no_native_class_naming_them(build, pe_config, message):
+    reason = native_refusal(build(), pe_config)
+    assert "not exportable" in reason and reason.startswith(message)
+
+
+@pytest.mark.parametrize("scheme, pe_config", [("rope", {"randomize_to": 64}),
+                                               ("learned", {"nope_every": None, "randomize_to": 32})])
+def test_randomized_training_positions_keep_the_native_class(scheme, pe_config):
+    # evaluation and generation run at 0..T-1 whatever positions training drew
+    assert unexportable(tiny_gpt(scheme), pe_config) is None
 
 
 # a non-default value of each model option no exporter maps (those this GPTConfig has)
@@ -202,11 +212,10 @@ MODEL_OPTIONS = {"attn_temperature": "log_length", "norm": "rmsnorm", "mlp": "sw
 
 
 @pytest.mark.parametrize("key", [k for k in MODEL_OPTIONS if k in GPTConfig.__dataclass_fields__])
-def test_non_default_model_options_are_refused(tmp_path, key):
+def test_non_default_model_options_have_no_native_class(key):
     value = MODEL_OPTIONS[key]
-    with pytest.raises(ExportError, match=re.escape(f"model.{key}={value!r} is not exportable")):
-        export_model(tiny_gpt("rope", **{key: value}), tmp_path / "hf")
-    assert list(tmp_path.iterdir()) == []
+    assert re.match(re.escape(f"model.{key}={value!r} is not exportable"),
+                    native_refusal(tiny_gpt("rope", **{key: value})))
 
 
 @pytest.mark.parametrize("options, pe_options, message", [
@@ -214,21 +223,17 @@ def test_non_default_model_options_are_refused(tmp_path, key):
     ({}, {"rotary_fraction": 0.5},
      "pe.rotary_fraction=0.5 with the Llama block: LlamaForCausalLM rotates the whole head"),
 ])
-def test_the_llama_block_refuses_what_llama_lacks(tmp_path, options, pe_options, message):
-    with pytest.raises(ExportError) as err:
-        export_model(tiny_gpt("rope", pe_options=pe_options, **LLAMA, **options), tmp_path / "hf")
-    assert str(err.value).startswith(message)
-    assert list(tmp_path.iterdir()) == []
+def test_the_llama_block_names_what_llama_lacks(options, pe_options, message):
+    assert native_refusal(tiny_gpt("rope", pe_options=pe_options, **LLAMA, **options)).startswith(message)
 
 
-def test_nope_layers_are_refused(tmp_path):
+def test_nope_layers_have_no_native_class():
     from model.gpt import GPT
     from tests.tiny import tiny_config
 
     config = tiny_config()
     gpt = GPT(config, SCHEMES["rope"](config), nope_layers=frozenset({1}))
-    with pytest.raises(ExportError, match=r"NoPE layers \[1\] \(pe.nope_every\) is not exportable"):
-        export_model(gpt, tmp_path / "hf")
+    assert re.match(r"NoPE layers \[1\] \(pe.nope_every\) is not exportable", native_refusal(gpt))
 
 
 def test_script_refuses_a_non_empty_out_before_the_checkpoint_is_read(tmp_path, monkeypatch):
@@ -250,11 +255,22 @@ def test_script_refuses_a_missing_checkpoint_and_a_missing_out(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_script_refuses_an_unexportable_checkpoint_and_writes_nothing(tmp_path):
+def test_script_refuses_an_unexportable_checkpoint_and_writes_nothing(tmp_path, monkeypatch):
     ckpt = write_checkpoint(tmp_path / "run", "alibi", {}, {}, "bytes")
-    with pytest.raises(SystemExit, match="pe=alibi is not exportable to a native transformers class yet"):
+    monkeypatch.delitem(REMOTE_SCHEMES, "alibi")  # a scheme nothing exports
+    with pytest.raises(SystemExit, match=r"pe=alibi is not exportable \(not even as remote code\)"):
         script().main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
     assert not (tmp_path / "hf").exists()
+
+
+def test_script_writes_remote_code_with_the_tokenizer_and_says_how_to_load_it(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "run", "alibi", {}, {}, "bytes")
+    assert script().main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"]) == 0
+    printed = capsys.readouterr()
+    assert "(PelabForCausalLM)" in printed.out
+    assert "pe=alibi is not exportable to a native transformers class yet" in printed.err
+    assert "trust_remote_code=True" in printed.err
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(TEXT)["input_ids"] == get_tokenizer("bytes").encode(TEXT)
 
 
 def test_script_help_lists_its_options(capsys):
