@@ -149,6 +149,15 @@ def test_left_padded_batch_generates_each_prompt_as_alone(exported):
     assert text[1, 3:].tolist() == gpt.generate(prompts[1:, 3:], 8, temperature=0)[0].tolist()
 
 
+def test_labels_give_pelab_next_token_loss(exported):
+    gpt, out = exported["rope_alibi_ssmax"]
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert hf(ids, labels=ids).loss.item() == pytest.approx(gpt(ids[:, :-1], targets=ids[:, 1:])[1].item(),
+                                                                abs=1e-5)
+
+
 def test_folder_holds_the_templates_verbatim_and_auto_map(exported):
     _, out = exported["t5_rmsnorm"]
     for name in TEMPLATES:
