@@ -18,7 +18,7 @@ from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, generate
 from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.pe.base import PositionEncoding
-from model.pe.schedule import check_nope_layers
+from model.pe.schedule import check_layer_bases, check_nope_layers
 from model.positions import Pass, PositionContext, layer_contexts, resolve_positions
 from model.temperature import check_temperature, head_scales, query_scales, scale_queries
 
@@ -115,11 +115,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, pe: PositionEncoding, nope_layers: frozenset[int] = frozenset()) -> None:
+    def __init__(self, config: GPTConfig, pe: PositionEncoding, nope_layers: frozenset[int] = frozenset(),
+                 layer_bases: tuple[float | None, ...] = ()) -> None:
         super().__init__()
         self.config = config
         self.nope_layers = frozenset(nope_layers)  # layers that attend with no position information
+        self.layer_bases = tuple(layer_bases)  # layer i's RoPE base; None or absent: the scheme's (pe.global_base)
         check_nope_layers(self.nope_layers, config.n_layer, pe)
+        check_layer_bases(self.layer_bases, pe)
         check_temperature(config, pe, self.nope_layers)
         self.pe = pe  # shared by all layers; its tables are computed once per forward
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
@@ -177,7 +180,7 @@ class GPT(nn.Module):
                       q_documents=documents, k_documents=documents)
         contexts = layer_contexts(terms, backend, how, len(self.blocks), self.nope_layers,
                                   query_scales(self.config, self.pe, positions, past, documents),
-                                  self.config.layer_windows)
+                                  self.config.layer_windows, self.layer_bases)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)

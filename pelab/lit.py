@@ -16,7 +16,8 @@ from model.config import GPTConfig
 from model.gpt import GPT, uncompiled
 from model.pe.scaling import apply_scaling, split_scaling
 from model.temperature import check_temperature
-from model.pe.schedule import check_nope_layers, check_randomize_to, nope_layers, random_positions, split_schedule
+from model.pe.schedule import (LAYER_KEYS, check_layer_bases, check_nope_layers, check_randomize_to, layer_positions,
+                                random_positions, split_schedule)
 from pelab.config import ConfigError, build, check_options, plain, target_class
 from pelab.optim import OptimConfig, adamw, cosine_schedule, decay_rule
 
@@ -35,6 +36,7 @@ class Position:
     scheme: nn.Module
     nope_layers: frozenset[int]
     randomize_to: int | None
+    layer_bases: tuple[float | None, ...] = ()  # layer i's RoPE base (pe.global_base); None: the scheme's
 
 
 def position_options(pe: dict) -> tuple[dict, dict]:
@@ -55,16 +57,18 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     build("pe.scaling", apply_scaling, scheme, schedule["scaling"], config.block_size)
     randomize_to = build("pe", check_randomize_to, schedule.get("randomize_to"), config.block_size,
                          scheme.max_positions)
-    layers = build("pe", nope_layers, config.n_layer, schedule.get("nope_every"))
+    layers, bases = build("pe", layer_positions, config.layer_windows, *(schedule.get(k) for k in LAYER_KEYS))
+    setting = next((f"pe.{k}={schedule[k]}" for k in LAYER_KEYS[:2] if schedule.get(k) is not None), None)
     if layers and not (scheme.uses_rotate or scheme.uses_bias):
-        raise ConfigError(f"pe.nope_every={schedule['nope_every']} needs a scheme that acts inside attention "
+        raise ConfigError(f"{setting} needs a scheme that acts inside attention "
                           f"(rotation or bias); pe={scheme.name} only adds to the embeddings")
-    build("pe", check_nope_layers, layers, config.n_layer, scheme)
+    build("pe", check_nope_layers, layers, config.n_layer, scheme, setting)
+    build("pe", check_layer_bases, bases, scheme)
     build("model.attn_temperature", check_temperature, config, scheme, layers)
     if scheme.max_positions is not None and config.block_size > scheme.max_positions:
         raise ConfigError(f"model.block_size={config.block_size} exceeds the {scheme.max_positions} positions of "
                           f"pe={scheme.name}; raise pe.max_positions or lower model.block_size")
-    return Position(scheme, layers, randomize_to)
+    return Position(scheme, layers, randomize_to, bases)
 
 
 # the compute dtype of a trainer.precision, by its prefix ("bf16-mixed", "16-mixed", "32-true", ...)
@@ -91,7 +95,7 @@ class LitGPT(L.LightningModule):
         self.config = model_config(model)
         self.optim = OptimConfig(**optim)
         position = position or build_position(pe, self.config)
-        self.model = GPT(self.config, position.scheme, position.nope_layers)
+        self.model = GPT(self.config, position.scheme, position.nope_layers, position.layer_bases)
         self.decay_rule: dict[str, bool] | None = None  # recorded by configure_model
         self.randomize_to = position.randomize_to
         self.compile = compile

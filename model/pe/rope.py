@@ -182,10 +182,11 @@ class RoPE(PositionEncoding, name="rope"):
             scaled_frequencies(scaling, self.inv_freq, scaling.original_length)
         super().scale(scaling)
 
-    def frequencies(self, *positions: Tensor) -> RopeFrequencies:
+    def frequencies(self, *positions: Tensor, base: float | None = None) -> RopeFrequencies:
         """The call's effective frequencies. Pass every position tensor of the call (q's and
-        k's): dynamic NTK takes T from the largest of them, and q and k must share it."""
-        inv_freq = self.inv_freq
+        k's): dynamic NTK takes T from the largest of them, and q and k must share it.
+        ``base``: another RoPE base for the same pairs (a layer's own, model/pe/schedule.py)."""
+        inv_freq = self.inv_freq if base is None else self.inv_freq_at(base)
         if self.log_freq_scale is not None:  # learned theta_k * exp(alpha_k), float32
             inv_freq = inv_freq * self.log_freq_scale.float().exp()
         if self.scaling is None:
@@ -196,6 +197,11 @@ class RoPE(PositionEncoding, name="rope"):
         if self.keep is not None:  # p-RoPE: removed pairs get theta = 0 after any scaling
             freqs = freqs._replace(inv_freq=freqs.inv_freq * self.keep)
         return freqs
+
+    def inv_freq_at(self, base: float) -> Tensor:
+        """theta_k = base^(-2k/r) at another ``base``, computed as ``__init__`` does (float64, then float32)."""
+        k2 = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
+        return (base ** (-k2 / self.rotary_dim)).float().to(self.inv_freq.device)
 
     def angles(self, positions: Tensor, freqs: RopeFrequencies | None = None) -> Tensor:
         """(..., T, rotary_dim/2) float32 angles p * theta_k (with the scaling applied, if set)."""
@@ -212,8 +218,8 @@ class RoPE(PositionEncoding, name="rope"):
         k_tables = self.rotation_tables(k_positions, span)
         return self.apply_rotation(q, k, q_tables._replace(k_cos=k_tables.k_cos, k_sin=k_tables.k_sin))
 
-    def rotation_tables(self, positions: Tensor, span: Tensor) -> "RotaryTables":
-        freqs = self.frequencies(span)  # dynamic NTK: T from the whole span
+    def rotation_tables(self, positions: Tensor, span: Tensor, base: float | None = None) -> "RotaryTables":
+        freqs = self.frequencies(span, base=base)  # dynamic NTK: T from the whole span
         cos, sin = self._cos_sin(positions, freqs)
         return RotaryTables(cos, sin, cos, sin)
 

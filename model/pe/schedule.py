@@ -8,18 +8,25 @@
 
 ``pe.nope_every=N`` makes every N-th layer a NoPE layer (1-based: layers N, 2N, ...; with
 N = 4 and 0-based indices, layers 3, 7, 11, ... as Llama 4's ``no_rope_layer_interval``).
-These belong to the model, not the scheme: ``split_schedule`` takes them out before the
-scheme is built.
+``pe.nope_layers`` names them by the window pattern instead: ``global`` (the full-attention
+layers: RNoPE-SWA, OLMo-core's ``no_global_rope``), ``local`` (the windowed ones) or a list of
+0-based layer indices. ``pe.global_base`` gives the full-attention layers another RoPE base
+(Gemma 3: 10k on the windowed layers, 1M on the global ones). ``layer_positions`` turns the
+three into one per-layer plan. These belong to the model, not the scheme: ``split_schedule``
+takes them out before the scheme is built.
 """
 
 from __future__ import annotations
 
+import inspect
 import numbers
 
 import torch
 from torch import Tensor
 
-SCHEDULE_KEYS = ("nope_every", "randomize_to")
+LAYER_KEYS = ("nope_every", "nope_layers", "global_base")  # the per-layer plan (``layer_positions``)
+SCHEDULE_KEYS = (*LAYER_KEYS, "randomize_to")
+LAYER_GROUPS = ("global", "local")  # full-attention and windowed layers of model.window(_pattern)
 
 
 def split_schedule(pe: dict) -> tuple[dict, dict]:
@@ -38,11 +45,69 @@ def nope_layers(n_layer: int, nope_every: int | None = None) -> frozenset[int]:
     return frozenset(range(nope_every - 1, n_layer, nope_every))
 
 
-def check_nope_layers(layers: frozenset[int], n_layer: int, pe) -> None:
+def layer_group(windows: tuple[int | None, ...], group: str) -> frozenset[int]:
+    """The ``global`` (full-attention) or ``local`` (windowed) layers of per-layer ``windows``."""
+    return frozenset(i for i, w in enumerate(windows) if (w is None) == (group == "global"))
+
+
+def listed_nope_layers(n_layer: int, windows: tuple[int | None, ...], value) -> frozenset[int]:
+    """``pe.nope_layers``: a group of the window pattern or explicit 0-based layer indices."""
+    if value in LAYER_GROUPS:
+        layers = layer_group(windows, value)
+        if not layers or len(layers) == n_layer:
+            raise ValueError(f"pe.nope_layers={value} needs both windowed and full-attention layers, but the model's "
+                             f"layer windows are {list(windows)} (set model.window_pattern with null entries, "
+                             f"e.g. [64, 64, 64, null])")
+        return layers
+    indices = list(value) if isinstance(value, (list, tuple)) else None
+    if not indices or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < n_layer
+                              for i in indices):
+        raise ValueError(f"pe.nope_layers must be null, {' or '.join(LAYER_GROUPS)} or a non-empty list of 0-based "
+                         f"layer indices < model.n_layer={n_layer}, got {value!r}")
+    return frozenset(int(i) for i in indices)
+
+
+def layer_positions(windows: tuple[int | None, ...], nope_every: int | None = None, listed=None,
+                    global_base: float | None = None) -> tuple[frozenset[int], tuple[float | None, ...]]:
+    """(the NoPE layers, each layer's RoPE base or None for the scheme's own) of a model whose
+    layer i attends ``windows[i]`` (None: full attention), from the ``LAYER_KEYS`` options in
+    their order (``listed``: pe.nope_layers)."""
+    n_layer = len(windows)
+    if nope_every is not None and listed is not None:
+        raise ValueError(f"pe.nope_every={nope_every} and pe.nope_layers={listed!r}: set one of the two "
+                         f"(nope_every counts layers, nope_layers names them)")
+    nope = nope_layers(n_layer, nope_every) if listed is None else listed_nope_layers(n_layer, windows, listed)
+    if global_base is None:
+        return nope, (None,) * n_layer
+    if not isinstance(global_base, numbers.Real) or isinstance(global_base, bool) or not global_base > 1:
+        raise ValueError(f"pe.global_base must be null or a number > 1 (the RoPE base of the full-attention "
+                         f"layers), got {global_base!r}")
+    full = layer_group(windows, "global")
+    if not full or len(full) == n_layer:
+        raise ValueError(f"pe.global_base={global_base} needs both windowed and full-attention layers, but the "
+                         f"model's layer windows are {list(windows)} (with no window use pe.base; set "
+                         f"model.window_pattern with null entries, e.g. [64, 64, 64, null])")
+    if full <= nope:
+        raise ValueError(f"pe.global_base={global_base} sets the RoPE base of the full-attention layers "
+                         f"{sorted(full)}, but they are all NoPE layers (pe.nope_layers / pe.nope_every)")
+    return nope, tuple(float(global_base) if i in full - nope else None for i in range(n_layer))
+
+
+def check_layer_bases(bases: tuple[float | None, ...], pe) -> None:
+    """A per-layer base needs a scheme whose rotation tables take one (the RoPE family)."""
+    base = next((b for b in bases if b is not None), None)
+    if base is not None and not (pe.uses_rotate and "base" in inspect.signature(pe.rotation_tables).parameters):
+        raise ValueError(f"pe.global_base={base} needs a RoPE scheme (rope, xpos, rope_alibi and the rope "
+                         f"presets), got pe={pe.name}")
+
+
+def check_nope_layers(layers: frozenset[int], n_layer: int, pe, setting: str | None = None) -> None:
     """A schedule must leave the scheme some layer when the scheme has parameters: unused
-    parameters get no gradient, and DDP stops at its second step on them."""
+    parameters get no gradient, and DDP stops at its second step on them. ``setting``: the
+    option that chose the layers, as the user wrote it (default: the ``nope_every`` spelling)."""
     if layers and len(layers) == n_layer and any(True for _ in pe.parameters()):
-        raise ValueError(f"pe.nope_every={min(layers) + 1} makes all {n_layer} layers NoPE layers, so pe={pe.name}'s "
+        setting = setting or f"pe.nope_every={min(layers) + 1}"
+        raise ValueError(f"{setting} makes all {n_layer} layers NoPE layers, so pe={pe.name}'s "
                          f"parameters would never be used; use pe.nope_every >= 2 (or pe=nope)")
 
 

@@ -350,7 +350,7 @@ def test_rnope_swa_preset_puts_nope_on_the_full_attention_layers(project_root, n
     global iff i % 4 == 3, and those are exactly the NoPE layers."""
     from hydra import compose, initialize_config_dir
 
-    from model.pe.schedule import nope_layers
+    from model.pe.schedule import LAYER_KEYS, layer_positions
     from pelab.config import plain
     from pelab.lit import model_config
 
@@ -359,5 +359,5 @@ def test_rnope_swa_preset_puts_nope_on_the_full_attention_layers(project_root, n
     config = model_config({"vocab_size": 1, **plain(cfg.model)})
     full = {i for i, w in enumerate(config.layer_windows) if w is None}
     assert full == {i for i in range(n_layer) if i % 4 == 3}
-    assert nope_layers(n_layer, cfg.pe.nope_every) == full
+    assert layer_positions(config.layer_windows, *(cfg.pe.get(k) for k in LAYER_KEYS))[0] == full
     assert all(w == 64 for i, w in enumerate(config.layer_windows) if i not in full)

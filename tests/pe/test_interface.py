@@ -80,6 +80,7 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
     import inspect
 
     from model.pe.scaling import SCALING_DEFAULTS
+    from model.pe.schedule import SCHEDULE_KEYS
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -89,7 +90,7 @@ def test_scheme_yaml_values_equal_constructor_defaults(project_root):
     for path in (p for p in yamls if p.stem not in presets):
         with initialize_config_dir(str(project_root / "conf"), version_base="1.3"):  # as train.py composes it
             cfg = OmegaConf.to_container(compose("config", overrides=[f"pe={path.stem}"]).pe)
-        for key in ("nope_every", "randomize_to"):  # model-level options (model/pe/schedule.py), off by default
+        for key in SCHEDULE_KEYS:  # model-level options (model/pe/schedule.py), off by default
             assert cfg.pop(key, None) is None
         assert cfg.pop("scaling", SCALING_DEFAULTS) == SCALING_DEFAULTS  # model/pe/scaling.py, applied after build
         module, _, cls_name = cfg.pop("_target_").rpartition(".")
