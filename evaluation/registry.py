@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from evaluation import attention_probe, extrapolation, tasks
+from evaluation import attention_probe, extrapolation, streaming, tasks
 from evaluation.probe import Probe
 
 PROBES: dict[str, Probe] = {probe.name: probe for probe in (
     extrapolation.PROBE,
     tasks.PROBE,
     attention_probe.PROBE,
+    streaming.PROBE,
 )}
 
 

@@ -226,6 +226,8 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=pe_ablation"],
     ["experiment=task_ablation"],
     ["experiment=rnope_swa"],
+    ["experiment=gemma3_like"],
+    ["eval.streaming.enabled=true", "eval.streaming.cache_positions=[reindexed,absolute]"],
     ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],
     ["trainer.devices=auto"],
     ["trainer.devices='0,1'"],  # a string: Lightning's device-id list form
