@@ -165,6 +165,11 @@ def t5_bucket(distance, num_buckets, max_distance):
     return torch.where(n < exact, n, large)
 
 
+# the kinds of each part of config.json's pe this file computes
+KINDS = {"embed": ("learned", "sinusoidal"), "rotate": ("rope", "pope"),
+         "bias": ("slopes", "t5", "kerple_log", "kerple_power", "fire")}
+
+
 class Positions(nn.Module):
     """The scheme's learned tensors under pelab's names, and its three hooks: ``embed``,
     ``tables`` (rotation) and ``bias``."""
@@ -172,6 +177,11 @@ class Positions(nn.Module):
     def __init__(self, config):
         super().__init__()
         pe, H, hd = config.pe, config.n_head, config.n_embd // config.n_head
+        for part, kinds in KINDS.items():  # a folder written by a newer pelab: say so, never compute another model
+            kind = (pe.get(part) or {}).get("kind", kinds[0])
+            if kind not in kinds:
+                raise ValueError(f"config.json pe.{part}.kind={kind!r} is not one of {', '.join(kinds)}: "
+                                 f"this modeling_pelab.py does not compute it")
         self.embed_part, self.rotate_part, self.bias_part = pe.get("embed"), pe.get("rotate"), pe.get("bias")
         self.head_dim, self.n_embd = hd, config.n_embd
         if self.embed_part and self.embed_part["kind"] == "learned":
@@ -331,9 +341,11 @@ def query_scales(temperature, T, attention_mask, device):
         scale = n.float().log()
         if kind == "log_length":
             scale = scale / math.log(temperature["length"])
-    else:  # llama4: 1 + a ln(floor((t + 1) / F) + 1), t the token index
+    elif kind == "llama4":  # 1 + a ln(floor((t + 1) / F) + 1), t the token index
         t = torch.arange(T, device=device).float()
         scale = torch.log1p(torch.floor((t + 1.0) / temperature["floor"])) * temperature["scale"] + 1.0
+    else:
+        raise ValueError(f"config.json attn_temperature.kind={kind!r} is not one of log_length, llama4, ssmax")
     return scale[:, None, :, None] if scale.dim() == 2 else scale[:, None]
 
 

@@ -180,6 +180,14 @@ def test_remote_code_imports_only_torch_and_transformers():
         assert relative <= {"configuration_pelab"}, (name, relative)
 
 
+def test_remote_code_refuses_a_part_it_does_not_compute():
+    from pelab.hf_remote.configuration_pelab import PelabConfig
+    from pelab.hf_remote.modeling_pelab import PelabForCausalLM
+
+    with pytest.raises(ValueError, match=r"config.json pe.bias.kind='newer' is not one of slopes, t5, "):
+        PelabForCausalLM(PelabConfig(vocab_size=VOCAB, n_embd=32, pe={"bias": {"kind": "newer"}}))
+
+
 def test_installed_pelab_ships_the_templates():
     import tomllib
 
