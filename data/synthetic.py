@@ -13,9 +13,10 @@ text alphabet contains, and 0x1E, the bytes tokenizer's document separator, is n
 name        id     meaning
 ==========  =====  ==========================================================================
 PAD         0x00   one leading pad where a task's layout needs an even or odd total length
-NEEDLE      0x1C   passkey: marks the hidden key inside the filler
-SEP         0x1D   copy: end of the sequence to copy; assoc_recall: end of the key-value pairs
-QUERY       0x1F   passkey: "what was the key?"; the answer follows it
+NEEDLE      0x1C   passkey, multi_key, multi_value: marks a needle; variable_tracking: an assignment
+SEP         0x1D   copy, selective_copy: end of the sequence to copy; assoc_recall: end of the pairs
+QUERY       0x1F   the question of passkey, counting, indirect_indexing, multi_key, multi_value and
+                   variable_tracking; the answer follows it
 ==========  =====  ==========================================================================
 
 ``seq`` below has ``length + 1`` ids; inputs are ``seq[:-1]``, targets ``seq[1:]`` masked to
@@ -42,6 +43,35 @@ the answers (so the last answer token is a target, never an input):
   'r' b reads, b = the last written bit ('0'/'1'). The first instruction is 'w', the last
   'r', the others 'i' with probability ``p_ignore`` and 'w' or 'r' with (1 - p_ignore)/2
   each (FFL(p_ignore); the paper's default 0.8). Answer: the bit after every 'r'.
+- ``counting`` (Golovneva et al. 2024, CoPE's counting task, after RAM's ``count_data_gen.py``):
+  ``[PAD]`` then two-token statements over ``num_vars`` variables 'a', 'b', ...: ``v=`` sets v
+  to 0, ``v+`` adds 1 to v, ``..`` does nothing, drawn with RAM's odds 1 : 7 : 50; then
+  ``QUERY v c``. The first statement is a set; a set takes any variable, an increment one of
+  those set so far and below 9 (none: a pass), the question one set so far. Answer: c, v's
+  count of ``v+`` since its last ``v=`` (one digit; RAM's cap is 10). The variable-and-program
+  variant rather than "count the x's": the count must select by variable and reset.
+- ``selective_copy`` (Gu & Dao 2023, Mamba's selective copying): ``num_tokens`` data tokens
+  'a'-'z' at random places among noise tokens '.', then ``SEP`` and the data tokens in order.
+  Answer: the copy.
+- ``indirect_indexing`` (Gopalakrishnan et al. 2025, PoPE's diagnostic: index by content, then
+  by position): a string of 'a'-'z' in which the anchor letter occurs exactly once (the others
+  are drawn from the other 25, so the string can be any length), then ``QUERY a d j``: anchor
+  a, direction d ('+' right, '-' left), offset j in 1..``max_offset`` (uniform, each way
+  equally likely; the anchor's place is uniform among those that keep the target inside).
+  Answer: the letter j places from a in direction d.
+- ``multi_key`` (RULER's multi-key NIAH, Hsieh et al. 2024): ``num_needles`` needles
+  ``NEEDLE K v1..vk`` (distinct keys 'A'-'Z', values of ``key_length`` digits) in the passkey
+  filler, the asked one at ``depth``, the others at uniform depths; then ``QUERY K v1..vk``.
+  Answer: the asked key's value.
+- ``multi_value`` (RULER's multi-value NIAH): ``num_needles`` needles ``NEEDLE K v1..vk`` of one
+  key at uniform depths, then ``QUERY K`` and every value, in the order of the text. Answer:
+  all the values. No depth (every needle is asked).
+- ``variable_tracking`` (RULER's variable tracking): ``num_chains`` chains of ``num_hops + 1``
+  distinct variables 'A'-'Z', ``NEEDLE X1 v1..vk`` (X1 = a value of ``key_length`` digits,
+  distinct between chains) then ``NEEDLE X2 X1`` ... ``NEEDLE Xh+1 Xh`` (each = the previous),
+  each chain's assignments in order at uniform depths of the passkey filler; then ``QUERY
+  v1..vk`` and the variables of the chain that holds that value, in chain order. Answer: the
+  variables. No depth (the chain is spread over the context).
 
 The harness's ``SyntheticDataModule`` (pelab/datamodule.py) serves training samples of length
 ``block_size`` keyed by the global sample index, as text data is (data/stream.py: sample g of
@@ -70,10 +100,17 @@ DIGITS, LOWER, UPPER = ord("0"), ord("a"), ord("A")
 FILLER = np.frombuffer(b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
                        dtype=np.uint8).astype(np.int64)
 WRITE, IGNORE, READ = ord("w"), ord("i"), ord("r")
+SET_ZERO, INCREMENT, PASS = ord("="), ord("+"), ord(".")  # counting: "v=" sets v to 0, "v+" adds 1, ".." passes
+#: counting: relative odds of set, pass and increment statements (RAM's count_data_gen.py OP_WEIGHTS)
+COUNT_ODDS = np.array([1, 50, 7]) / 58
+MAX_COUNT = 9  # counting: an increment never takes a variable past it, so the answer is one digit
+NOISE = ord(".")  # selective_copy: the blank between the data tokens
+LEFT, RIGHT = ord("-"), ord("+")  # indirect_indexing: the direction of the offset
 NIAH_NEEDLE = b" The pass key is "  # + key + NIAH_END
 NIAH_END = b"."  # the haystack after it starts at a word break (a space)
 NIAH_QUESTION = b"\nWhat is the pass key? The pass key is "
-TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop", "niah"]
+TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop", "niah", "counting", "selective_copy",
+                   "indirect_indexing", "multi_key", "multi_value", "variable_tracking"]
 TASKS: tuple[str, ...] = TaskName.__args__
 SPLITS = ("train", "val", "test")
 _TASK_CODE = {name: code for code, name in enumerate(TASKS, start=1)}  # fixed: changing one changes every sample
@@ -89,10 +126,17 @@ class Task:
     num_pairs: int = 8  # assoc_recall: key-value pairs (<= 26 distinct keys)
     num_queries: int = 4  # assoc_recall: queried keys (<= num_pairs)
     p_ignore: float = 0.8  # flipflop: probability of an 'i' instruction (FFL(p))
+    num_vars: int = 3  # counting: variables 'a', 'b', ... (<= 26)
+    num_tokens: int = 16  # selective_copy: data tokens to copy
+    max_offset: int = 5  # indirect_indexing: offsets are 1 .. max_offset either way (<= 9, one digit)
+    num_needles: int = 4  # multi_key, multi_value: needles in the filler (<= 26 distinct keys)
+    num_chains: int = 1  # variable_tracking: chains of assignments (one asked, the others distractors)
+    num_hops: int = 4  # variable_tracking: assignments after the first in each chain
 
     def __post_init__(self) -> None:
         require(self.name in TASKS, "data.task", self.name, f"one of {', '.join(TASKS)}")
-        for key in ("key_length", "num_pairs", "num_queries"):
+        for key in ("key_length", "num_pairs", "num_queries", "num_vars", "num_tokens", "max_offset", "num_needles",
+                    "num_chains", "num_hops"):
             value = getattr(self, key)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"data.{key}", value,
                     "an integer >= 1")
@@ -101,13 +145,26 @@ class Task:
                 f"<= data.num_pairs={self.num_pairs} (queried keys are distinct)")
         require(isinstance(self.p_ignore, (int, float)) and 0 <= self.p_ignore < 1, "data.p_ignore", self.p_ignore,
                 "a number in [0, 1)")
+        require(self.num_vars <= 26, "data.num_vars", self.num_vars, "<= 26 (variables 'a'-'z')")
+        require(self.max_offset <= 9, "data.max_offset", self.max_offset, "<= 9 (the offset is one digit)")
+        require(self.num_needles <= 26, "data.num_needles", self.num_needles, "<= 26 (distinct keys 'A'-'Z')")
+        names = 26 // (self.num_hops + 1)
+        require(self.num_chains <= names, "data.num_chains", self.num_chains,
+                f"<= {names} (num_chains x (data.num_hops={self.num_hops} + 1) distinct variables 'A'-'Z')")
+        require(self.num_chains <= 10**min(self.key_length, 3), "data.num_chains", self.num_chains,
+                f"<= {10**min(self.key_length, 3)} (distinct values of data.key_length={self.key_length} digits)")
 
     @property
     def min_length(self) -> int:
         """The shortest input length whose layout fits."""
-        niah = len(NIAH_NEEDLE) + len(NIAH_END) + len(NIAH_QUESTION) + 2 * self.key_length - 1
-        return {"passkey": 2 * self.key_length + 1, "copy": 2, "niah": niah,
-                "assoc_recall": 2 * self.num_pairs + 2 * self.num_queries, "flipflop": 3}[self.name]
+        k, needles = self.key_length, self.num_needles
+        niah = len(NIAH_NEEDLE) + len(NIAH_END) + len(NIAH_QUESTION) + 2 * k - 1
+        chains = self.num_chains * (2 + k + 3 * self.num_hops) + k + self.num_hops + 1
+        return {"passkey": 2 * k + 1, "copy": 2, "niah": niah,
+                "assoc_recall": 2 * self.num_pairs + 2 * self.num_queries, "flipflop": 3, "counting": 4,
+                "selective_copy": 2 * self.num_tokens, "indirect_indexing": self.max_offset + 5,
+                "multi_key": needles * (k + 2) + k + 1, "multi_value": needles * (2 * k + 2) + 1,
+                "variable_tracking": chains}[self.name]
 
     @property
     def has_depth(self) -> bool:
@@ -206,12 +263,103 @@ class Task:
         seq = np.concatenate([[PAD] * pad, np.stack([ops, bits], axis=1).reshape(-1)])
         return seq, pad + 1 + 2 * np.flatnonzero(ops == READ)
 
+    def _counting(self, rng: np.random.Generator, n: int, depth: None):
+        m = (n - 3) // 2  # two-token statements before QUERY v count
+        pad = n - 3 - 2 * m
+        ops = rng.choice(3, m, p=COUNT_ODDS)  # 0 set, 1 pass, 2 increment
+        ops[0] = 0  # a variable exists from the start, so an increment and the query always have one
+        picks = rng.random(m)  # which variable a set or an increment takes
+        count: dict[int, int] = {}  # variable -> increments since its last set
+        statements = np.full((m, 2), PASS)
+        for i, (op, u) in enumerate(zip(ops, picks)):  # m <= a few thousand: a plain loop is clear and fast enough
+            if op == 0:
+                var = int(u * self.num_vars)
+                count[var] = 0
+                statements[i] = LOWER + var, SET_ZERO
+            elif op == 2:
+                open_vars = [v for v in sorted(count) if count[v] < MAX_COUNT]
+                if open_vars:  # else a pass: every variable set so far is at MAX_COUNT
+                    var = open_vars[int(u * len(open_vars))]
+                    count[var] += 1
+                    statements[i] = LOWER + var, INCREMENT
+        asked = sorted(count)[int(rng.integers(len(count)))]
+        seq = np.concatenate([[PAD] * pad, statements.reshape(-1), [QUERY, LOWER + asked, DIGITS + count[asked]]])
+        return seq, np.array([n - 1])
 
-DEPTH_TASKS = ("passkey", "niah")
+    def _selective_copy(self, rng: np.random.Generator, n: int, depth: None):
+        k = self.num_tokens
+        span = n - 1 - k  # noise with the data tokens in it
+        data = rng.integers(0, 26, k) + LOWER
+        section = np.full(span, NOISE)
+        section[np.sort(rng.choice(span, k, replace=False))] = data
+        return np.concatenate([section, [SEP], data]), np.arange(n - k, n)
+
+    def _indirect_indexing(self, rng: np.random.Generator, n: int, depth: None):
+        m = n - 5  # the string, then QUERY anchor direction offset answer
+        anchor = int(rng.integers(0, 26))
+        string = rng.integers(0, 25, m)
+        string += string >= anchor  # every letter but the anchor's, so the anchor occurs once
+        offset = int(rng.integers(1, self.max_offset + 1)) * (1 if rng.random() < 0.5 else -1)
+        at = int(rng.integers(max(0, -offset), m - max(0, offset)))  # the target lies inside the string
+        string[at] = anchor
+        string += LOWER
+        direction = RIGHT if offset > 0 else LEFT
+        seq = np.concatenate([string, [QUERY, LOWER + anchor, direction, DIGITS + abs(offset), string[at + offset]]])
+        return seq, np.array([n - 1])
+
+    def _multi_key(self, rng: np.random.Generator, n: int, depth: float | None):
+        k, count = self.key_length, self.num_needles
+        keys = rng.choice(26, count, replace=False) + UPPER  # needle 0 is the one asked
+        values = rng.integers(0, 10, (count, k)) + DIGITS
+        places = rng.random(count)  # drawn before the depth: a sample has the same needles at every depth
+        places[0] = rng.random() if depth is None else depth
+        needles = [np.concatenate([[NEEDLE, key], value]) for key, value in zip(keys, values)]
+        hay = _in_filler(needles, places, n - count * (k + 2) - 2 - k)
+        return np.concatenate([hay, [QUERY, keys[0]], values[0]]), np.arange(n - k, n)
+
+    def _multi_value(self, rng: np.random.Generator, n: int, depth: None):
+        k, count = self.key_length, self.num_needles
+        key = int(rng.integers(0, 26)) + UPPER
+        values = rng.integers(0, 10, (count, k)) + DIGITS
+        places = np.sort(rng.random(count))  # needle i is the i-th in the text: the answer lists them in order
+        needles = [np.concatenate([[NEEDLE, key], value]) for value in values]
+        hay = _in_filler(needles, places, n - count * (2 * k + 2) - 2)
+        return np.concatenate([hay, [QUERY, key], values.reshape(-1)]), np.arange(n - count * k, n)
+
+    def _variable_tracking(self, rng: np.random.Generator, n: int, depth: None):
+        k, chains, hops = self.key_length, self.num_chains, self.num_hops
+        names = rng.choice(26, (chains, hops + 1), replace=False) + UPPER  # chain 0 is the one asked
+        values = rng.integers(0, 10, (chains, k)) + DIGITS
+        while len({tuple(v) for v in values}) < chains:  # distinct values: the question names one chain
+            values = rng.integers(0, 10, (chains, k)) + DIGITS
+        places = np.sort(rng.random((chains, hops + 1)), axis=1)  # each chain's assignments in order
+        statements = [[np.concatenate([[NEEDLE, names[c, 0]], values[c]])]
+                      + [np.array([NEEDLE, names[c, h], names[c, h - 1]]) for h in range(1, hops + 1)]
+                      for c in range(chains)]
+        size = chains * (2 + k + 3 * hops)
+        hay = _in_filler([s for chain in statements for s in chain], places.reshape(-1), n - size - 1 - k - hops - 1)
+        return np.concatenate([hay, [QUERY], values[0], names[0]]), np.arange(n - hops - 1, n)
+
+
+DEPTH_TASKS = ("passkey", "niah", "multi_key")
 
 
 def _ids(text: bytes) -> np.ndarray:
     return np.frombuffer(text, dtype=np.uint8).astype(np.int64)
+
+
+def _in_filler(pieces: list[np.ndarray], places: np.ndarray, size: int) -> np.ndarray:
+    """``size`` filler tokens (the passkey sentences) with each piece inserted after
+    round(place x size) of them; pieces at the same token keep the order of their places (ties:
+    the order of ``pieces``)."""
+    filler = FILLER[np.arange(size) % len(FILLER)]
+    order = np.argsort(places, kind="stable")
+    cuts = np.rint(places[order] * size).astype(int)
+    parts, start = [], 0
+    for cut, i in zip(cuts, order):
+        parts += [filler[start:cut], pieces[i]]
+        start = cut
+    return np.concatenate([*parts, filler[start:]])
 
 
 @functools.lru_cache(maxsize=2)

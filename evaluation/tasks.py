@@ -1,6 +1,6 @@
 """Synthetic-task accuracy against length: a model trained on ``data/synthetic.py`` samples of
 length L answers fresh samples (the ``test`` stream) of lengths L·{1, 2, 4, 8} and, for
-passkey, with the key at several depths.
+the retrieval tasks with a depth (passkey, niah, multi_key), with the key at several depths.
 
 One teacher-forced forward per batch: the answer tokens' logits come from ``GPT.hidden`` and
 ``GPT.logits`` at the answer positions only (so (B, T, V) logits never exist), and the
@@ -46,7 +46,7 @@ class TaskEvalConfig(LengthSweepOptions):
     section: ClassVar[str] = "eval.tasks"
     multipliers: Sequence[float] = (1, 2, 4, 8)  # eval lengths as multiples of the train length
     lengths: Sequence[int] = ()  # absolute eval lengths, added to the multiples
-    depths: Sequence[float] = PASSKEY_DEPTHS  # passkey/niah only: key depth, 0 = first token, 1 = before the question
+    depths: Sequence[float] = PASSKEY_DEPTHS  # tasks with a depth: key depth, 0 = first token, 1 = before the question
     samples: int = 100  # per (length, depth)
     tokens_per_batch: int = 16384
     q_chunk: int = 1024  # attention query chunk for long sequences (memory bound)

@@ -246,11 +246,19 @@ class SyntheticDataModule(StreamDataModule):
         num_pairs: int = 8,
         num_queries: int = 4,
         p_ignore: float = 0.8,
+        num_vars: int = 3,
+        num_tokens: int = 16,
+        max_offset: int = 5,
+        num_needles: int = 4,
+        num_chains: int = 1,
+        num_hops: int = 4,
         curriculum_batches: int = 0,
         curriculum_start: int | None = None,
     ) -> None:
         super().__init__()
-        self.task = Task(task, key_length=key_length, num_pairs=num_pairs, num_queries=num_queries, p_ignore=p_ignore)
+        self.task = Task(task, key_length=key_length, num_pairs=num_pairs, num_queries=num_queries, p_ignore=p_ignore,
+                         num_vars=num_vars, num_tokens=num_tokens, max_offset=max_offset, num_needles=num_needles,
+                         num_chains=num_chains, num_hops=num_hops)
         require(isinstance(block_size, int) and block_size >= self.task.min_length, "data.block_size", block_size,
                 f"an integer >= {self.task.min_length} (the shortest {task} sample with these options)")
         for key, value, low in (("batch_size", batch_size, 1), ("val_samples", val_samples, 1),
