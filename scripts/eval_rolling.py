@@ -1,0 +1,84 @@
+"""Rolling perplexity of a checkpoint on whole documents, as lm-evaluation-harness computes it
+for an exported copy of the model (docs/export.md, "lm-evaluation-harness").
+
+    python scripts/eval_rolling.py ckpt=RUN_DIR/checkpoints/last.ckpt
+    python scripts/eval_rolling.py ckpt=... max_length=512 data=my_docs.jsonl
+
+Reads the documents of lm_eval_tasks/pelab_gutenberg (or ``data=``: JSON lines with a
+``text`` field), tokenizes each with the run's tokenizer, scores it after the end-of-text token
+in lm-eval's rolling windows (evaluation/rolling.py) and prints nats per token and lm-eval's
+``word_perplexity``, ``byte_perplexity`` and ``bits_per_byte``: the numbers
+``lm_eval --model hf --model_args pretrained=EXPORTED --include_path lm_eval_tasks
+--tasks pelab_gutenberg`` reports, in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from _common import (ROOT, bad_value, checkpoint_arg, describe_options, device_arg, integer, is_null,
+                     load_run_config, parse_key_values)
+
+DATA = ROOT / "lm_eval_tasks" / "pelab_gutenberg" / "gutenberg_val.jsonl"
+OPTIONS = {
+    "ckpt": "path to a checkpoint written by train.py (required; its config.yaml names the tokenizer)",
+    "data": f"JSON lines, one document per line in a 'text' field (default {DATA.relative_to(ROOT)})",
+    "max_length": "window length in tokens (default: what lm-eval reads from the export: the learned "
+                  "table's size, else model.block_size; lm-eval's model_args max_length=N overrides it there)",
+    "device": "cpu, cuda or cuda:N (default: cuda when available)",
+}
+
+
+def read_documents(path: Path) -> list[str]:
+    if not path.is_file():
+        bad_value("data", str(path), "a JSON lines file with a 'text' field per line")
+    texts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        row = json.loads(line) if line.strip() else None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            bad_value("data", str(path), f"a JSON object with a 'text' string on every line (line {n} has none)")
+        texts.append(row["text"])
+    if not texts:
+        bad_value("data", str(path), "at least one document")
+    return texts
+
+
+def main(argv: list[str]) -> dict:
+    if any(arg in ("-h", "--help", "help") for arg in argv):
+        print(f"{__doc__}\noptions:\n{describe_options(OPTIONS)}")
+        return {}
+    args = parse_key_values(argv, OPTIONS)
+    given_length = args.get("max_length", "null")
+    max_length = None if is_null(given_length) else integer("max_length", given_length, minimum=1)
+    device = device_arg(args.get("device"))
+    texts = read_documents(Path(args.get("data", DATA)))
+    ckpt = checkpoint_arg(args, OPTIONS)
+    run = load_run_config(ckpt, "which tokenizer the documents are read with")
+
+    from data.tokenizers import get_tokenizer
+    from evaluation.rolling import perplexity_metrics, rolling_loglikelihood
+    from pelab.checkpoint import load_lit_gpt
+
+    tokenizer = get_tokenizer(str(run.data.tokenizer))
+    if tokenizer.eot_token is None:
+        bad_value("data.tokenizer", str(run.data.tokenizer), "a tokenizer with an end-of-text token (lm-eval's prefix)")
+    gpt = load_lit_gpt(ckpt, map_location=device).model.to(device).eval()
+    limit = gpt.pe.max_positions
+    max_length = max_length or limit or gpt.config.block_size
+    if limit is not None and max_length > limit:
+        bad_value("max_length", str(max_length), f"at most the {limit} positions of pe={gpt.pe.name}")
+
+    documents = [tokenizer.encode(text) for text in texts]
+    lls = [rolling_loglikelihood(gpt, ids, tokenizer.eot_token, max_length) for ids in documents]
+    metrics = perplexity_metrics(lls, texts, sum(map(len, documents)))
+    print(f"{len(texts)} documents, {sum(map(len, documents))} tokens, max_length {max_length}")
+    for name, value in metrics.items():
+        print(f"{name:16s} {value:.6f}")
+    return {"loglikelihoods": lls, "tokens": [len(ids) for ids in documents], "max_length": max_length, **metrics}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.exit(0)
