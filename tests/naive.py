@@ -52,8 +52,10 @@ def naive_rotate(x: torch.Tensor, positions: list[int], spec: dict, sign: float)
     """x (B, H, T, hd) float64, rotated as ``spec`` (a NAIVE_ROTATION entry) says.
 
     For xPos both rotated components of pair k are multiplied by zeta_k^(sign * p / B),
-    zeta_k = (2k/r + gamma) / (1 + gamma).
+    zeta_k = (2k/r + gamma) / (1 + gamma). PoPE (``polar``) gives (B, H, T, 2 hd).
     """
+    if spec.get("polar"):
+        return torch.stack([naive_polar_vec(x[:, :, t], p, spec["base"], sign) for t, p in enumerate(positions)], 2)
     r, gamma = spec["r"], spec.get("gamma")
     out = x.clone()
     for t, p in enumerate(positions):
@@ -62,6 +64,19 @@ def naive_rotate(x: torch.Tensor, positions: list[int], spec: dict, sign: float)
             scale = lambda k, p=p: ((2.0 * k / r + gamma) / (1.0 + gamma)) ** (sign * p / spec["B"])  # noqa: E731
         out[:, :, t] = naive_rope_vec(x[:, :, t], p, spec["base"], r, scale)
     return out
+
+
+def naive_polar_vec(x, p: int, base: float, sign: float) -> torch.Tensor:
+    """PoPE's polar form of head vectors x (..., d) at integer position p, offsets delta at their
+    init 0: [m_c cos(p theta_c)]_c ++ [m_c sin(p theta_c)]_c, m_c = log(1 + e^x_c), theta_c = base^(-c/d).
+    Queries (sign +1) carry sqrt 2, so that naive_softmax_attention's 1/sqrt(2d) is PoPE's 1/sqrt(d)."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    d = x.shape[-1]
+    m = torch.log1p(torch.exp(x)) * (math.sqrt(2.0) if sign > 0 else 1.0)
+    angles = [p * base ** (-c / d) for c in range(d)]
+    cos = torch.tensor([math.cos(a) for a in angles], dtype=torch.float64)
+    sin = torch.tensor([math.sin(a) for a in angles], dtype=torch.float64)
+    return torch.cat((m * cos, m * sin), dim=-1)
 
 
 def rope_rotation(opts: dict, head_dim: int) -> dict:
@@ -213,6 +228,7 @@ NAIVE_ROTATION = {
     "rope": rope_rotation,
     "xpos": xpos_rotation,
     "rope_alibi": rope_rotation,
+    "pope": lambda opts, head_dim: {"polar": True, "base": opts.get("base", 10000.0), "r": head_dim, "xpos": False},
 }
 
 # ALiBi-style slopes: (options, n_head) -> slopes of bias = -m (i - j)
@@ -337,9 +353,10 @@ def naive_heads(attn, x64: torch.Tensor):
 
 
 def naive_softmax_attention(q, k, v, bias=None, causal=True) -> torch.Tensor:
-    """(B, H, T, hd) float64 -> (B, T, H*hd), explicit scores, masks and softmax."""
-    B, H, T, hd = q.shape
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(hd)
+    """(B, H, T, hd) float64 -> (B, T, H*hd), explicit scores, masks and softmax; q and k may
+    have another dim than v (PoPE's 2 hd), the scale is q's."""
+    B, H, T, hd = v.shape
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1])
     if bias is not None:
         scores = scores + bias
     if causal:

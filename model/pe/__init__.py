@@ -12,6 +12,7 @@ from model.pe.fire import FIRE
 from model.pe.kerple import KerpleLog, KerplePower
 from model.pe.nope import NoPE
 from model.pe.t5 import T5RelativeBias, t5_bucket
+from model.pe.pope import PoPE
 
 __all__ = [
     "SCHEMES",
@@ -23,6 +24,7 @@ __all__ = [
     "KerplePower",
     "LearnedPositionEmbedding",
     "NoPE",
+    "PoPE",
     "RoPE",
     "RoPEALiBi",
     "SinusoidalPositionEmbedding",

@@ -36,9 +36,9 @@ def visible(i: int, j: int, window: int | None, documents: list[int] | None = No
 
 def naive_windowed(q, k, v, bias, window, documents=None):
     """(1, H, T, hd) float64 -> (1, T, H*hd): softmax over the keys ``visible`` says, the others -inf."""
-    _, H, n, hd = q.shape
+    _, H, n, hd = v.shape  # q and k may have another dim (PoPE's 2 hd): the scale is theirs
     seen = torch.tensor([[visible(i, j, window, documents) for j in range(n)] for i in range(n)])
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(hd) + (0.0 if bias is None else bias)
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1]) + (0.0 if bias is None else bias)
     p = torch.softmax(scores.masked_fill(~seen, -math.inf), dim=-1)
     return torch.einsum("bhij,bhjd->bihd", p, v).reshape(1, n, H * hd)
 

@@ -13,7 +13,7 @@ from model.gpt import GPT
 from model.pe import SCHEMES
 from tests.naive import (VARIANT_IDS, VARIANTS, leaf_params, naive_attention, naive_gelu, naive_layer_norm, naive_linear,
                          naive_reference, naive_spec)
-from tests.tiny import LEARNED_BIAS, attention_config, build, has_parameters, schemes_where, tiny_config
+from tests.tiny import attention_config, build, has_parameters, schemes_where, tiny_config
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
@@ -42,7 +42,7 @@ def test_gpt_forward_backward(name):
         assert wpe is not None and wpe[:T].abs().sum() > 0
         # rows never used get no gradient
         assert torch.all(wpe[T:] == 0)
-    elif name in LEARNED_BIAS:  # a learned bias trains with the network
+    elif has_parameters(model.pe):  # a learned bias, PoPE's phase offsets: they train with the network
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.pe.parameters())
     else:
         assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.pe.parameters())

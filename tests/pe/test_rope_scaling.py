@@ -11,12 +11,12 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.pe import SCHEMES
+from model.pe import SCHEMES, RoPE
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
 from model.pe.scaling import scaled
 from tests import tiny
 
-ROPE_FAMILY = tiny.schemes_where(lambda pe: pe.uses_rotate)
+ROPE_FAMILY = tiny.schemes_where(lambda pe: isinstance(pe, RoPE))  # RoPE and its subclasses (not PoPE)
 
 
 def tiny_config(**overrides) -> GPTConfig:

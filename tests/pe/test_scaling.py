@@ -10,14 +10,15 @@ import torch
 
 from model.generate import KVCache
 from model.gpt import GPT
-from model.pe import SCHEMES
+from model.pe import SCHEMES, RoPE
 from model.pe.rope_scaling import RopeScaling
 from model.pe.scaling import SCALING_DEFAULTS, apply_scaling, scaled, scaling_of
 from tests import tiny
 from tests.naive import SLOPES_4, naive_alibi_bias
 from tests.pe.test_rope_scaling import naive_rotate, naive_thetas
 
-ROPE_FAMILY = tiny.schemes_where(lambda pe: pe.uses_rotate)
+ROPE_FAMILY = tiny.schemes_where(lambda pe: isinstance(pe, RoPE))  # RoPE and its subclasses (not PoPE)
+LINEAR_ONLY = [("alibi", "linear"), ("pope", "linear")]  # schemes that take position interpolation alone
 KINDS = {
     "linear": {}, "ntk": {}, "dynamic_ntk": {}, "yarn": {"beta_fast": 16.0}, "llama3": {"high_freq_factor": 8.0},
     "longrope": {"short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 2.0, 4.0, 8.0]},
@@ -32,7 +33,7 @@ def scaled_gpt(name, kind, seed=0, **cfg):
     return GPT(cfg, pe).eval()
 
 
-@pytest.mark.parametrize("name, kind", [(n, k) for n in ROPE_FAMILY for k in KINDS] + [("alibi", "linear")])
+@pytest.mark.parametrize("name, kind", [(n, k) for n in ROPE_FAMILY for k in KINDS] + LINEAR_ONLY)
 def test_trained_scaling_equals_the_same_scaling_set_for_evaluation(name, kind):
     """Training and evaluation scale through one ``scale`` hook (the formulas are tested against
     the references in test_rope_scaling, test_yarn, test_llama3, test_longrope, and
@@ -49,7 +50,7 @@ def test_trained_scaling_equals_the_same_scaling_set_for_evaluation(name, kind):
             pass
 
 
-@pytest.mark.parametrize("name, kind", [(n, k) for n in ROPE_FAMILY for k in KINDS] + [("alibi", "linear")])
+@pytest.mark.parametrize("name, kind", [(n, k) for n in ROPE_FAMILY for k in KINDS] + LINEAR_ONLY)
 def test_cache_decoding_with_trained_scaling_equals_the_full_forward(name, kind):
     model = scaled_gpt(name, kind)
     idx = torch.randint(0, 31, (1, 6), generator=torch.Generator().manual_seed(1))
