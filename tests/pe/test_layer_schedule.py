@@ -155,8 +155,7 @@ def test_greedy_decoding_with_the_cache_equals_without(options):
         assert torch.equal(cached, model.generate(prompt, 15, temperature=0, cache=False))
 
 
-@pytest.mark.parametrize("n_layer", [6, 12])
-def test_gemma3_like_preset_is_five_local_layers_then_a_global_one(project_root, n_layer):
+def test_gemma3_like_preset_is_five_local_layers_then_a_global_one(project_root, n_layer=12):
     """experiment=gemma3_like as train.py composes it: layer i is global iff i % 6 == 5, the global
     layers rotate at base 1M and the windowed ones at 10k, with Gemma 3's block options."""
     from hydra import compose, initialize_config_dir
