@@ -48,6 +48,8 @@ class Checked:
 
 
 def validate_config(cfg: DictConfig) -> Checked:
+    for key, need in (plain(cfg.get("requires")) or {}).items():  # an experiment's mandatory keys (drope: init_from)
+        require(OmegaConf.select(cfg, key) is not None, key, OmegaConf.select(cfg, key), need)
     for key, hint in TOP_LEVEL.items():
         if key in cfg and not matches(plain(cfg.get(key)), hint):
             fail(key, plain(cfg.get(key)), describe(hint))
