@@ -83,7 +83,8 @@ class PoPE(PositionEncoding, name="pope"):
         return self.delta.float().clamp(DELTA_MIN, DELTA_MAX)
 
     def rotate(self, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
-        q_tables, k_tables = self.rotation_tables(q_positions, q_positions), self.rotation_tables(k_positions, k_positions)
+        q_tables = self.rotation_tables(q_positions, q_positions)
+        k_tables = self.rotation_tables(k_positions, k_positions)
         return self.apply_rotation(q, k, q_tables._replace(k_cos=k_tables.k_cos, k_sin=k_tables.k_sin))
 
     def rotation_tables(self, positions: Tensor, span: Tensor) -> PolarTables:

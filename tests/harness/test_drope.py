@@ -46,8 +46,8 @@ def test_without_init_from_it_is_refused_in_one_line_before_any_work(tmp_path, m
     out = tmp_path / "out"
     with pytest.raises(ConfigError) as err:
         train(compose_config(["experiment=drope", "logger=csv"], out))
-    assert str(err.value) == ("init_from must be a RoPE run's checkpoint, whose weights DroPE recalibrates without "
-                              "positions (init_from=RUN_DIR/checkpoints/last.ckpt), got None")
+    assert str(err.value) == ("init_from must be a RoPE run's checkpoint, recalibrated without positions "
+                              "(init_from=RUN_DIR/checkpoints/last.ckpt), got None")
     assert not out.exists()
 
 
