@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.attention import BACKENDS, CHOICES
+from model.attention import BACKENDS, CHOICES, SINKS
 from model.temperature import TEMPERATURES
 
 NORMS = ("layernorm", "rmsnorm")  # the values of model.norm
@@ -68,6 +68,8 @@ class GPTConfig:
     # Sliding windows (docs/design.md, "Sliding windows"): query i sees keys i-W+1..i; None = full.
     window: int | None = None  # every layer's window
     window_pattern: list[int | None] | None = None  # layer l: window_pattern[l % len]; exclusive with window
+    # Attention sinks (docs/design.md, "Attention sinks"): none, learned (a logit per head and layer) or zero.
+    sinks: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
@@ -93,6 +95,7 @@ class GPTConfig:
         require(self.attn_temperature not in ("log_length", "ssmax") or self.attn_temperature_length is not None
                 or self.block_size >= 2, "model.block_size", self.block_size, f">= 2 with {self.attn_temperature}")
         check_windows(self)
+        require(self.sinks in SINKS, "model.sinks", self.sinks, "one of " + ", ".join(map(repr, SINKS)))
         backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
         require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),
                 "model.attention", self.attention,

@@ -49,8 +49,19 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.ssmax = head_scales(config)  # model.attn_temperature=ssmax: this layer's learned s_h, else None
+        if config.sinks == "learned":  # model.sinks: one logit per head joined to every softmax denominator
+            self.sinks = nn.Parameter(torch.zeros(config.n_head))
+        elif config.sinks == "zero":  # the off-by-one softmax: a constant, not a weight
+            self.register_buffer("sinks", torch.zeros(config.n_head), persistent=False)
+        else:
+            self.sinks = None
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+
+    def init_sinks(self, layer: int) -> None:
+        """torchtitan's gpt-oss init of the learned sinks: truncated normal, std 0.02 / sqrt(2 (layer + 1))."""
+        if isinstance(self.sinks, nn.Parameter):
+            nn.init.trunc_normal_(self.sinks, std=0.02 / math.sqrt(2 * (layer + 1)))
 
     def qkv(self, x: Tensor, ctx: PositionContext) -> tuple[Tensor, Tensor, Tensor]:
         """Heads-first q (B, H, T, hd) and k, v (B, n_kv_head, T, hd), normalised (qk_norm) and
@@ -77,7 +88,7 @@ class CausalSelfAttention(nn.Module):
         if self.n_kv_head != self.n_head:  # query head h reads key/value head h // group (HF's repeat_kv)
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = attend(q, k, v, ctx, self.dropout if self.training else 0.0)
+        y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -140,6 +151,8 @@ class GPT(nn.Module):
         for name, p in self.blocks.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for layer, block in enumerate(self.blocks):  # last: the other weights are those of a model without sinks
+            block.attn.init_sinks(layer)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -239,7 +252,7 @@ class GPT(nn.Module):
         packed documents (model/attention/__init__.py)."""
         dropout = self.config.dropout if self.training else 0.0
         return resolve(name or self.config.attention, self.pe, device, dtype, dropout, torch.is_grad_enabled(),
-                       queries, documents, batch, len(self.blocks))
+                       queries, documents, batch, len(self.blocks), self.config.sinks != "none")
 
     def attention_backend(self, device: torch.device, name: str | None = None,
                           dtype: torch.dtype = torch.float32) -> str:

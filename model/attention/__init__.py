@@ -17,6 +17,7 @@ from model.attention.flex import Flex
 from model.attention.math import AttentionRecorder, Math
 from model.attention.sdpa import SDPA
 from model.attention.sdpa_key import SDPAKey
+from model.attention.sinks import SINKS
 
 BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (SDPA(), SDPAKey(), Flex(), Math(), BiasGrad())}
 CHOICES = ("auto", *BACKENDS)  # the values of model.attention
@@ -35,7 +36,7 @@ def auto(pe: Any, device: torch.device, dropout: float) -> str:
 
 def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
             grad: bool = False, queries: int | None = None, documents: bool = False, batch: int | None = None,
-            layers: int = 1) -> AttentionBackend:
+            layers: int = 1, sinks: bool = False) -> AttentionBackend:
     """The backend that runs ``name`` (a value of model.attention) for this forward: ``auto``
     decided, a backend that does not apply replaced by the first of its fallbacks that does
     (``math`` applies everywhere; a ``strict`` one raises instead, saying why), flex for a
@@ -45,18 +46,21 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     ``documents``: packed documents. On CUDA ``auto`` then takes flex where it applies (no
     dropout): its document BlockMask skips the blocks with no pair of one document, where SDPA
     would get a dense (B, 1, T, T) mask and compute every block. CPU routes are unchanged.
+    ``sinks``: attention sinks (sinks.py), which a backend joins only in its ``sink_dtypes``.
     ``batch`` (with ``queries`` and ``layers``): a CUDA training forward that resolves to
     ``math`` is refused before any compute when math's float32 (B, H, T, T) tensors would not
     fit in the device's free memory (``check_math_memory``)."""
+    def applies(backend: str) -> bool:
+        return BACKENDS[backend].supports(pe, device, dtype, dropout, grad, sinks)
+
     backend = BACKENDS[auto(pe, device, dropout) if name == "auto" else name]
-    if not backend.strict and not backend.supports(pe, device, dtype, dropout, grad):
-        backend = next(BACKENDS[n] for n in backend.fallback if BACKENDS[n].supports(pe, device, dtype, dropout, grad))
-    if (name == "auto" and documents and device.type == "cuda" and backend.name != "flex"
-            and BACKENDS["flex"].supports(pe, device, dtype, dropout, grad)):
+    if not backend.strict and not applies(backend.name):
+        backend = next(BACKENDS[n] for n in backend.fallback if applies(n))
+    if name == "auto" and documents and device.type == "cuda" and backend.name != "flex" and applies("flex"):
         backend = BACKENDS["flex"]
     if queries == 1 and backend.decode is not None:
         backend = BACKENDS[backend.decode]
-    if backend.grad_route is not None and BACKENDS[backend.grad_route].supports(pe, device, dtype, dropout, grad):
+    if backend.grad_route is not None and applies(backend.grad_route):
         backend = BACKENDS[backend.grad_route]
     if backend.name == "math" and grad and device.type == "cuda" and batch is not None and queries is not None:
         check_math_memory(name, pe, device, dtype, dropout, batch, queries, layers)
@@ -103,22 +107,23 @@ def check_math_memory(name: str, pe: Any, device: torch.device, dtype: torch.dty
         f"the {free / gib:.1f} GiB free on {device}. Ways out: {'; '.join(w for w in ways if w)}")
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink: Tensor | None = None) -> Tensor:
     """(B, H, Tq, hd) output of queries that are the last Tq of the Tk keys, with the context's
     backend and prepared state, in query chunks when the context has them (long evaluations:
-    the (H, T, T) terms never exist at once)."""
+    the (H, T, T) terms never exist at once); ``sink``: the layer's (H,) sink logits (sinks.py)."""
     backend, Tq, Tk = ctx.backend, q.shape[2], k.shape[2]
+    with_sink = {} if sink is None else {"sink": sink}  # without sinks every backend's call stays 5 arguments
     spans = [(0, Tq)] if ctx.chunk is None else [(s, min(Tq, s + ctx.chunk)) for s in range(0, Tq, ctx.chunk)]
     parts = []
     for s, e in spans:
         ks, ke = ctx.terms.key_span(s, e)  # rows [s, e) see keys [ks, ke): their windows' (all earlier without)
         if ctx.chunk is None:
-            out = backend(q, k, v, ctx.state, dropout)
+            out = backend(q, k, v, ctx.state, dropout, **with_sink)
         elif backend.full_keys:  # same K/V shape for every chunk: one compiled kernel per length
-            out = backend(q[:, :, s:e], k, v, backend.chunk(ctx.state, ctx.terms, s, e), dropout)
+            out = backend(q[:, :, s:e], k, v, backend.chunk(ctx.state, ctx.terms, s, e), dropout, **with_sink)
         else:
             out = backend(q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], backend.chunk(ctx.state, ctx.terms, s, e),
-                          dropout)
+                          dropout, **with_sink)
         if backend.records:
             out, p = out
             if ctx.record is not None:
@@ -129,5 +134,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0) -> T
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-__all__ = ["BACKENDS", "CHOICES", "AttentionBackend", "AttentionRecorder", "Terms", "attend",
+__all__ = ["BACKENDS", "CHOICES", "SINKS", "AttentionBackend", "AttentionRecorder", "Terms", "attend",
            "auto", "check_math_memory", "math_training_bytes", "resolve"]

@@ -130,10 +130,14 @@ class AttentionBackend:
     grad_route: ClassVar[str | None] = None  # the backend that serves it under autograd where that one applies
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
+    sink_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it joins sinks in (None: any)
 
-    def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool) -> bool:
+    def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool,
+                 sinks: bool = False) -> bool:
+        """Whether it runs this scheme here; ``sinks``: with attention sinks (model/attention/sinks.py)."""
         return ((self.devices is None or device.type in self.devices)
                 and (self.dtypes is None or dtype in self.dtypes)
+                and (not sinks or self.sink_dtypes is None or dtype in self.sink_dtypes)
                 and (self.dropout or not dropout) and self.fits(pe, device, dtype, grad))
 
     def fits(self, pe: Any, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
@@ -148,5 +152,7 @@ class AttentionBackend:
         """The state of query rows [s, e); by default prepared anew for those rows."""
         return self.prepare(terms.rows(s, e))
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float,
+                 sink: Tensor | None = None) -> Tensor:
+        """Attention with the prepared ``state``; ``sink``: the layer's (H,) sink logits, or None."""
         raise NotImplementedError

@@ -27,10 +27,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import Terms
 from model.attention.sdpa import SDPA, default_scale, mask_dtype
+from model.attention.sinks import sink_key
 
 # float32 elements of one tile's (b, H, QUERY_TILE, Tk) tensors: 2 MiB, about one core's L2.
 BLOCK_ELEMENTS = 1 << 19
@@ -163,11 +165,18 @@ class BiasGrad(SDPA):
         bias = shared.mask()
         return bias.detach().masked_fill(terms.hidden(), float("-inf")), bias
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float,
+                 sink: Tensor | None = None) -> Tensor:
+        """With ``sink``, SDPA's sink key first (``sink_key``): the kernel's causal rule (queries the
+        last Tq keys) holds for Tk + 1 keys, and the sink's logit gets its gradient through that key."""
         mask, bias = state if isinstance(state, tuple) else (state, state)  # bias: what takes the gradient
         if mask is None or not bias.requires_grad or dropout or not torch.is_grad_enabled():
-            return super().__call__(q, k, v, mask, dropout)
+            return super().__call__(q, k, v, mask, dropout, sink)
         with torch.autocast(v.device.type, enabled=False):
             q, k = q.to(v.dtype), k.to(v.dtype)
             mask = mask_dtype(mask, v.dtype)  # float64 for float64 q; the gradient goes back to float32
-            return attention_with_bias_grad(q, k, v, mask, default_scale(q), bias=bias.to(mask.dtype))
+            bias, scale, width = bias.to(mask.dtype), default_scale(q), v.shape[-1]
+            if sink is not None:
+                q, k, v, mask, _ = sink_key(q, k, v, sink, scale, mask, False)
+                bias = F.pad(bias, (1, 0))
+            return attention_with_bias_grad(q, k, v, mask, scale, bias=bias)[..., :width]

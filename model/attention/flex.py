@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
+from model.attention.sinks import rescale
 
 # Compiled flex specialises on every (batch, Tq, Tk): an evaluation sweep (lengths x query
 # chunks x batch sizes) passes dynamo's default limit of 8, past which flex runs unfused and
@@ -155,17 +156,28 @@ class Flex(AttentionBackend):
                 self._block_masks[key] = build()
         return self._block_masks[key]
 
-    def compiled(self, q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask, options=None) -> Tensor:
+    def compiled(self, q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask, options=None, aux=None):
         """``flex_attention`` compiled once per process, one kernel per shape (the CUDA path)."""
         from torch.nn.attention.flex_attention import flex_attention
 
         if self._compiled is None:
             self._compiled = torch.compile(flex_attention, dynamic=False, backend=self.compile_backend)
         with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-            return self._compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+            return self._compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options,
+                                  return_aux=aux)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
-        from torch.nn.attention.flex_attention import flex_attention
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float,
+                 sink: Tensor | None = None) -> Tensor:
+        """With ``sink``: the output of flex's softmax rescaled by sigmoid(lse - s_h) from its LSE."""
+        out = self.attend(q, k, v, state, sink is not None)
+        if sink is None:
+            return out
+        out, aux = out
+        return rescale(out, aux.lse, sink)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, lse: bool):
+        """flex_attention's output, and its auxiliary outputs (the LSE) with ``lse``."""
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
         B, Tq, Tk = q.shape[0], q.shape[2], k.shape[2]
         score_mod = None
@@ -191,12 +203,14 @@ class Flex(AttentionBackend):
                       else state.documents)
         dtype = v.dtype
         options = TABLE_KERNEL_OPTIONS if state.table is not None and v.is_cuda else None
+        aux = AuxRequest(lse=True) if lse else None
         with torch.autocast(v.device.type, enabled=False):
             if torch.compiler.is_compiling():  # inside the model's graph: traced, no warnings filter (a break)
                 return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask,
-                                      kernel_options=options)
+                                      kernel_options=options, return_aux=aux)
             if v.device.type in self.compile_devices:
-                return self.compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask, options)
+                return self.compiled(q.to(dtype), k.to(dtype), v, score_mod, block_mask, options, aux)
             with warnings.catch_warnings():  # eager flex warns that it is not the fused kernel
                 warnings.simplefilter("ignore")
-                return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask)
+                return flex_attention(q.to(dtype), k.to(dtype), v, score_mod=score_mod, block_mask=block_mask,
+                                      return_aux=aux)

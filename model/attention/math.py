@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
+from model.attention.sinks import sink_probabilities
 
 
 class AttentionRecorder:
@@ -46,11 +47,14 @@ class Math(AttentionBackend):
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
         return None if chunked else terms.mask(always=True)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float) -> tuple[Tensor, Tensor]:
-        """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32 (float64 for float64 v)."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float,
+                 sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32 (float64 for float64 v);
+        with ``sink`` its logits join every row's denominator (the rows sum to less than 1)."""
         acc = torch.promote_types(v.dtype, torch.float32)
         with torch.autocast(v.device.type, enabled=False):
             scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-            probs = torch.softmax(scores + mask, dim=-1)
+            logits = scores + mask
+            probs = torch.softmax(logits, dim=-1) if sink is None else sink_probabilities(logits, sink)
             dropped = F.dropout(probs, dropout) if dropout else probs
             return torch.matmul(dropped, v.to(acc)).to(v.dtype), probs

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
+from model.attention.features import KEY_PIECES
+from model.attention.sinks import sink_key
 
 
 def mask_dtype(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -48,6 +50,7 @@ class SDPA(AttentionBackend):
     name = "sdpa"
     fallback = ("flex", "math")
     grad_route = "bias_grad"  # a learned bias on CPU, where SDPA would take its float32 math path
+    sink_dtypes = tuple(KEY_PIECES)  # the sink key's logit in exact pieces: fp16 has none (flex or math)
 
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         # CUDA's fused kernels take a float mask only in q's dtype: the memory-efficient one
@@ -58,5 +61,11 @@ class SDPA(AttentionBackend):
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
         return None if chunked else terms.order_mask()
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, dropout: float) -> Tensor:
-        return sdpa(q, k, v, mask, dropout, causal=mask is None and q.shape[2] == k.shape[2])
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, dropout: float,
+                 sink: Tensor | None = None) -> Tensor:
+        causal = mask is None and q.shape[2] == k.shape[2]
+        if sink is None:
+            return sdpa(q, k, v, mask, dropout, causal)
+        Tq, width, scale = q.shape[2], v.shape[-1], default_scale(q)
+        q, k, v, mask, causal = sink_key(q, k, v, sink, scale, mask, causal)
+        return sdpa(q, k, v, mask, dropout, causal, scale)[..., -Tq:, :width]

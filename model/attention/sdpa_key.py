@@ -12,29 +12,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
+from model.attention.features import KEY_PIECES, pad_heads, split_exact
 from model.attention.masks import causal_pair
 from model.attention.sdpa import sdpa
-
-# q, k, v are padded to one head dim, a multiple of this: 8 for CUDA's flash kernels; none on
-# CPU, where padding is slower than an odd head dim (docs/benchmark.md).
-KEY_PAD_MULTIPLE = {"cuda": 8}
-# pieces of the compute dtype whose float32 sum is exactly a float32 value (8 + 8 + 8 significand bits)
-KEY_PIECES = {torch.float32: 1, torch.float64: 1, torch.bfloat16: 3}
-
-
-def split_exact(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """(..., n) pieces of float32 ``x`` in ``dtype`` that sum back to ``x`` exactly in float32:
-    each piece is the rounding of what the earlier ones left (an exact float32 difference)."""
-    pieces, rest = [], x
-    for _ in range(KEY_PIECES[dtype]):
-        piece = rest.to(dtype)
-        pieces.append(piece)
-        rest = rest - piece.float()
-    return torch.stack(pieces, dim=-1)
+from model.attention.sinks import sink_key
 
 
 def key_features(slopes: Tensor, k_positions: Tensor, head_dim: int, dtype: torch.dtype) -> Tensor:
@@ -45,9 +29,17 @@ def key_features(slopes: Tensor, k_positions: Tensor, head_dim: int, dtype: torc
     return split_exact(term, dtype)
 
 
+def dropped_rows(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """(1 or B, H, Tq) float32 m_h (p_i - p_ref): minus the term of each query's row that the key
+    features leave out, which a sink logit must still be compared against."""
+    qp, kp = (p if p.dim() == 2 else p[None] for p in (q_positions, k_positions))
+    return slopes.float()[None, :, None] * (qp - kp[:, -1:]).float()[:, None, :]
+
+
 class SDPAKey(AttentionBackend):
-    """The state is the key features of every key of the forward (chunks take their keys) and,
-    for packed documents or a window, SDPA's boolean mask (else None: SDPA's causal kernel).
+    """The state is the key features of every key of the forward (chunks take their keys),
+    for packed documents or a window SDPA's boolean mask (else None: SDPA's causal kernel), and
+    the queries' ``dropped_rows`` (what a sink's logit is shifted by; chunks take their rows).
     The form stays exact under a document mask: -m_h p_i is constant along each query's row
     whichever keys of it are hidden, and p_j - p_ref is per sequence (per-document positions)."""
 
@@ -57,28 +49,31 @@ class SDPAKey(AttentionBackend):
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         return pe.key_only_slopes() is not None
 
-    def prepare(self, terms: Terms, chunked: bool = False) -> tuple[Tensor, Tensor | None]:
-        features = key_features(terms.pe.key_only_slopes(), terms.k_positions, terms.pe.head_dim, terms.dtype)
+    def prepare(self, terms: Terms, chunked: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+        slopes = terms.pe.key_only_slopes()
+        features = key_features(slopes, terms.k_positions, terms.pe.head_dim, terms.dtype)
         visible = ~terms.hidden() if (terms.documents or terms.window is not None) and not chunked else None
-        return features, visible
+        return features, visible, dropped_rows(slopes, terms.q_positions, terms.k_positions)
 
-    def chunk(self, state: tuple[Tensor, Tensor | None], terms: Terms, s: int, e: int) -> tuple[Tensor, Tensor | None]:
+    def chunk(self, state: tuple[Tensor, Tensor | None, Tensor], terms: Terms, s: int,
+              e: int) -> tuple[Tensor, Tensor | None, Tensor]:
         rows, (ks, ke) = terms.rows(s, e), terms.key_span(s, e)
         visible = ~rows.hidden() if rows.documents or rows.window is not None else None
-        return state[0][..., ks:ke, :], visible
+        return state[0][..., ks:ke, :], visible, state[2][..., s:e]
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: tuple[Tensor, Tensor | None],
-                 dropout: float) -> Tensor:
-        """[q, 1] . [k, features] with the original scale; v padded with zeros to the same dim."""
-        features, visible = state
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: tuple[Tensor, Tensor | None, Tensor], dropout: float,
+                 sink: Tensor | None = None) -> Tensor:
+        """[q, 1] . [k, features] with the original scale; v padded with zeros to the same dim.
+        A sink's logit is compared with the full logits: shifted by the row term the features drop."""
+        features, visible, dropped = state
         B, H, Tq, D = q.shape
         Tk, n = k.shape[2], features.shape[-1]
-        pad = -(D + n) % KEY_PAD_MULTIPLE.get(q.device.type, 1)
-        dtype = v.dtype
+        dtype, scale = v.dtype, 1.0 / math.sqrt(D)
         q = torch.cat((q.to(dtype), q.new_ones(B, H, Tq, n, dtype=dtype)), dim=-1)
         k = torch.cat((k.to(dtype), features.to(dtype).expand(B, H, Tk, n)), dim=-1)
-        if pad:
-            q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
-        v = F.pad(v, (0, n + pad))
         mask, causal = causal_pair(Tq, Tk, q.device) if visible is None else (visible, False)
-        return sdpa(q, k, v, mask, dropout, causal, scale=1.0 / math.sqrt(D))[..., :D]
+        if sink is None:
+            q, k, v = pad_heads(q, k, v)
+        else:
+            q, k, v, mask, causal = sink_key(q, k, v, sink, scale, mask, causal, dropped)
+        return sdpa(q, k, v, mask, dropout, causal, scale=scale)[..., -Tq:, :D]

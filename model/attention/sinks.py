@@ -1,0 +1,64 @@
+"""Attention sinks (``model.sinks``): one logit s_h per head joined to every softmax denominator.
+
+    p_ij = exp(z_ij) / (exp(s_h) + sum_k exp(z_ik)),    out_i = sum_j p_ij v_j
+
+is gpt-oss's softmax over [z_i, s_h] with the sink's column dropped: a query may give part of its
+attention to nothing, and its token weights sum to sigmoid(lse_i - s_h) < 1, lse_i the log-sum-exp
+of its logits. ``learned``: s_h a parameter of each layer and head; ``zero``: s_h = 0, the
+off-by-one softmax (Megatron's ``softmax_type=off-by-one``). Every backend joins it its own way:
+``math`` divides by the larger denominator (``sink_probabilities``), ``flex`` rescales its output
+by sigmoid(lse - s_h) from its LSE (torchtitan's ``apply_attention_sink_rescale``), and SDPA's
+backends, which return no differentiable LSE, attend one more key (``sink_key``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.attention.features import pad_heads, split_exact
+
+SINKS = ("none", "learned", "zero")  # the values of model.sinks
+
+
+def sink_probabilities(logits: Tensor, sink: Tensor) -> Tensor:
+    """(B, H, Tq, Tk) attention weights of float logits (-inf on hidden keys) with the (H,) sink
+    logits in every denominator; each row sums to less than 1."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return torch.exp(logits - torch.logaddexp(lse, sink.to(logits.dtype)[:, None, None]))
+
+
+def rescale(out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """(B, H, Tq, hd) output of a plain softmax whose rows' log-sum-exp is ``lse`` (B, H, Tq),
+    as with the (H,) sink logits: out * sigmoid(lse - s_h)."""
+    weight = torch.sigmoid(lse.float() - sink.float()[:, None])
+    return out * weight.unsqueeze(-1).to(out.dtype)
+
+
+def sink_key(q: Tensor, k: Tensor, v: Tensor, sink: Tensor, scale: float, mask: Tensor | None, causal: bool,
+             shift: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
+    """SDPA's q, k, v, mask and is_causal with the sink as one more key, the first: each query
+    gains n dims holding its sink logit / scale (in ``split_exact`` pieces of the compute dtype,
+    so the logit is float32's), the sink key ones there and every other key zeros, and the
+    sink's value is zero. A mask (boolean or float) gets a visible column for it; a causal
+    forward without one (``causal``: Tq = Tk) keeps SDPA's causal kernel: one zero query first,
+    so that the kernel's top-left rule shows query i the sink and keys 0..i. ``shift`` (1 or B,
+    H, Tq): a term added to query i's sink logit, for logits from which a constant of the row was
+    dropped (sdpa_key). q, k, v come back in v's dtype with one head dim (``pad_heads``); the
+    last Tq rows and first v.shape[-1] dims of SDPA's output are the attention's."""
+    B, H, Tq, D = q.shape
+    dtype = v.dtype
+    logit = sink.to(torch.promote_types(dtype, torch.float32))[:, None]  # (H, 1)
+    logit = logit if shift is None else logit + shift
+    pieces = split_exact(logit / scale, dtype)  # (H, 1 or Tq, n) or (1 or B, H, Tq, n)
+    n = pieces.shape[-1]
+    q = torch.cat((q.to(dtype), pieces.expand(B, H, Tq, n)), dim=-1)
+    first = torch.cat((k.new_zeros(B, H, 1, D, dtype=dtype), k.new_ones(B, H, 1, n, dtype=dtype)), dim=-1)
+    k = torch.cat((first, F.pad(k.to(dtype), (0, n))), dim=2)
+    v = F.pad(v, (0, 0, 1, 0))
+    if mask is not None:
+        mask = F.pad(mask, (1, 0), value=True if mask.dtype == torch.bool else 0.0)
+    elif causal:
+        q = F.pad(q, (0, 0, 1, 0))
+    return *pad_heads(q, k, v), mask, causal and mask is None
