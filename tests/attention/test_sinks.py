@@ -278,3 +278,26 @@ def test_bad_sinks_fail_with_one_line():
     with pytest.raises((ConfigError, ValueError), match="model.sinks"):
         model_config({"vocab_size": 1, "sinks": True})
 
+
+def test_gptoss_like_preset_alternates_windows_with_learned_sinks(project_root):
+    """experiment=gptoss_like as train.py composes it: gpt-oss's layout (its model card) is a banded
+    layer first, then a full one, repeated, every layer with learned sinks; GQA, RMSNorm, SwiGLU,
+    biases, no QK-norm, RoPE theta 150k; the model builds and its sinks take a gradient."""
+    from hydra import compose, initialize_config_dir
+
+    from model.gpt import GPT
+    from model.pe import SCHEMES
+    from pelab.config import plain
+    from pelab.lit import model_config
+
+    with initialize_config_dir(str(project_root / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=gptoss_like"])
+    config = model_config({"vocab_size": 31, **plain(cfg.model)})
+    assert config.layer_windows == (64, None, 64, None) and config.sinks == "learned"
+    assert (config.norm, config.mlp, config.qk_norm, config.bias, config.kv_heads) == ("rmsnorm", "swiglu", False,
+                                                                                     True, 2)
+    assert cfg.pe.base == 150000
+    model = GPT(config, SCHEMES["rope"](config, base=cfg.pe.base))
+    idx = torch.randint(0, 31, (1, 80), generator=torch.Generator().manual_seed(1))
+    model(idx, torch.roll(idx, -1, dims=1))[1].backward()
+    assert all(block.attn.sinks.grad is not None for block in model.blocks)

@@ -227,6 +227,7 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=task_ablation"],
     ["experiment=rnope_swa"],
     ["experiment=gemma3_like"],
+    ["experiment=gptoss_like"],
     ["eval.streaming.enabled=true", "eval.streaming.cache_positions=[reindexed,absolute]"],
     ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],
     ["trainer.devices=auto"],
