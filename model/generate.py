@@ -20,6 +20,7 @@ class LayerCache:
         self.window = window
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        self.key_terms: Tensor | None = None  # a data-dependent scheme's c of the kept keys (model/gpt.py)
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The kept keys and values followed by these (what the new tokens attend); keeps the

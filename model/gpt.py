@@ -57,6 +57,7 @@ class CausalSelfAttention(nn.Module):
             self.sinks = None
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.layer = 0  # its index in the model, set by GPT: a data-dependent scheme's gates are per layer
 
     def init_sinks(self, layer: int) -> None:
         """torchtitan's gpt-oss init of the learned sinks: truncated normal, std 0.02 / sqrt(2 (layer + 1))."""
@@ -85,12 +86,25 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(k, v)
             keys = ctx.terms.k_positions.shape[-1]  # a windowed layer attends its window's keys only
             k, v = k[:, :, -keys:], v[:, :, -keys:]
+        layer_terms = self.layer_terms(x, ctx, cache)
         if self.n_kv_head != self.n_head:  # query head h reads key/value head h // group (HF's repeat_kv)
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks)
+        y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks, layer_terms)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def layer_terms(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None) -> tuple[Tensor, Tensor] | None:
+        """A data-dependent scheme's c of this layer's queries and keys (model/pe/fox.py), or None;
+        with a cache, c continues the cached keys' and the cache keeps those of its kept keys."""
+        if not ctx.terms.with_layer_terms:
+            return None
+        past = None if cache is None else cache.key_terms
+        c = ctx.pe.layer_terms(x, self.layer, None if past is None or not past.shape[-1] else past[..., -1:])
+        keys = c if past is None else torch.cat((past, c), dim=-1)
+        if cache is not None:
+            cache.key_terms = keys[..., keys.shape[-1] - cache.k.shape[2]:]
+        return c, keys[..., -ctx.terms.k_positions.shape[-1]:]
 
 
 class MLP(nn.Module):
@@ -152,6 +166,7 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         for layer, block in enumerate(self.blocks):  # last: the other weights are those of a model without sinks
+            block.attn.layer = layer
             block.attn.init_sinks(layer)
 
     @staticmethod

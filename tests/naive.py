@@ -12,6 +12,12 @@ import math
 
 import torch
 
+from model.pe import SCHEMES
+
+# the schemes whose terms are functions of positions alone, which these references compute; a
+# data-dependent one (FoX's gates read each layer's input) has its own float64 test (tests/pe/test_fox.py)
+POSITION_SCHEMES = [name for name in sorted(SCHEMES) if not SCHEMES[name].data_dependent]
+
 
 # --------------------------------------------------------------------------------------
 # rotations: RoPE and xPos

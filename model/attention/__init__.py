@@ -62,6 +62,9 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
         backend = BACKENDS[backend.decode]
     if backend.grad_route is not None and applies(backend.grad_route):
         backend = BACKENDS[backend.grad_route]
+    if getattr(pe, "data_dependent", False) and not backend.layer_terms:  # a strict backend named
+        raise ValueError(f"model.attention={name} cannot add pe={pe.name}'s per-layer data-dependent terms; "
+                         f"use model.attention=auto, sdpa or math")
     if backend.name == "math" and grad and device.type == "cuda" and batch is not None and queries is not None:
         check_math_memory(name, pe, device, dtype, dropout, batch, queries, layers)
     return backend
@@ -107,23 +110,29 @@ def check_math_memory(name: str, pe: Any, device: torch.device, dtype: torch.dty
         f"the {free / gib:.1f} GiB free on {device}. Ways out: {'; '.join(w for w in ways if w)}")
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink: Tensor | None = None) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink: Tensor | None = None,
+           layer_terms: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """(B, H, Tq, hd) output of queries that are the last Tq of the Tk keys, with the context's
     backend and prepared state, in query chunks when the context has them (long evaluations:
-    the (H, T, T) terms never exist at once); ``sink``: the layer's (H,) sink logits (sinks.py)."""
+    the (H, T, T) terms never exist at once); ``sink``: the layer's (H,) sink logits (sinks.py);
+    ``layer_terms``: a data-dependent scheme's (B, H, Tq) and (B, H, Tk) c, whose c_i - c_j the
+    backend adds to this layer's mask (``AttentionBackend.add_layer_terms``)."""
     backend, Tq, Tk = ctx.backend, q.shape[2], k.shape[2]
     with_sink = {} if sink is None else {"sink": sink}  # without sinks every backend's call stays 5 arguments
     spans = [(0, Tq)] if ctx.chunk is None else [(s, min(Tq, s + ctx.chunk)) for s in range(0, Tq, ctx.chunk)]
     parts = []
     for s, e in spans:
         ks, ke = ctx.terms.key_span(s, e)  # rows [s, e) see keys [ks, ke): their windows' (all earlier without)
+        state = ctx.state if ctx.chunk is None else backend.chunk(ctx.state, ctx.terms, s, e)
+        if layer_terms is not None:
+            state = backend.add_layer_terms(state, layer_terms[0][..., s:e], layer_terms[1][..., ks:ke],
+                                            ctx.terms.dtype)
         if ctx.chunk is None:
-            out = backend(q, k, v, ctx.state, dropout, **with_sink)
+            out = backend(q, k, v, state, dropout, **with_sink)
         elif backend.full_keys:  # same K/V shape for every chunk: one compiled kernel per length
-            out = backend(q[:, :, s:e], k, v, backend.chunk(ctx.state, ctx.terms, s, e), dropout, **with_sink)
+            out = backend(q[:, :, s:e], k, v, state, dropout, **with_sink)
         else:
-            out = backend(q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], backend.chunk(ctx.state, ctx.terms, s, e),
-                          dropout, **with_sink)
+            out = backend(q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], state, dropout, **with_sink)
         if backend.records:
             out, p = out
             if ctx.record is not None:

@@ -42,6 +42,11 @@ class Terms:
     def with_bias(self) -> bool:
         return self.bias and self.pe.uses_bias
 
+    @property
+    def with_layer_terms(self) -> bool:
+        """Each layer adds the scheme's data-dependent terms c_i - c_j (``pe.layer_terms``) to its mask."""
+        return self.bias and getattr(self.pe, "data_dependent", False)
+
     def key_span(self, s: int, e: int) -> tuple[int, int]:
         """The keys [ks, ke) that query rows [s, e) see: up to the last row's token, from the
         first row's window on (all earlier keys without a window)."""
@@ -84,8 +89,8 @@ class Terms:
         """SDPA's mask: the float32 one with a bias; else a boolean order mask (Tq, Tk) where
         one is needed (bool is accepted by every SDPA kernel whatever q's dtype), or None.
         Documents without a bias: (B, 1, Tq, Tk) bool, never a float per head."""
-        if self.with_bias:
-            return self.mask()
+        if self.with_bias or self.with_layer_terms:
+            return self.mask(always=self.with_layer_terms)
         if self.documents or self.window is not None:
             return ~self.hidden()
         if not self.explicit_mask:
@@ -112,6 +117,17 @@ class Terms:
                            self.q_documents, self.k_documents, self.window)
 
 
+def pair_terms(q_terms: Tensor, k_terms: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(B, H, Tq, Tk) c_i - c_j of float64 (B, H, Tq) and (B, H, Tk) terms: float64 for float64
+    compute, else float32 within about one rounding of the difference, however large c grows
+    with T: each c is split into a float32 head and remainder, subtracted apart."""
+    if dtype == torch.float64:
+        return q_terms[..., :, None] - k_terms[..., None, :]
+    q_hi, k_hi = q_terms.float(), k_terms.float()
+    q_lo, k_lo = (q_terms - q_hi.double()).float(), (k_terms - k_hi.double()).float()
+    return (q_hi[..., :, None] - k_hi[..., None, :]) + (q_lo[..., :, None] - k_lo[..., None, :])
+
+
 class AttentionBackend:
     """softmax(q k^T / sqrt(d) + position terms + causal mask) v, one way.
 
@@ -131,6 +147,7 @@ class AttentionBackend:
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
     sink_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it joins sinks in (None: any)
+    layer_terms: ClassVar[bool] = False  # adds a data-dependent scheme's per-layer terms to its float32 mask
 
     def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool,
                  sinks: bool = False) -> bool:
@@ -138,7 +155,8 @@ class AttentionBackend:
         return ((self.devices is None or device.type in self.devices)
                 and (self.dtypes is None or dtype in self.dtypes)
                 and (not sinks or self.sink_dtypes is None or dtype in self.sink_dtypes)
-                and (self.dropout or not dropout) and self.fits(pe, device, dtype, grad))
+                and (self.dropout or not dropout) and (self.layer_terms or not getattr(pe, "data_dependent", False))
+                and self.fits(pe, device, dtype, grad))
 
     def fits(self, pe: Any, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         """Whether the scheme (on this device, in this dtype) gives this backend what it needs."""
@@ -147,6 +165,11 @@ class AttentionBackend:
     def prepare(self, terms: Terms, chunked: bool = False) -> Any:
         """The per-forward state; ``chunked``: the layers attend in query chunks (see ``chunk``)."""
         return None
+
+    def add_layer_terms(self, state: Tensor, q_terms: Tensor, k_terms: Tensor, dtype: torch.dtype) -> Tensor:
+        """A layer's state: the prepared float mask plus c_i - c_j of the (B, H, Tq) and (B, H, Tk)
+        float64 terms of a data-dependent scheme (``pair_terms``), for compute ``dtype``."""
+        return state + pair_terms(q_terms, k_terms, dtype)
 
     def chunk(self, state: Any, terms: Terms, s: int, e: int) -> Any:
         """The state of query rows [s, e); by default prepared anew for those rows."""

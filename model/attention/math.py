@@ -42,6 +42,7 @@ class Math(AttentionBackend):
     name = "math"
     records = True
     fallback = ()
+    layer_terms = True
     plain = "math"
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:

@@ -51,12 +51,13 @@ class SDPA(AttentionBackend):
     fallback = ("flex", "math")
     grad_route = "bias_grad"  # a learned bias on CPU, where SDPA would take its float32 math path
     sink_dtypes = tuple(KEY_PIECES)  # the sink key's logit in exact pieces: fp16 has none (flex or math)
+    layer_terms = True  # a data-dependent scheme's c_i - c_j join its float32 mask
 
     def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         # CUDA's fused kernels take a float mask only in q's dtype: the memory-efficient one
         # refuses a float32 mask with bf16/fp16 q, and cuDNN reads it as q's dtype (garbage).
         # A bias must keep float32, so on CUDA a bias goes through SDPA in float32 compute only.
-        return device.type != "cuda" or not pe.uses_bias or dtype == torch.float32
+        return device.type != "cuda" or not (pe.uses_bias or pe.data_dependent) or dtype == torch.float32
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
         return None if chunked else terms.order_mask()

@@ -13,6 +13,7 @@ from model.pe.kerple import KerpleLog, KerplePower
 from model.pe.nope import NoPE
 from model.pe.t5 import T5RelativeBias, t5_bucket
 from model.pe.pope import PoPE
+from model.pe.fox import FoX
 
 __all__ = [
     "SCHEMES",
@@ -20,6 +21,7 @@ __all__ = [
     "ALiBi",
     "alibi_slopes",
     "FIRE",
+    "FoX",
     "KerpleLog",
     "KerplePower",
     "LearnedPositionEmbedding",

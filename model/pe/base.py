@@ -48,6 +48,9 @@ class PositionEncoding(nn.Module):
     # ``scale`` for training, or inside ``scaled`` for an evaluation (model/pe/scaling.py).
     scaling_kinds: ClassVar[tuple[str, ...]] = ()
     scaling: Any = None
+    # Data-dependent (FoX): ``layer_terms(x, layer, start)`` gives each layer's (B, H, T) float64 c of
+    # its input, and attention adds c_i - c_j on the backends that declare ``layer_terms``.
+    data_dependent: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -13,14 +13,14 @@ from model.attention.sdpa_key import key_features
 from model.generate import KVCache
 from model.pe import SCHEMES
 from tests.naive import (
-    leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate, naive_softmax_attention,
-    set_naive_params,
+    POSITION_SCHEMES, leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate,
+    naive_softmax_attention, set_naive_params,
 )
 from tests.tiny import LEARNED_BIAS, attention_config, build, contexts
 
 
 BACKENDS = sorted(BACKEND_REGISTRY)
-BACKEND_SCHEMES = [(n, {}) for n in sorted(SCHEMES)] + [("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5})]
+BACKEND_SCHEMES = [(n, {}) for n in POSITION_SCHEMES] + [("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5})]
 BACKEND_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in BACKEND_SCHEMES]
 
 

@@ -27,6 +27,11 @@ ROUTES = [("sdpa", False, None), ("sdpa_key", False, None), ("flex", False, None
 ROUTE_IDS = [f"{a}{'-grad' if g else ''}{f'-chunk{c}' if c else ''}" for a, g, c in ROUTES]
 
 
+def refused(name: str, attention: str) -> bool:
+    """model.attention=flex cannot add a data-dependent scheme's per-layer terms (resolve raises)."""
+    return attention == "flex" and SCHEMES[name].data_dependent
+
+
 def windows(seed: int, T: int = 32, ends: tuple[tuple[int, ...], ...] = ((4, 11), (2, 7, 11))) -> torch.Tensor:
     """(2, T) text tokens with a separator at each row's ``ends`` (the last document starts at 12)."""
     x = torch.randint(1, 31, (len(ends), T), generator=torch.Generator().manual_seed(seed))
@@ -45,6 +50,8 @@ def logits(model: GPT, idx: torch.Tensor, positions, documents, grad: bool, chun
 @pytest.mark.parametrize("attention, grad, chunk", ROUTES, ids=ROUTE_IDS)
 @pytest.mark.parametrize("name", SCHEMES_ALL)
 def test_document_logits_bit_identical_whatever_precedes(name, attention, grad, chunk, with_positions):
+    if refused(name, attention):
+        pytest.skip("model.attention=flex refuses a data-dependent scheme (tests/pe/test_fox.py)")
     _, model, _ = build(name, attention=attention)
     if grad and not any(True for _ in model.pe.parameters()):
         pytest.skip("autograd changes the route only for a learned bias")
@@ -62,6 +69,8 @@ def test_document_logits_bit_identical_whatever_precedes(name, attention, grad, 
 @pytest.mark.parametrize("attention, grad, chunk", ROUTES, ids=ROUTE_IDS)
 @pytest.mark.parametrize("name", SCHEMES_ALL)
 def test_with_both_options_a_document_scores_as_if_alone(name, attention, grad, chunk):
+    if refused(name, attention):
+        pytest.skip("model.attention=flex refuses a data-dependent scheme (tests/pe/test_fox.py)")
     _, model, _ = build(name, attention=attention)
     if grad and not any(True for _ in model.pe.parameters()):
         pytest.skip("autograd changes the route only for a learned bias")
@@ -75,6 +84,8 @@ def test_with_both_options_a_document_scores_as_if_alone(name, attention, grad, 
 @pytest.mark.parametrize("name", SCHEMES_ALL)
 def test_a_window_of_one_document_is_unchanged(name, attention):
     """No separator before the last token: the options change nothing."""
+    if refused(name, attention):
+        pytest.skip("model.attention=flex refuses a data-dependent scheme (tests/pe/test_fox.py)")
     _, model, _ = build(name, attention=attention)
     idx = windows(3, ends=((31,), (5,)))[:1]
     positions, documents = document_layout(idx, EOT)

@@ -18,7 +18,8 @@ from model.pe import SCHEMES
 from model import positions
 from model.positions import Pass, layer_contexts
 from tests.naive import (
-    leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate, set_naive_params,
+    POSITION_SCHEMES, leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate,
+    set_naive_params,
 )
 from tests.tiny import LEARNED_BIAS, attention_config, build, schemes_where
 
@@ -113,7 +114,7 @@ def route(model, backend: str, grad: bool):
 
 # every backend a scheme reaches on CPU: sdpa_key where the bias is key-only, bias_grad where it is learned
 KEY_ONLY = schemes_where(lambda pe: pe.key_only_slopes() is not None)
-ROUTES = [(name, backend) for name in SCHEMES_ALL for backend in ("sdpa", "math", "flex", "sdpa_key", "bias_grad")
+ROUTES = [(name, backend) for name in POSITION_SCHEMES for backend in ("sdpa", "math", "flex", "sdpa_key", "bias_grad")
           if (backend != "sdpa_key" or name in KEY_ONLY) and (backend != "bias_grad" or name in LEARNED_BIAS)]
 CASES = [(w, False) for w in WINDOWS] + [(3, True)]  # W=1 (self only), 3, T (full), and 3 with packed documents
 

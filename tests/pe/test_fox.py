@@ -1,0 +1,185 @@
+"""FoX (pe=fox): per-layer, per-head forget gates f_t = sigmoid(w . x_t + b) of the layer's input, and
+logit_ij += sum_{t=j+1..i} log f_t. A float64 reference written from that formula with loops
+(zhixuan-lin/forgetting-transformer, modeling_forgetting_transformer.py, fgate_type="full") on every
+backend that declares the terms, with gradients into the gates; windows, packed documents, sinks,
+query chunks, the KV cache, the 16x-length exactness of c_i - c_j, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.attention import BACKENDS, Terms, resolve
+from model.attention.base import pair_terms
+from model.generate import KVCache
+from model.pe import SCHEMES
+from model.positions import Pass, layer_contexts
+from tests.tiny import attention_config, build, tiny_gpt
+
+T = 9
+DOCUMENTS = [[0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 2, 2]]
+DECLARED = [name for name, b in BACKENDS.items() if b.layer_terms]
+
+
+def fox_attention(x, attn, gate, window=None, documents=None, sink=None):
+    """(B, T, C) float64 output of one FoX attention layer, from the formula with loops."""
+    B, n, C = x.shape
+    H = attn.n_head
+    q, k, v = (x @ attn.c_attn.weight.double().T).split(C, dim=-1)
+    log_f = torch.nn.functional.logsigmoid(x @ gate.weight.double().T + gate.bias.double())  # (B, T, H)
+    out = torch.zeros(B, n, H, C // H, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            qh, kh, vh = (t[b].view(n, H, -1)[:, h] for t in (q, k, v))
+            for i in range(n):
+                seen = [j for j in range(i + 1) if (window is None or j > i - window)
+                        and (documents is None or documents[b][i] == documents[b][j])]
+                zero = torch.zeros((), dtype=torch.float64)
+                logits = torch.stack([qh[i] @ kh[j] / math.sqrt(qh.shape[-1])
+                                      + sum((log_f[b, t, h] for t in range(j + 1, i + 1)), zero) for j in seen])
+                if sink is not None:
+                    logits = torch.cat((logits, sink[h].double().view(1)))
+                w = torch.softmax(logits, dim=0)[:len(seen)]
+                out[b, i, h] = sum(w[m] * vh[j] for m, j in enumerate(seen))
+    return out.reshape(B, n, C) @ attn.c_proj.weight.double().T
+
+
+def layer_output(model, x, backend, window=None, documents=None, chunk=None):
+    """The first layer's attention output on ``backend`` as GPT.hidden runs it."""
+    positions = torch.arange(x.shape[1])
+    docs = None if documents is None else torch.tensor(documents)
+    terms = Terms(model.pe, positions, positions, dtype=x.dtype, q_documents=docs, k_documents=docs)
+    ctx = layer_contexts(terms, BACKENDS[backend], Pass(q_chunk=chunk), 1, windows=(window,))[0]
+    return model.blocks[0].attn(x, ctx)
+
+
+def fox_model(sinks="none", dtype=torch.float64, **overrides):
+    _, model, attn = build("fox", sinks=sinks, **overrides)
+    with torch.no_grad():  # strong, varied gates: the decay must show
+        for gate in model.pe.gates:
+            gate.weight.normal_(std=1.0)
+            gate.bias.uniform_(-1.0, 2.0)
+        if sinks == "learned":
+            attn.sinks.copy_(torch.tensor([1.5, -0.7, 0.0, 3.0]))
+    return model.to(dtype), attn
+
+
+@pytest.mark.parametrize("backend", DECLARED)
+@pytest.mark.parametrize("case", ["plain", "window", "documents", "sinks", "chunks"])
+def test_layer_matches_reference_with_gate_gradients(backend, case):
+    model, attn = fox_model(sinks="learned" if case == "sinks" else "none")
+    x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
+    window, documents = (3 if case == "window" else None), (DOCUMENTS if case == "documents" else None)
+    got = layer_output(model, x, backend, window, documents, chunk=4 if case == "chunks" else None)
+    want = fox_attention(x, attn, model.pe.gates[0], window, documents, attn.sinks if case == "sinks" else None)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    gate = model.pe.gates[0]
+    got_grads = torch.autograd.grad(got.square().sum(), (gate.weight, gate.bias, x))
+    want_grads = torch.autograd.grad(want.square().sum(), (gate.weight, gate.bias, x))
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+
+
+def test_float32_model_is_close_to_reference():
+    model, attn = fox_model(dtype=torch.float32)
+    x = torch.randn(2, T, 32)
+    for backend in DECLARED:
+        got = layer_output(model, x, backend).double()
+        torch.testing.assert_close(got, fox_attention(x.double(), attn, model.pe.gates[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_gates_change_the_output_and_are_per_layer():
+    model, _ = fox_model()
+    idx = torch.randint(0, 31, (1, T))
+    before = model(idx)[0]
+    with torch.no_grad():
+        model.pe.gates[1].bias.fill_(-5.0)  # layer 1 forgets almost everything
+    assert not torch.allclose(model(idx)[0], before)
+    assert len(model.pe.gates) == model.config.n_layer
+
+
+def test_causality_by_token_order():
+    model, _ = fox_model()
+    idx = torch.randint(0, 31, (2, T))
+    later = idx.clone()
+    later[:, 6:] = (later[:, 6:] + 1) % 31
+    torch.testing.assert_close(model(idx)[0][:, :6], model(later)[0][:, :6], rtol=0, atol=1e-12)
+    # positions do not enter FoX: randomized positions leave the logits as they are
+    torch.testing.assert_close(model(idx, positions=torch.tensor([0, 3, 4, 9, 10, 20, 21, 22, 30]))[0], model(idx)[0])
+
+
+def test_documents_are_independent():
+    model, _ = fox_model()
+    idx = torch.randint(0, 31, (1, T))
+    packed = model(idx, documents=torch.tensor([[0] * 4 + [1] * 5]))[0]
+    torch.testing.assert_close(packed[:, 4:], model(idx[:, 4:])[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("pattern", [None, [3, None]])
+def test_kv_cache_equals_no_cache(pattern):
+    model, _ = fox_model(window_pattern=pattern)
+    windows = model.config.layer_windows
+    idx = torch.randint(0, 31, (2, T))
+    full = model.hidden(idx)
+    cache = KVCache(len(model.blocks), torch.arange(T), windows)
+    parts = [model.hidden(idx[:, s:e], cache=cache) for s, e in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9))]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_query_chunks_equal_one_pass():
+    model, _ = fox_model()
+    idx = torch.randint(0, 31, (2, T))
+    torch.testing.assert_close(model.token_nll(idx, idx, q_chunk=4), model.token_nll(idx, idx), rtol=1e-10, atol=1e-12)
+
+
+def test_pair_terms_exact_at_16x_the_training_length():
+    """c_i - c_j at 16 x 64 tokens with strongly forgetting gates (|c| grows to ~10^4) stays
+    within float32's rounding of the difference itself; float32 c would err by eps |c_i|."""
+    torch.manual_seed(0)
+    n = 16 * 64
+    log_f = torch.nn.functional.logsigmoid(torch.randn(1, 2, n, dtype=torch.float64) * 3 - 4)
+    c = torch.cumsum(log_f, dim=-1)
+    exact = c[..., :, None] - c[..., None, :]
+    got = pair_terms(c, c).double()
+    bound = exact.abs() * 2 ** -23 + 1e-12
+    assert ((got - exact).abs() <= bound).all()
+    naive = (c.float()[..., :, None] - c.float()[..., None, :]).double()
+    assert ((naive - exact).abs() > bound).any()  # why the split is needed
+
+
+def test_backends_declared_and_auto_routes():
+    pe = SCHEMES["fox"](attention_config())
+    assert resolve("auto", pe, torch.device("cpu")).name == "sdpa"
+    assert resolve("auto", pe, torch.device("cpu"), grad=True).name == "sdpa"
+    assert resolve("sdpa_key", pe, torch.device("cpu")).name == "sdpa"
+    assert resolve("auto", pe, torch.device("cuda"), torch.bfloat16).name == "math"  # a float32 mask needs float32 SDPA
+    assert resolve("math", pe, torch.device("cpu")).name == "math"
+
+
+def test_bad_input():
+    pe = SCHEMES["fox"](attention_config())
+    with pytest.raises(ValueError, match="model.attention=flex cannot add pe=fox"):
+        resolve("flex", pe, torch.device("cpu"))
+    with pytest.raises(ValueError, match="gates for layers 0..1, got layer 2"):
+        pe.layer_terms(torch.zeros(1, 3, 32), 2)
+    with pytest.raises(ValueError, match="pe.scaling.kind"):
+        pe.scale(type("S", (), {"kind": "linear"})())
+
+
+def test_model_trains_a_step():
+    model = tiny_gpt("fox").train()
+    idx = torch.randint(0, 37, (2, 16))
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert all(g.weight.grad is not None and g.weight.grad.abs().sum() > 0 for g in model.pe.gates)
+
+
+def test_export_refuses_fox_in_one_line():
+    from pelab.export import unexportable
+    from pelab.hf_remote import remote_refusal
+
+    gpt = tiny_gpt("fox")
+    assert unexportable(gpt, {}).startswith("pe=fox is not exportable to a native transformers class yet")
+    assert remote_refusal(gpt, {}).startswith("pe=fox is not exportable (not even as remote code)")
