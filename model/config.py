@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.attention import BACKENDS, CHOICES, SINKS
+from model.attention import BACKENDS, CHOICES, NORMALISERS, SINKS
 from model.temperature import TEMPERATURES
 
 NORMS = ("layernorm", "rmsnorm")  # the values of model.norm
@@ -42,6 +42,18 @@ def check_windows(config: GPTConfig) -> None:
             config.attn_temperature, "none or llama4 with windows (log_length and ssmax count every earlier key)")
 
 
+def check_normaliser(config: GPTConfig) -> None:
+    """``model.normaliser``: one of NORMALISERS; stick_breaking has no softmax denominator for
+    sinks to join and runs where a backend computes it (``auto`` and the fallbacks find math)."""
+    require(config.normaliser in NORMALISERS, "model.normaliser", config.normaliser,
+            "one of " + ", ".join(map(repr, NORMALISERS)))
+    require(config.normaliser == "softmax" or config.sinks == "none", "model.sinks", config.sinks,
+            f"none with model.normaliser={config.normaliser} (sinks join a softmax denominator)")
+    backend = BACKENDS.get(config.attention)
+    require(backend is None or not backend.strict or config.normaliser in backend.normalisers, "model.attention",
+            config.attention, f"auto or math with model.normaliser={config.normaliser}")
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int
@@ -70,6 +82,8 @@ class GPTConfig:
     window_pattern: list[int | None] | None = None  # layer l: window_pattern[l % len]; exclusive with window
     # Attention sinks (docs/design.md, "Attention sinks"): none, learned (a logit per head and layer) or zero.
     sinks: str = "none"
+    # The attention weights (docs/design.md, "Stick-breaking attention"): softmax or stick_breaking (math only).
+    normaliser: str = "softmax"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
@@ -96,6 +110,7 @@ class GPTConfig:
                 or self.block_size >= 2, "model.block_size", self.block_size, f">= 2 with {self.attn_temperature}")
         check_windows(self)
         require(self.sinks in SINKS, "model.sinks", self.sinks, "one of " + ", ".join(map(repr, SINKS)))
+        check_normaliser(self)
         backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
         require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),
                 "model.attention", self.attention,

@@ -205,7 +205,7 @@ class GPT(nn.Module):
                                  documents=documents is not None)
         terms = Terms(self.pe, positions, k_positions, dtype=dtype,
                       explicit_mask=past > 0 and T > 1,  # several new tokens after a cache
-                      q_documents=documents, k_documents=documents)
+                      q_documents=documents, k_documents=documents, normaliser=self.config.normaliser)
         contexts = layer_contexts(terms, backend, how, len(self.blocks), self.nope_layers,
                                   query_scales(self.config, self.pe, positions, past, documents),
                                   self.config.layer_windows, self.layer_bases)
@@ -267,7 +267,8 @@ class GPT(nn.Module):
         packed documents (model/attention/__init__.py)."""
         dropout = self.config.dropout if self.training else 0.0
         return resolve(name or self.config.attention, self.pe, device, dtype, dropout, torch.is_grad_enabled(),
-                       queries, documents, batch, len(self.blocks), self.config.sinks != "none")
+                       queries, documents, batch, len(self.blocks), self.config.sinks != "none",
+                       self.config.normaliser)
 
     def attention_backend(self, device: torch.device, name: str | None = None,
                           dtype: torch.dtype = torch.float32) -> str:

@@ -18,6 +18,7 @@ from model.attention.math import AttentionRecorder, Math
 from model.attention.sdpa import SDPA
 from model.attention.sdpa_key import SDPAKey
 from model.attention.sinks import SINKS
+from model.attention.stick_breaking import NORMALISERS
 
 BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (SDPA(), SDPAKey(), Flex(), Math(), BiasGrad())}
 CHOICES = ("auto", *BACKENDS)  # the values of model.attention
@@ -36,7 +37,7 @@ def auto(pe: Any, device: torch.device, dropout: float) -> str:
 
 def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
             grad: bool = False, queries: int | None = None, documents: bool = False, batch: int | None = None,
-            layers: int = 1, sinks: bool = False) -> AttentionBackend:
+            layers: int = 1, sinks: bool = False, normaliser: str = "softmax") -> AttentionBackend:
     """The backend that runs ``name`` (a value of model.attention) for this forward: ``auto``
     decided, a backend that does not apply replaced by the first of its fallbacks that does
     (``math`` applies everywhere; a ``strict`` one raises instead, saying why), flex for a
@@ -46,15 +47,16 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     ``documents``: packed documents. On CUDA ``auto`` then takes flex where it applies (no
     dropout): its document BlockMask skips the blocks with no pair of one document, where SDPA
     would get a dense (B, 1, T, T) mask and compute every block. CPU routes are unchanged.
-    ``sinks``: attention sinks (sinks.py), which a backend joins only in its ``sink_dtypes``.
+    ``sinks``: attention sinks (sinks.py), which a backend joins only in its ``sink_dtypes``;
+    ``normaliser``: model.normaliser, which a backend computes only in its ``normalisers``.
     ``batch`` (with ``queries`` and ``layers``): a CUDA training forward that resolves to
     ``math`` is refused before any compute when math's float32 (B, H, T, T) tensors would not
     fit in the device's free memory (``check_math_memory``)."""
     def applies(backend: str) -> bool:
-        return BACKENDS[backend].supports(pe, device, dtype, dropout, grad, sinks)
+        return BACKENDS[backend].supports(pe, device, dtype, dropout, grad, sinks, normaliser)
 
     backend = BACKENDS[auto(pe, device, dropout) if name == "auto" else name]
-    if not backend.strict and not applies(backend.name):
+    if (name == "auto" or not backend.strict) and not applies(backend.name):  # auto's pick is never an error
         backend = next(BACKENDS[n] for n in backend.fallback if applies(n))
     if name == "auto" and documents and device.type == "cuda" and backend.name != "flex" and applies("flex"):
         backend = BACKENDS["flex"]
@@ -65,6 +67,9 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     if getattr(pe, "data_dependent", False) and not backend.layer_terms:  # a strict backend named
         raise ValueError(f"model.attention={name} cannot add pe={pe.name}'s per-layer data-dependent terms; "
                          f"use model.attention=auto, sdpa or math")
+    if normaliser not in backend.normalisers:  # a strict backend named
+        raise ValueError(f"model.attention={name} cannot compute model.normaliser={normaliser}; "
+                         f"use model.attention=auto or math")
     if backend.name == "math" and grad and device.type == "cuda" and batch is not None and queries is not None:
         check_math_memory(name, pe, device, dtype, dropout, batch, queries, layers)
     return backend
@@ -119,6 +124,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink
     backend adds to this layer's mask (``AttentionBackend.add_layer_terms``)."""
     backend, Tq, Tk = ctx.backend, q.shape[2], k.shape[2]
     with_sink = {} if sink is None else {"sink": sink}  # without sinks every backend's call stays 5 arguments
+    if ctx.terms.normaliser != "softmax":  # only backends that compute it get it (resolve)
+        with_sink["normaliser"] = ctx.terms.normaliser
     spans = [(0, Tq)] if ctx.chunk is None else [(s, min(Tq, s + ctx.chunk)) for s in range(0, Tq, ctx.chunk)]
     parts = []
     for s, e in spans:
@@ -143,5 +150,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-__all__ = ["BACKENDS", "CHOICES", "SINKS", "AttentionBackend", "AttentionRecorder", "Terms", "attend",
+__all__ = ["BACKENDS", "CHOICES", "NORMALISERS", "SINKS", "AttentionBackend", "AttentionRecorder", "Terms", "attend",
            "auto", "check_math_memory", "math_training_bytes", "resolve"]

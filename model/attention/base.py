@@ -37,6 +37,7 @@ class Terms:
     q_documents: Tensor | None = None  # (B, Tq) document ids (packed documents); None: one document
     k_documents: Tensor | None = None  # (B, Tk)
     window: int | None = None  # sliding window W, query i sees keys i-W+1..i; None (or W >= Tk): all earlier keys
+    normaliser: str = "softmax"  # model.normaliser: softmax or stick_breaking (stick_breaking.py)
 
     @property
     def with_bias(self) -> bool:
@@ -147,14 +148,17 @@ class AttentionBackend:
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
     sink_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it joins sinks in (None: any)
+    normalisers: ClassVar[tuple[str, ...]] = ("softmax",)  # the values of model.normaliser it computes
     layer_terms: ClassVar[bool] = False  # adds a data-dependent scheme's per-layer terms to its float32 mask
 
     def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool,
-                 sinks: bool = False) -> bool:
-        """Whether it runs this scheme here; ``sinks``: with attention sinks (model/attention/sinks.py)."""
+                 sinks: bool = False, normaliser: str = "softmax") -> bool:
+        """Whether it runs this scheme here; ``sinks``: with attention sinks (model/attention/sinks.py);
+        ``normaliser``: the value of model.normaliser."""
         return ((self.devices is None or device.type in self.devices)
                 and (self.dtypes is None or dtype in self.dtypes)
                 and (not sinks or self.sink_dtypes is None or dtype in self.sink_dtypes)
+                and normaliser in self.normalisers
                 and (self.dropout or not dropout) and (self.layer_terms or not getattr(pe, "data_dependent", False))
                 and self.fits(pe, device, dtype, grad))
 

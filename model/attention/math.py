@@ -11,6 +11,7 @@ from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
 from model.attention.sinks import sink_probabilities
+from model.attention.stick_breaking import NORMALISERS, stick_breaking_probabilities
 
 
 class AttentionRecorder:
@@ -42,6 +43,7 @@ class Math(AttentionBackend):
     name = "math"
     records = True
     fallback = ()
+    normalisers = NORMALISERS
     layer_terms = True
     plain = "math"
 
@@ -49,13 +51,17 @@ class Math(AttentionBackend):
         return None if chunked else terms.mask(always=True)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float,
-                 sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 sink: Tensor | None = None, normaliser: str = "softmax") -> tuple[Tensor, Tensor]:
         """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32 (float64 for float64 v);
-        with ``sink`` its logits join every row's denominator (the rows sum to less than 1)."""
+        with ``sink`` its logits join every row's denominator (the rows sum to less than 1); with
+        ``normaliser`` stick_breaking the weights are stick_breaking.py's instead of a softmax."""
         acc = torch.promote_types(v.dtype, torch.float32)
         with torch.autocast(v.device.type, enabled=False):
             scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
             logits = scores + mask
-            probs = torch.softmax(logits, dim=-1) if sink is None else sink_probabilities(logits, sink)
+            if normaliser == "stick_breaking":
+                probs = stick_breaking_probabilities(logits)
+            else:
+                probs = torch.softmax(logits, dim=-1) if sink is None else sink_probabilities(logits, sink)
             dropped = F.dropout(probs, dropout) if dropout else probs
             return torch.matmul(dropped, v.to(acc)).to(v.dtype), probs
