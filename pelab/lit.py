@@ -60,8 +60,9 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     layers, bases = build("pe", layer_positions, config.layer_windows, *(schedule.get(k) for k in LAYER_KEYS))
     setting = next((f"pe.{k}={schedule[k]}" for k in LAYER_KEYS[:2] if schedule.get(k) is not None), None)
     if layers and not (scheme.uses_rotate or scheme.uses_bias):
-        raise ConfigError(f"{setting} needs a scheme that acts inside attention "
-                          f"(rotation or bias); pe={scheme.name} only adds to the embeddings")
+        acts = "gates every layer's attention from its input" if scheme.data_dependent else "only adds to the embeddings"
+        raise ConfigError(f"{setting} needs a scheme that acts inside attention through positions "
+                          f"(rotation or bias); pe={scheme.name} {acts}")
     build("pe", check_nope_layers, layers, config.n_layer, scheme, setting)
     build("pe", check_layer_bases, bases, scheme)
     build("model.attn_temperature", check_temperature, config, scheme, layers)

@@ -83,6 +83,7 @@ REMOTE_SCHEMES: dict[str, RemoteScheme] = {
                        lambda pe: {"bias": {"kind": "t5", "num_buckets": pe.num_buckets,
                                             "max_distance": pe.max_distance}}),
     "pope": RemoteScheme(("base", "delta_init"), lambda pe: {"rotate": {"kind": "pope", "base": float(pe.base)}}),
+    "fox": RemoteScheme((), lambda pe: {"gates": {"kind": "fox"}}),
 }
 
 

@@ -10,9 +10,10 @@ transformers. Position information is described by parts, each computed as pelab
   ``{"kind": "pope", "base"}``;
 - ``pe["bias"]``: added to the attention logits: ``{"kind": "slopes", "slopes"}`` (ALiBi),
   ``{"kind": "t5", "num_buckets", "max_distance"}``, ``{"kind": "kerple_log" | "kerple_power",
-  "eps", "r2_max"}`` or ``{"kind": "fire", "eps"}``.
+  "eps", "r2_max"}`` or ``{"kind": "fire", "eps"}``;
+- ``pe["gates"]``: FoX's per-layer forget gates of the attention input: ``{"kind": "fox"}``.
 
-Layers in ``nope_layers`` use none of rotate and bias; ``layer_bases[i]`` (when not None) is layer
+Layers in ``nope_layers`` use none of rotate, bias and gates; ``layer_bases[i]`` (when not None) is layer
 i's RoPE base; ``layer_windows[i]`` its sliding window (None: full causal attention);
 ``attn_temperature`` scales the queries of the layers it lists.
 """

@@ -167,7 +167,7 @@ def t5_bucket(distance, num_buckets, max_distance):
 
 # the kinds of each part of config.json's pe this file computes
 KINDS = {"embed": ("learned", "sinusoidal"), "rotate": ("rope", "pope"),
-         "bias": ("slopes", "t5", "kerple_log", "kerple_power", "fire")}
+         "bias": ("slopes", "t5", "kerple_log", "kerple_power", "fire"), "gates": ("fox",)}
 
 
 class Positions(nn.Module):
@@ -183,6 +183,9 @@ class Positions(nn.Module):
                 raise ValueError(f"config.json pe.{part}.kind={kind!r} is not one of {', '.join(kinds)}: "
                                  f"this modeling_pelab.py does not compute it")
         self.embed_part, self.rotate_part, self.bias_part = pe.get("embed"), pe.get("rotate"), pe.get("bias")
+        self.gates = None
+        if pe.get("gates"):  # FoX: each layer's per-head forget gate of the attention's input
+            self.gates = nn.ModuleList(nn.Linear(config.n_embd, H, bias=True) for _ in range(config.n_layer))
         self.head_dim, self.n_embd = hd, config.n_embd
         if self.embed_part and self.embed_part["kind"] == "learned":
             self.wpe = nn.Embedding(self.embed_part["positions"], config.n_embd)
@@ -298,6 +301,9 @@ class Attention(nn.Module):
         scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
         if layer["bias"] is not None:
             scores = scores + layer["bias"]
+        if layer["gate"] is not None:  # FoX: + sum_{t=j+1..i} log f_t = c_i - c_j, c summed in float64
+            c = torch.cumsum(F.logsigmoid(layer["gate"](x.float())).transpose(1, 2).double(), dim=-1)
+            scores = scores + (c[..., :, None] - c[..., None, :]).float()
         probs = torch.softmax(scores.masked_fill(layer["hidden"], float("-inf")), dim=-1)
         y = torch.matmul(probs, v.float()).to(v.dtype).transpose(1, 2).reshape(B, T, C)
         return self.c_proj(y)
@@ -402,7 +408,8 @@ class PelabModel(PelabPreTrainedModel):
                 mask = later if window is None else later | (index[None, :] <= index[:, None] - window)
                 hidden[window] = mask if pad is None else mask | pad
             scaled = temperature is not None and i in temperature["layers"]
-            layers.append({"tables": tables[base] if with_pe else None, "bias": bias if with_pe else None,
+            gate = self.pe.gates[i] if with_pe and self.pe.gates is not None else None
+            layers.append({"tables": tables[base] if with_pe else None, "bias": bias if with_pe else None, "gate": gate,
                            "hidden": hidden[window], "q_scale": q_scale if scaled else None})
         return layers
 

@@ -56,6 +56,8 @@ CASES = [
     # impossible combinations
     ("pe=learned +pe.nope_every=2", ["pe.nope_every=2 needs a scheme that acts inside attention",
                                      "pe=learned only adds to the embeddings"]),
+    ("pe=fox +pe.nope_every=2", ["pe.nope_every=2 needs a scheme that acts inside attention through positions",
+                                 "pe=fox gates every layer's attention from its input"]),
     ("pe.nope_every=0", ["pe.nope_every must be null or an integer >= 1", "got 0"]),
     ("pe=t5 pe.nope_every=1", ["pe.nope_every=1 makes all 4 layers NoPE layers, so pe=t5's parameters would never "
                                "be used"]),

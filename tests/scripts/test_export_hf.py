@@ -176,8 +176,7 @@ def native_refusal(gpt, pe_config=None) -> str:
     return reason
 
 
-@pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - {e.scheme for e in EXPORTERS.values()}
-                                          - {n for n in SCHEMES if SCHEMES[n].data_dependent}))  # no export yet
+@pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - {e.scheme for e in EXPORTERS.values()}))
 def test_every_other_scheme_has_no_native_class(scheme):
     assert native_refusal(tiny_gpt(scheme)).startswith(
         f"pe={scheme} is not exportable to a native transformers class yet")
