@@ -55,7 +55,10 @@ def routes() -> list[tuple[str, str, float, str, tuple[str, ...]]]:
                 for choice in CUDA_CHOICES:
                     if choice == "flex" and dropout:
                         continue  # GPTConfig refuses it (flex has no attention dropout)
-                    route = resolve(choice, pe, CUDA, dtype, dropout, grad=True).name
+                    try:
+                        route = resolve(choice, pe, CUDA, dtype, dropout, grad=True).name
+                    except ValueError:  # a named backend that refuses the scheme (flex with FoX): no route
+                        continue
                     found.setdefault((scheme, precision, dropout, route), []).append(choice)
     return [(*key, tuple(choices)) for key, choices in found.items()]
 
