@@ -37,7 +37,7 @@ NOT_REMOTE = "is not exportable (not even as remote code)"
 FIELDS = frozenset({
     "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "pad_vocab_multiple", "attention",
     "attn_temperature", "attn_temperature_length", "attn_temperature_floor", "attn_temperature_scale",
-    "norm", "mlp", "qk_norm", "n_kv_head", "window", "window_pattern",
+    "norm", "mlp", "qk_norm", "n_kv_head", "window", "window_pattern", "sinks", "normaliser",
 })
 # pe schedule keys: the per-layer plan is read off the model; randomize_to moves training positions only
 SCHEDULE = frozenset({"nope_every", "nope_layers", "global_base", "randomize_to"})
@@ -122,7 +122,8 @@ def remote_config(gpt: GPT) -> dict:
         bias=c.bias, norm=c.norm, mlp=c.mlp, mlp_hidden=gpt.blocks[0].mlp.c_proj.in_features, qk_norm=c.qk_norm,
         max_position_embeddings=gpt.pe.max_positions or c.block_size, layer_windows=list(c.layer_windows),
         nope_layers=sorted(gpt.nope_layers), layer_bases=bases + [None] * (c.n_layer - len(bases)),
-        attn_temperature=temperature(gpt), pe=REMOTE_SCHEMES[gpt.pe.name].parts(gpt.pe), pelab_scheme=gpt.pe.name)
+        attn_temperature=temperature(gpt), pe=REMOTE_SCHEMES[gpt.pe.name].parts(gpt.pe), pelab_scheme=gpt.pe.name,
+        sinks=c.sinks, normaliser=c.normaliser)
 
 
 def temperature(gpt: GPT) -> dict | None:

@@ -15,7 +15,8 @@ transformers. Position information is described by parts, each computed as pelab
 
 Layers in ``nope_layers`` use none of rotate, bias and gates; ``layer_bases[i]`` (when not None) is layer
 i's RoPE base; ``layer_windows[i]`` its sliding window (None: full causal attention);
-``attn_temperature`` scales the queries of the layers it lists.
+``attn_temperature`` scales the queries of the layers it lists; ``sinks`` (none, learned, zero)
+joins a logit per head to every softmax denominator; ``normaliser`` stick_breaking replaces the softmax.
 """
 
 from transformers import PretrainedConfig
@@ -28,7 +29,7 @@ class PelabConfig(PretrainedConfig):
     def __init__(self, vocab_size=256, n_layer=2, n_head=4, n_embd=64, n_kv_head=None, bias=False, norm="layernorm",
                  mlp="gelu", mlp_hidden=None, qk_norm=False, max_position_embeddings=256, layer_windows=None,
                  nope_layers=None, layer_bases=None, attn_temperature=None, pe=None, pelab_scheme="nope",
-                 tie_word_embeddings=True, use_cache=False, **kwargs):
+                 sinks="none", normaliser="softmax", tie_word_embeddings=True, use_cache=False, **kwargs):
         self.vocab_size, self.n_layer, self.n_head, self.n_embd = vocab_size, n_layer, n_head, n_embd
         self.n_kv_head = n_head if n_kv_head is None else n_kv_head
         self.bias, self.norm, self.mlp, self.qk_norm = bias, norm, mlp, qk_norm
@@ -39,6 +40,7 @@ class PelabConfig(PretrainedConfig):
         self.layer_bases = list(layer_bases or [None] * n_layer)
         self.attn_temperature = attn_temperature  # None, or {"kind", "layers", ...}
         self.pe = dict(pe or {})
+        self.sinks, self.normaliser = sinks, normaliser  # attention sinks; softmax or stick_breaking
         self.pelab_scheme = pelab_scheme  # pelab's pe= name, for the reader
         self.use_cache = use_cache  # no KV cache: each step of generate reads the whole sequence
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

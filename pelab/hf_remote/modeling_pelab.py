@@ -7,7 +7,7 @@ pelab repository), computed in float32 from the options in config.json (configur
 describes them), and the weights keep pelab's own names under ``model.``.
 
 Attention is written out: softmax(q k^T / sqrt(d) + position bias, causal and window masked) v,
-in float32. There is no KV cache: ``generate`` reads the whole sequence at every step, because
+in float32 (with attention sinks in the denominator, or stick-breaking instead of the softmax). There is no KV cache: ``generate`` reads the whole sequence at every step, because
 some positions are functions of the whole text (xPos's reference point, dynamic NTK's length).
 """
 
@@ -268,9 +268,32 @@ def norm_layer(config, dim):
     return nn.RMSNorm(dim, eps=RMS_EPS) if config.norm == "rmsnorm" else nn.LayerNorm(dim, bias=config.bias)
 
 
+SINKS, NORMALISERS = ("none", "learned", "zero"), ("softmax", "stick_breaking")
+
+
+def stick_breaking(logits):
+    """A_ij = sigmoid(z_ij) prod_{j<k<=i} (1 - sigmoid(z_ik)) over the visible keys, in log space."""
+    visible = logits > float("-inf")
+    z = logits.masked_fill(~visible, 0.0)
+    take = F.logsigmoid(z).masked_fill(~visible, float("-inf"))
+    passed = F.logsigmoid(-z).masked_fill(~visible, 0.0)
+    later = F.pad(passed[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # sum over the keys after j
+    return torch.exp(take + later)
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
+        for key, value, allowed in (("sinks", config.sinks, SINKS), ("normaliser", config.normaliser, NORMALISERS)):
+            if value not in allowed:  # a folder written by a newer pelab: say so, never compute another model
+                raise ValueError(f"config.json {key}={value!r} is not one of {', '.join(allowed)}: "
+                                 f"this modeling_pelab.py does not compute it")
+        self.normaliser = config.normaliser
+        # one logit per head in every softmax denominator (gpt-oss); zero: the off-by-one softmax, built in
+        # forward (a buffer would be left uninitialised by from_pretrained: no weight holds it)
+        self.sink_kind = config.sinks
+        if config.sinks == "learned":
+            self.sinks = nn.Parameter(torch.zeros(config.n_head))
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
         self.kv_dim = self.n_kv_head * self.head_dim
@@ -304,7 +327,15 @@ class Attention(nn.Module):
         if layer["gate"] is not None:  # FoX: + sum_{t=j+1..i} log f_t = c_i - c_j, c summed in float64
             c = torch.cumsum(F.logsigmoid(layer["gate"](x.float())).transpose(1, 2).double(), dim=-1)
             scores = scores + (c[..., :, None] - c[..., None, :]).float()
-        probs = torch.softmax(scores.masked_fill(layer["hidden"], float("-inf")), dim=-1)
+        logits = scores.masked_fill(layer["hidden"], float("-inf"))
+        if self.normaliser == "stick_breaking":
+            probs = stick_breaking(logits)
+        elif self.sink_kind != "none":  # exp(z_ij) / (exp(s_h) + sum_k exp(z_ik))
+            sink = self.sinks.float() if self.sink_kind == "learned" else logits.new_zeros(self.n_head)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            probs = torch.exp(logits - torch.logaddexp(lse, sink[:, None, None]))
+        else:
+            probs = torch.softmax(logits, dim=-1)
         y = torch.matmul(probs, v.float()).to(v.dtype).transpose(1, 2).reshape(B, T, C)
         return self.c_proj(y)
 

@@ -5,7 +5,6 @@ greedy text (model/generate.py with its KV cache, temperature 0). The reference 
 model on the same weights and ids, its scheme parameters moved off their initialisation."""
 
 import ast
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,7 +15,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from model.config import GPTConfig  # noqa: E402
 from model.pe import SCHEMES  # noqa: E402
 from model.pe.schedule import SCHEDULE_KEYS  # noqa: E402
 from pelab.export import ExportError, export_model  # noqa: E402
@@ -58,6 +56,10 @@ if "pope" in SCHEMES:
     CASES["pope"] = ("pope", {}, {})
 if "fox" in SCHEMES:  # per-layer gates of the attention input; a window masks
     CASES["fox_window_gqa"] = ("fox", {}, dict(window_pattern=[8, None], n_kv_head=2))
+# attention sinks (learned: gpt-oss's per-head logit; zero: off-by-one) and stick-breaking attention
+CASES["t5_learned_sinks_pattern"] = ("t5", {"num_buckets": 8}, dict(sinks="learned", window_pattern=[8, None]))
+CASES["alibi_zero_sinks_gqa"] = ("alibi", {}, dict(sinks="zero", n_kv_head=2))
+CASES["rope_stick_breaking_window"] = ("rope", {}, dict(normaliser="stick_breaking", window=8))
 if "global_base" in SCHEDULE_KEYS:  # per-layer RoPE bases (Gemma 3's local and global theta)
     CASES["rope_global_base"] = ("rope", {"base": 100.0, "global_base": 10000.0}, dict(window_pattern=[8, None]))
 
@@ -224,8 +226,10 @@ def test_an_option_the_remote_code_does_not_read_is_refused_naming_it(tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif("sinks" not in {f.name for f in dataclasses.fields(GPTConfig)}, reason="no model.sinks")
-def test_attention_sinks_are_refused(tmp_path):
-    gpt, pe = build("rope", {}, dict(sinks="learned"))
-    with pytest.raises(ExportError, match=r"^model.sinks='learned' is not exportable \(not even as remote code\)"):
-        export_model(gpt, tmp_path / "hf", pe_config=pe)
+def test_a_sink_kind_the_remote_code_does_not_compute_is_refused_naming_it(exported):
+    from pelab.hf_remote.configuration_pelab import PelabConfig
+    from pelab.hf_remote.modeling_pelab import PelabForCausalLM
+
+    for key, value in (("sinks", "per_token"), ("normaliser", "sparsemax")):
+        with pytest.raises(ValueError, match=rf"^config.json {key}='{value}' is not one of"):
+            PelabForCausalLM(PelabConfig(**{key: value}))
