@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,8 @@ class CausalSelfAttention(nn.Module):
         if self.n_kv_head != self.n_head:  # query head h reads key/value head h // group (HF's repeat_kv)
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks, layer_terms)
+        score_terms = partial(ctx.pe.score_terms, layer=self.layer) if ctx.terms.with_score_terms else None
+        y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks, layer_terms, score_terms)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention.base import AttentionBackend, Terms
+from model.attention.base import AttentionBackend, Terms, data_terms
 from model.attention.bias_grad import BiasGrad
 from model.attention.flex import Flex
 from model.attention.math import AttentionRecorder, Math
@@ -26,6 +26,8 @@ CHOICES = ("auto", *BACKENDS)  # the values of model.attention
 
 def auto(pe: Any, device: torch.device, dropout: float) -> str:
     """The default backend of a scheme on a device (docs/design.md, section 5)."""
+    if data_terms(pe) == "scores":  # only math materialises the scores
+        return "math"
     if not pe.uses_bias:
         return "sdpa"
     if pe.key_only_slopes() is not None:  # on CPU the float32 mask measured faster (docs/performance.md, 5)
@@ -64,9 +66,12 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
         backend = BACKENDS[backend.decode]
     if backend.grad_route is not None and applies(backend.grad_route):
         backend = BACKENDS[backend.grad_route]
-    if getattr(pe, "data_dependent", False) and not backend.layer_terms:  # a strict backend named
+    if not backend.adds(pe):  # a strict backend named
+        kind = data_terms(pe)
         raise ValueError(f"model.attention={name} cannot add pe={pe.name}'s per-layer data-dependent terms; "
-                         f"use model.attention=auto, sdpa or math")
+                         f"use model.attention=auto, sdpa or math" if kind == "layer" else
+                         f"model.attention={name} cannot add pe={pe.name}'s terms of the attention scores; "
+                         f"use model.attention=auto or math")
     if normaliser not in backend.normalisers:  # a strict backend named
         raise ValueError(f"model.attention={name} cannot compute model.normaliser={normaliser}; "
                          f"use model.attention=auto or math")
@@ -102,11 +107,13 @@ def check_math_memory(name: str, pe: Any, device: torch.device, dtype: torch.dty
         return
     gib = 2 ** 30
     route = "model.attention=math" if name == "math" else f"model.attention={name} with pe={pe.name} resolves to math"
-    why = (f"model.dropout={dropout} in {str(dtype).removeprefix('torch.')}: flex has no attention dropout and SDPA "
+    scores = data_terms(pe) == "scores"  # only math adds them, in any dtype and with any dropout
+    why = ("only math adds its terms of the attention scores" if name != "math" and scores else
+           f"model.dropout={dropout} in {str(dtype).removeprefix('torch.')}: flex has no attention dropout and SDPA "
            f"needs a float32 mask in float32 compute" if name != "math" and dropout else "")
     ways = ["model.dropout=0 (pe's bias on flex)" if dropout and BACKENDS["flex"].fits(pe, device, dtype, True)
-            else None,
-            "trainer.precision=32-true (SDPA with a float32 mask)" if dtype != torch.float32 else None,
+            and BACKENDS["flex"].adds(pe) else None,
+            "trainer.precision=32-true (SDPA with a float32 mask)" if dtype != torch.float32 and not scores else None,
             "another model.attention (sdpa, flex)" if name == "math" else None,
             "a smaller data.batch_size or model.block_size"]
     raise ValueError(
@@ -116,16 +123,19 @@ def check_math_memory(name: str, pe: Any, device: torch.device, dtype: torch.dty
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink: Tensor | None = None,
-           layer_terms: tuple[Tensor, Tensor] | None = None) -> Tensor:
+           layer_terms: tuple[Tensor, Tensor] | None = None, score_terms: Any = None) -> Tensor:
     """(B, H, Tq, hd) output of queries that are the last Tq of the Tk keys, with the context's
     backend and prepared state, in query chunks when the context has them (long evaluations:
     the (H, T, T) terms never exist at once); ``sink``: the layer's (H,) sink logits (sinks.py);
     ``layer_terms``: a data-dependent scheme's (B, H, Tq) and (B, H, Tk) c, whose c_i - c_j the
-    backend adds to this layer's mask (``AttentionBackend.add_layer_terms``)."""
+    backend adds to this layer's mask (``AttentionBackend.add_layer_terms``); ``score_terms``: a
+    score-dependent scheme's f(q, scores, visible keys) of this layer, which the backend adds to its logits."""
     backend, Tq, Tk = ctx.backend, q.shape[2], k.shape[2]
     with_sink = {} if sink is None else {"sink": sink}  # without sinks every backend's call stays 5 arguments
     if ctx.terms.normaliser != "softmax":  # only backends that compute it get it (resolve)
         with_sink["normaliser"] = ctx.terms.normaliser
+    if score_terms is not None:  # only backends that declare ``score_terms`` get it (resolve)
+        with_sink["score_terms"] = score_terms
     spans = [(0, Tq)] if ctx.chunk is None else [(s, min(Tq, s + ctx.chunk)) for s in range(0, Tq, ctx.chunk)]
     parts = []
     for s, e in spans:

@@ -23,6 +23,14 @@ def follow_order(positions: Tensor, documents: Tensor) -> bool:
     return bool(((steps | ~same) & (documents[:, 1:] >= documents[:, :-1])).all())
 
 
+def data_terms(pe: Any) -> str | None:
+    """What a data-dependent scheme adds: "layer" (c_i - c_j of each layer's input, FoX), "scores"
+    (a term of each layer's queries and scores, CoPE), or None (a position scheme)."""
+    if getattr(pe, "score_dependent", False):
+        return "scores"
+    return "layer" if getattr(pe, "data_dependent", False) else None
+
+
 @dataclass(frozen=True)
 class Terms:
     """The position inputs of one forward. The Tq queries are the last Tq of the Tk keys (a
@@ -46,7 +54,12 @@ class Terms:
     @property
     def with_layer_terms(self) -> bool:
         """Each layer adds the scheme's data-dependent terms c_i - c_j (``pe.layer_terms``) to its mask."""
-        return self.bias and getattr(self.pe, "data_dependent", False)
+        return self.bias and data_terms(self.pe) == "layer"
+
+    @property
+    def with_score_terms(self) -> bool:
+        """Each layer adds the scheme's terms of its queries and scores (``pe.score_terms``) to its logits."""
+        return self.bias and data_terms(self.pe) == "scores"
 
     def key_span(self, s: int, e: int) -> tuple[int, int]:
         """The keys [ks, ke) that query rows [s, e) see: up to the last row's token, from the
@@ -150,6 +163,7 @@ class AttentionBackend:
     sink_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it joins sinks in (None: any)
     normalisers: ClassVar[tuple[str, ...]] = ("softmax",)  # the values of model.normaliser it computes
     layer_terms: ClassVar[bool] = False  # adds a data-dependent scheme's per-layer terms to its float32 mask
+    score_terms: ClassVar[bool] = False  # adds a score-dependent scheme's terms of q and the scores to its logits
 
     def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool,
                  sinks: bool = False, normaliser: str = "softmax") -> bool:
@@ -159,8 +173,13 @@ class AttentionBackend:
                 and (self.dtypes is None or dtype in self.dtypes)
                 and (not sinks or self.sink_dtypes is None or dtype in self.sink_dtypes)
                 and normaliser in self.normalisers
-                and (self.dropout or not dropout) and (self.layer_terms or not getattr(pe, "data_dependent", False))
+                and (self.dropout or not dropout) and self.adds(pe)
                 and self.fits(pe, device, dtype, grad))
+
+    def adds(self, pe: Any) -> bool:
+        """Whether it adds the scheme's data-dependent terms, if it has any."""
+        kind = data_terms(pe)
+        return kind is None or (self.layer_terms if kind == "layer" else self.score_terms)
 
     def fits(self, pe: Any, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
         """Whether the scheme (on this device, in this dtype) gives this backend what it needs."""

@@ -4,6 +4,7 @@ materialised (probes)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,20 +46,25 @@ class Math(AttentionBackend):
     fallback = ()
     normalisers = NORMALISERS
     layer_terms = True
+    score_terms = True
     plain = "math"
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
         return None if chunked else terms.mask(always=True)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float,
-                 sink: Tensor | None = None, normaliser: str = "softmax") -> tuple[Tensor, Tensor]:
+                 sink: Tensor | None = None, normaliser: str = "softmax",
+                 score_terms: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32 (float64 for float64 v);
         with ``sink`` its logits join every row's denominator (the rows sum to less than 1); with
-        ``normaliser`` stick_breaking the weights are stick_breaking.py's instead of a softmax."""
+        ``normaliser`` stick_breaking the weights are stick_breaking.py's instead of a softmax; with
+        ``score_terms`` its f(q, scores, visible keys) joins the logits (a score-dependent scheme)."""
         acc = torch.promote_types(v.dtype, torch.float32)
         with torch.autocast(v.device.type, enabled=False):
             scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
             logits = scores + mask
+            if score_terms is not None:
+                logits = logits + score_terms(q.to(acc), scores, mask > float("-inf"))
             if normaliser == "stick_breaking":
                 probs = stick_breaking_probabilities(logits)
             else:

@@ -14,12 +14,14 @@ from model.pe.nope import NoPE
 from model.pe.t5 import T5RelativeBias, t5_bucket
 from model.pe.pope import PoPE
 from model.pe.fox import FoX
+from model.pe.cope import CoPE
 
 __all__ = [
     "SCHEMES",
     "PositionEncoding",
     "ALiBi",
     "alibi_slopes",
+    "CoPE",
     "FIRE",
     "FoX",
     "KerpleLog",

@@ -51,6 +51,9 @@ class PositionEncoding(nn.Module):
     # Data-dependent (FoX): ``layer_terms(x, layer, start)`` gives each layer's (B, H, T) float64 c of
     # its input, and attention adds c_i - c_j on the backends that declare ``layer_terms``.
     data_dependent: ClassVar[bool] = False
+    # Score-dependent (CoPE, also ``data_dependent``): ``score_terms(q, scores, visible, layer)`` gives
+    # extra logits of each layer's queries and scaled scores, on the backends that declare ``score_terms``.
+    score_dependent: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -84,6 +84,7 @@ REMOTE_SCHEMES: dict[str, RemoteScheme] = {
                                             "max_distance": pe.max_distance}}),
     "pope": RemoteScheme(("base", "delta_init"), lambda pe: {"rotate": {"kind": "pope", "base": float(pe.base)}}),
     "fox": RemoteScheme((), lambda pe: {"gates": {"kind": "fox"}}),
+    "cope": RemoteScheme(("npos_max",), lambda pe: {"scores": {"kind": "cope", "npos": pe.npos}}),
 }
 
 

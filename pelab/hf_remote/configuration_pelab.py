@@ -11,9 +11,11 @@ transformers. Position information is described by parts, each computed as pelab
 - ``pe["bias"]``: added to the attention logits: ``{"kind": "slopes", "slopes"}`` (ALiBi),
   ``{"kind": "t5", "num_buckets", "max_distance"}``, ``{"kind": "kerple_log" | "kerple_power",
   "eps", "r2_max"}`` or ``{"kind": "fire", "eps"}``;
-- ``pe["gates"]``: FoX's per-layer forget gates of the attention input: ``{"kind": "fox"}``.
+- ``pe["gates"]``: FoX's per-layer forget gates of the attention input: ``{"kind": "fox"}``;
+- ``pe["scores"]``: CoPE's per-layer tables of context positions counted by gates of the scores:
+  ``{"kind": "cope", "npos"}``.
 
-Layers in ``nope_layers`` use none of rotate, bias and gates; ``layer_bases[i]`` (when not None) is layer
+Layers in ``nope_layers`` use none of rotate, bias, gates and scores; ``layer_bases[i]`` (when not None) is layer
 i's RoPE base; ``layer_windows[i]`` its sliding window (None: full causal attention);
 ``attn_temperature`` scales the queries of the layers it lists; ``sinks`` (none, learned, zero)
 joins a logit per head to every softmax denominator; ``normaliser`` stick_breaking replaces the softmax.

@@ -165,9 +165,21 @@ def t5_bucket(distance, num_buckets, max_distance):
     return torch.where(n < exact, n, large)
 
 
+def cope_terms(q, scores, visible, table):
+    """CoPE's logit terms: gates sigmoid(q.k / sqrt(d)) of the visible keys, positions p_ij = sum_{t=j..i}
+    g_it clamped to the table's last row, q . e interpolated between floor p and ceil p, over sqrt(d)."""
+    gates = torch.sigmoid(scores) * visible
+    p = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=table.shape[0] - 1)
+    fixed = torch.matmul(q, table.t())
+    floor = p.detach().floor()
+    w = p - floor
+    low, high = fixed.gather(-1, floor.long()), fixed.gather(-1, p.detach().ceil().long())
+    return (high * w + low * (1 - w)) * (1.0 / math.sqrt(q.shape[-1]))
+
+
 # the kinds of each part of config.json's pe this file computes
 KINDS = {"embed": ("learned", "sinusoidal"), "rotate": ("rope", "pope"),
-         "bias": ("slopes", "t5", "kerple_log", "kerple_power", "fire"), "gates": ("fox",)}
+         "bias": ("slopes", "t5", "kerple_log", "kerple_power", "fire"), "gates": ("fox",), "scores": ("cope",)}
 
 
 class Positions(nn.Module):
@@ -186,6 +198,8 @@ class Positions(nn.Module):
         self.gates = None
         if pe.get("gates"):  # FoX: each layer's per-head forget gate of the attention's input
             self.gates = nn.ModuleList(nn.Linear(config.n_embd, H, bias=True) for _ in range(config.n_layer))
+        if pe.get("scores"):  # CoPE: each layer's table e (npos, head_dim) of context positions
+            self.context_table = nn.Parameter(torch.zeros(config.n_layer, pe["scores"]["npos"], hd))
         self.head_dim, self.n_embd = hd, config.n_embd
         if self.embed_part and self.embed_part["kind"] == "learned":
             self.wpe = nn.Embedding(self.embed_part["positions"], config.n_embd)
@@ -322,6 +336,8 @@ class Attention(nn.Module):
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        if layer["cope"] is not None:
+            scores = scores + cope_terms(q.float(), scores, ~layer["hidden"], layer["cope"].float())
         if layer["bias"] is not None:
             scores = scores + layer["bias"]
         if layer["gate"] is not None:  # FoX: + sum_{t=j+1..i} log f_t = c_i - c_j, c summed in float64
@@ -440,8 +456,9 @@ class PelabModel(PelabPreTrainedModel):
                 hidden[window] = mask if pad is None else mask | pad
             scaled = temperature is not None and i in temperature["layers"]
             gate = self.pe.gates[i] if with_pe and self.pe.gates is not None else None
+            cope = self.pe.context_table[i] if with_pe and hasattr(self.pe, "context_table") else None
             layers.append({"tables": tables[base] if with_pe else None, "bias": bias if with_pe else None, "gate": gate,
-                           "hidden": hidden[window], "q_scale": q_scale if scaled else None})
+                           "cope": cope, "hidden": hidden[window], "q_scale": q_scale if scaled else None})
         return layers
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):

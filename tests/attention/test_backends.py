@@ -236,7 +236,9 @@ def test_attention_config_is_checked():
 def documented_auto(pe):
     """docs/design.md's ``auto`` for a scheme, (CPU, CUDA), from its hooks: on CUDA sdpa_key for a
     key-only form, flex for another bias, sdpa without one; on CPU SDPA's float32 mask, through
-    the learned-bias kernel where the bias has parameters."""
+    the learned-bias kernel where the bias has parameters; math everywhere for a term of the scores."""
+    if pe.score_dependent:
+        return "math", "math"
     cuda = "sdpa_key" if pe.key_only_slopes() is not None else "flex" if pe.uses_bias else "sdpa"
     return ("bias_grad" if pe.name in LEARNED_BIAS else "sdpa"), cuda
 
@@ -247,7 +249,7 @@ def test_auto_backend(name):
     cpu, cuda = documented_auto(model.pe)
     assert model.attention_backend(torch.device("cpu")) == cpu  # the measured choice (docs/design.md)
     with torch.no_grad():  # no bias gradient wanted: SDPA's fused kernel with the float32 mask
-        assert model.attention_backend(torch.device("cpu")) == "sdpa"
+        assert model.attention_backend(torch.device("cpu")) == ("math" if cpu == "math" else "sdpa")
     assert model.attention_backend(torch.device("cuda")) == cuda
     assert model.attention_backend(torch.device("cpu"), "math") == "math"
     if cuda == "flex":  # training with dropout stays on SDPA (flex has no attention dropout)

@@ -264,6 +264,8 @@ def test_a_bias_with_dropout_in_bf16_on_cuda_is_refused_when_math_does_not_fit(m
     cfg = GPTConfig(vocab_size=32, block_size=1024, n_layer=12, n_head=12, n_embd=48, dropout=0.1)
     refused = []
     for scheme in sorted(SCHEMES):
+        if SCHEMES[scheme].score_dependent:
+            continue  # math in every dtype, dropout or not: tests/pe/test_cope.py
         pe = SCHEMES[scheme](cfg)
         for precision in ("bf16", "fp16"):
             shape = dict(queries=1024, batch=16, layers=12)

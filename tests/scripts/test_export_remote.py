@@ -56,6 +56,8 @@ if "pope" in SCHEMES:
     CASES["pope"] = ("pope", {}, {})
 if "fox" in SCHEMES:  # per-layer gates of the attention input; a window masks
     CASES["fox_window_gqa"] = ("fox", {}, dict(window_pattern=[8, None], n_kv_head=2))
+if "cope" in SCHEMES:  # gates of the scores over the visible keys; a small table clamps the positions
+    CASES["cope_clamped_window_gqa"] = ("cope", {"npos_max": 6}, dict(window_pattern=[8, None], n_kv_head=2))
 # attention sinks (learned: gpt-oss's per-head logit; zero: off-by-one) and stick-breaking attention
 CASES["t5_learned_sinks_pattern"] = ("t5", {"num_buckets": 8}, dict(sinks="learned", window_pattern=[8, None]))
 CASES["alibi_zero_sinks_gqa"] = ("alibi", {}, dict(sinks="zero", n_kv_head=2))
