@@ -101,8 +101,9 @@ def test_positions_of_the_wrong_shape_are_refused():
 
 
 def test_causality_future_tokens_do_not_leak():
-    # an SDPA context (position_context); a scheme of the attention scores runs on math only: tests/pe/test_cope.py
-    for name in (n for n in ALL_SCHEMES if not getattr(SCHEMES[n], "score_dependent", False)):
+    # a context of positions alone (position_context): the data-dependent schemes (fox, cope) need each layer's
+    # input or scores, and test their causality in tests/pe/test_fox.py and test_cope.py
+    for name in (n for n in ALL_SCHEMES if not SCHEMES[n].data_dependent):
         cfg, model, attn = build_layer(name, {}, seed=3)
         positions = torch.arange(8)
         x = torch.randn(1, 8, cfg.n_embd)
