@@ -13,7 +13,6 @@ import torch
 
 from model.attention import BACKENDS, Terms, resolve
 from model.attention.base import pair_terms
-from model.generate import KVCache
 from model.pe import SCHEMES
 from model.positions import Pass, layer_contexts
 from tests.tiny import attention_config, build, tiny_gpt
@@ -100,32 +99,7 @@ def test_gates_change_the_output_and_are_per_layer():
     assert len(model.pe.gates) == model.config.n_layer
 
 
-def test_causality_by_token_order():
-    model, _ = fox_model()
-    idx = torch.randint(0, 31, (2, T))
-    later = idx.clone()
-    later[:, 6:] = (later[:, 6:] + 1) % 31
-    torch.testing.assert_close(model(idx)[0][:, :6], model(later)[0][:, :6], rtol=0, atol=1e-12)
-    # positions do not enter FoX: randomized positions leave the logits as they are
-    torch.testing.assert_close(model(idx, positions=torch.tensor([0, 3, 4, 9, 10, 20, 21, 22, 30]))[0], model(idx)[0])
 
-
-def test_documents_are_independent():
-    model, _ = fox_model()
-    idx = torch.randint(0, 31, (1, T))
-    packed = model(idx, documents=torch.tensor([[0] * 4 + [1] * 5]))[0]
-    torch.testing.assert_close(packed[:, 4:], model(idx[:, 4:])[0], rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("pattern", [None, [3, None]])
-def test_kv_cache_equals_no_cache(pattern):
-    model, _ = fox_model(window_pattern=pattern)
-    windows = model.config.layer_windows
-    idx = torch.randint(0, 31, (2, T))
-    full = model.hidden(idx)
-    cache = KVCache(len(model.blocks), torch.arange(T), windows)
-    parts = [model.hidden(idx[:, s:e], cache=cache) for s, e in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9))]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-10, atol=1e-12)
 
 
 def test_query_chunks_equal_one_pass():

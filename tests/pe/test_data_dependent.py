@@ -1,0 +1,45 @@
+"""What every data-dependent scheme (fox, cope) keeps, on whole models: causality by token order
+and not by position values, packed documents as independent sequences, the KV cache equal to one
+forward (their float64 formula tests are in tests/pe/test_fox.py and test_cope.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.generate import KVCache
+from tests.pe.test_cope import cope_model
+from tests.pe.test_fox import fox_model
+
+T = 9
+MODELS = {"fox": fox_model, "cope": cope_model}
+
+
+@pytest.mark.parametrize("scheme", MODELS)
+def test_causality_by_token_order(scheme):
+    model, _ = MODELS[scheme]()
+    idx = torch.randint(0, 31, (2, T))
+    later = idx.clone()
+    later[:, 6:] = (later[:, 6:] + 1) % 31
+    torch.testing.assert_close(model(idx)[0][:, :6], model(later)[0][:, :6], rtol=0, atol=1e-12)
+    # neither reads position values: randomized positions leave the logits as they are
+    torch.testing.assert_close(model(idx, positions=torch.tensor([0, 3, 4, 9, 10, 20, 21, 22, 30]))[0], model(idx)[0])
+
+
+@pytest.mark.parametrize("scheme", MODELS)
+def test_documents_are_independent(scheme):
+    model, _ = MODELS[scheme]()
+    idx = torch.randint(0, 31, (1, T))
+    packed = model(idx, documents=torch.tensor([[0] * 4 + [1] * 5]))[0]
+    torch.testing.assert_close(packed[:, 4:], model(idx[:, 4:])[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("pattern", [None, [3, None]])
+@pytest.mark.parametrize("scheme", MODELS)
+def test_kv_cache_equals_no_cache(scheme, pattern):
+    model, _ = MODELS[scheme](window_pattern=pattern)
+    idx = torch.randint(0, 31, (2, T))
+    full = model.hidden(idx)
+    cache = KVCache(len(model.blocks), torch.arange(T), model.config.layer_windows)
+    parts = [model.hidden(idx[:, s:e], cache=cache) for s, e in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9))]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-10, atol=1e-12)
