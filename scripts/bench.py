@@ -40,6 +40,10 @@ OPTIONS = {
                  "(both: and document_positions); its row has step_ratio_vs_same_scheme",
     "doc_length": "mean document length of those packed windows in tokens (default: a quarter of block_size)",
     "documents_schemes": "comma-separated schemes that get the documents rows (default: every scheme of the config)",
+    "variants": "comma-separated sets of model options, KEY=VALUE;KEY=VALUE each (YAML values; commas inside "
+                "[] stay): each scheme is also timed with each set, against itself without "
+                "(e.g. variants=sinks=learned,window_pattern=[128,null])",
+    "variant_schemes": "comma-separated schemes that get the variants rows (default: every scheme of the config)",
     "warmup_parallel": "paths warmed up (compiled) at once, never timed; the timed rounds stay one path at a time "
                        "(default 1)",
     "device": "cpu or cuda (default: cuda when available)",
@@ -72,6 +76,36 @@ def schemes_of(spec: str) -> list[str]:
     return names
 
 
+def variants_of(spec: str) -> list[str]:
+    """The option sets of ``variants=``: split at the commas outside brackets, each checked as
+    model options (GPTConfig's keys and values) before anything is built."""
+    from dataclasses import fields
+
+    from benchkit.paths import path_parts
+    from model.config import GPTConfig
+
+    found, depth, item = [], 0, ""
+    for ch in spec + ",":
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            if item.strip():
+                found.append(item.strip())
+            item = ""
+        else:
+            item += ch
+    known = {f.name for f in fields(GPTConfig)}
+    for variant in found:
+        options = path_parts(f"x@{variant}")[2]
+        if not options or any(k not in known for k in options):
+            raise SystemExit(f"variants: {variant!r} is not KEY=VALUE;KEY=VALUE with model options "
+                             f"({', '.join(sorted(known))})")
+        try:
+            GPTConfig(vocab_size=256, block_size=1024, n_layer=12, n_head=12, n_embd=768, **options)
+        except ValueError as e:
+            raise SystemExit(f"variants: {variant!r}: {e}") from None
+    return found
+
+
 def configs_of(args: dict) -> list[tuple[str, list[str]]]:
     """(config, schemes) pairs; a config's own ``:a+b`` list wins unless ``schemes=`` is given."""
     default_schemes = args.get("schemes", "all")
@@ -96,10 +130,14 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[boo
     from benchkit.report import timing_rows
 
     model = model_config(cfg, opts["block_size"])
+    base = list(schemes)
     if opts["documents"] != "none":
         opts["doc_length"] = opts["doc_length_arg"] or max(2, model["block_size"] // 4)
         wanted = opts["documents_schemes"] or schemes
         schemes = schemes + [f"{s}+{opts['documents']}" for s in schemes if s in wanted]
+    if opts["variants"]:
+        wanted = opts["variant_schemes"] or base
+        schemes = schemes + [f"{s}@{v}" for s in base if s in wanted for v in opts["variants"]]
     paths, load_avg = time_paths(model, schemes, precision, compiles, opts, children)
     peak, peak_source = opts["peaks"][precision]
     rows = []
@@ -118,6 +156,10 @@ def main(argv: list[str]) -> int:
         args = SMOKE | args
     configs = configs_of(args)
     documents_schemes = schemes_of(args["documents_schemes"]) if "documents_schemes" in args else None
+    variants = variants_of(args["variants"]) if "variants" in args else []
+    variant_schemes = schemes_of(args["variant_schemes"]) if "variant_schemes" in args else None
+    if variant_schemes and not variants:
+        raise SystemExit("variant_schemes= needs variants=")
     if documents_schemes:  # checked before anything is built
         if args.get("documents", "none") == "none":
             raise SystemExit("documents_schemes= needs documents=mask or documents=both")
@@ -147,6 +189,7 @@ def main(argv: list[str]) -> int:
             "documents": args.get("documents", "none"),
             "doc_length_arg": int(args["doc_length"]) if "doc_length" in args else None,
             "documents_schemes": documents_schemes,
+            "variants": variants, "variant_schemes": variant_schemes,
             "warmup_parallel": integer("warmup_parallel", args.get("warmup_parallel", "1"), minimum=1),
             "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
     if opts["documents"] not in ("none", "mask", "both"):

@@ -23,7 +23,7 @@ from pathlib import Path
 from _common import ROOT, describe_options, integer, number, parse_key_values
 
 OPTIONS = {
-    "part": "1 or 2: one part of the acceptance (plan=true lists them); default: the steps of steps= one after another",
+    "part": "1, 2 or 3: one part of the acceptance (plan=true lists them); default: the steps of steps= one after another",
     "plan": "true: print the plan and exit, also on a GPU machine (default false)",
     "steps": "comma-separated step names or groups to run (default: all, or all of the part); preflight always runs",
     "out": "report folder: at most 8 files, no subfolders (default outputs/gpu_check/DATE_TIME)",
@@ -31,7 +31,7 @@ OPTIONS = {
     "budget_s": "wall-clock budget in seconds (default: the part's 540, else 1200); a step that no longer fits is "
                 "skipped",
     "workers": "pytest-xdist workers of the cuda tests (default 4; 1: serial)",
-    "worker": "(internal) run one in-process step in this child: t5_timing",
+    "worker": "(internal) run one in-process step in this child: t5_timing or attention_timing",
 }
 BUDGET_S = 1200
 WORKERS = 4

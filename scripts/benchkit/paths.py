@@ -20,11 +20,19 @@ PELAB_LOOP = "pelab-loop"  # path name: pelab's GPT in the reference's loop
 DOCUMENT_EOT = 0  # the separator of the bench's packed documents (token 0 of the random windows)
 
 
-def documents_of(name: str) -> tuple[str, str | None]:
-    """(scheme, packed-document mode or None) of a path name ``SCHEME`` or ``SCHEME+MODE``
-    (mode ``mask``: data.document_mask; ``both``: with data.document_positions)."""
-    scheme, _, mode = name.partition("+")
-    return scheme, mode or None
+def path_parts(name: str) -> tuple[str, str | None, dict]:
+    """(scheme, packed-document mode or None, model options) of a path name ``SCHEME``,
+    ``SCHEME+MODE`` (mode ``mask``: data.document_mask; ``both``: with data.document_positions) or
+    ``SCHEME@KEY=VALUE;KEY=VALUE`` (model options as YAML values: ``rope@window_pattern=[128,null]``)."""
+    import yaml
+
+    base, _, variant = name.partition("@")
+    scheme, _, mode = base.partition("+")
+    options = {}
+    for item in filter(None, variant.split(";")):
+        key, _, value = item.partition("=")
+        options[key] = yaml.safe_load(value)
+    return scheme, mode or None, options
 
 
 class Stop(Exception):
@@ -114,12 +122,13 @@ def lightning_trainer(precision: str, device: str, callbacks: list, max_steps: i
 def pelab_body(model: dict, scheme: str, precision: str, compile_: bool, device: str, B: int, nthreads: int,
                doc_length: int | None = None):
     """(body, flops per token) of ``LitGPT`` with ``scheme`` (``SCHEME+MODE``: packed documents
-    of ``doc_length`` tokens on average) fitted by a Lightning Trainer."""
+    of ``doc_length`` tokens on average; ``SCHEME@OPTIONS``: other model options) fitted by a
+    Lightning Trainer."""
     import lightning as L
 
-    scheme, mode = documents_of(scheme)
+    scheme, mode, options = path_parts(scheme)
     documents = {"positions": mode == "both", "mask": True, "eot_token": DOCUMENT_EOT} if mode else None
-    lit = lit_module(model, scheme, compile_, documents)
+    lit = lit_module(model | options, scheme, compile_, documents)
     doc_length = doc_length if mode else None
 
     class StepTimer(L.Callback):

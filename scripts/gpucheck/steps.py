@@ -44,6 +44,11 @@ TRAIN_EXTRAS = {
                             "pe.scaling.kind=yarn", "pe.scaling.factor=2"),
     # 32-true with a learned bias: SDPA with a float32 mask that requires grad
     "t5_fp32": ("pe=t5", "trainer.precision=32-true"),
+    # sliding windows and attention sinks (flex's window BlockMask, the sink through flex's LSE),
+    # and stick-breaking attention (math)
+    "rope_window_sinks": ("pe=rope", "model.window_pattern=[64,null]", "model.sinks=learned"),
+    "t5_window_sinks": ("pe=t5", "model.window=64", "model.sinks=learned"),
+    "stick_breaking": ("pe=nope", "model.normaliser=stick_breaking"),
 }
 # the bench (gpt2 124M, context 1024, batch 16, bf16, compiled) in two runs, each with rope as the
 # baseline of its bias schemes: a part stopped during the second keeps the first's rows
@@ -51,6 +56,13 @@ BENCH_RUNS = {
     "bench_core": {"schemes": ("learned", "rope", "alibi", "rope_alibi"), "extra": ()},
     "bench_bias_documents": {"schemes": ("rope", "alibi", "t5", "kerple_log", "fire"),
                              "extra": ("documents=mask", "documents_schemes=rope,alibi,t5")},
+}
+# what landed on CPU only (docs/gpu.md, "Not yet run on a GPU"): PoPE and FoX against rope, and
+# rope with learned sinks and with a window pattern against itself
+BENCH_2026 = {
+    "bench_2026": {"schemes": ("rope", "pope", "fox"),
+                   "extra": ("variants=sinks=learned,window_pattern=[128,null]", "variant_schemes=rope")},
+    "bench_bias_table": {"schemes": ("rope", "t5", "kerple_log", "fire"), "extra": ()},
 }
 BENCH_ARGS = ("compile=true", "rounds=5", "steps=3", "warmup=2", "warmup_parallel=3", "eval=false", "memory=false",
               "loop=false")
@@ -241,21 +253,34 @@ def ddp_step(out: Path, gpus: int) -> Step:
 # --------------------------------------------------------------------------------------
 
 
-def parse_worker(result: Result) -> tuple[str, str, dict]:
-    path = result.out / "t5_timing.json"
-    numbers = json.loads(path.read_text()) if path.is_file() else {}
-    if bad := ok_exit(result):
-        return bad[0], bad[1], numbers
-    if not numbers:
-        return "fail", "the worker wrote no t5_timing.json", numbers
-    problems = numbers.get("problems", [])
-    return ("fail", "; ".join(problems), numbers) if problems else ("pass", "", numbers)
+def worker_parser(name: str) -> Callable[[Result], tuple[str, str, dict]]:
+    """Fails on the worker's exit or its ``problems``; targets in its numbers are reported only."""
+
+    def parse_worker(result: Result) -> tuple[str, str, dict]:
+        path = result.out / f"{name}.json"
+        numbers = json.loads(path.read_text()) if path.is_file() else {}
+        if bad := ok_exit(result):
+            return bad[0], bad[1], numbers
+        if not numbers:
+            return "fail", f"the worker wrote no {name}.json", numbers
+        problems = numbers.get("problems", [])
+        return ("fail", "; ".join(problems), numbers) if problems else ("pass", "", numbers)
+
+    return parse_worker
 
 
 def t5_step(out: Path) -> Step:
     return Step("t5_timing", "timing", "t5 at gpt2 size (L=1024): the 16x extrapolation sweep (1k..16k, bf16) cold "
                 "and warm, and 100 sampled tokens with a KV cache, timed; graphs compiled counted",
-                [PY, "scripts/gpu_check.py", "worker=t5_timing", f"out={out}"], 420, parse_worker)
+                [PY, "scripts/gpu_check.py", "worker=t5_timing", f"out={out}"], 420, worker_parser("t5_timing"))
+
+
+def attention_step(out: Path) -> Step:
+    return Step("attention_timing", "timing", "pelab's attention alone, forward + backward, bf16, 12 heads of 64, "
+                "B=2 T=8192: flex and sdpa windows of T/8 against causal, sinks against none "
+                "on flex, sdpa and sdpa_key (targets reported, not failed)",
+                [PY, "scripts/gpu_check.py", "worker=attention_timing", f"out={out}"], 240,
+                worker_parser("attention_timing"))
 
 
 # --------------------------------------------------------------------------------------
@@ -276,6 +301,9 @@ def bench_numbers(rows: list[dict]) -> dict:
         if row.get("path") == "pelab-documents":
             numbers.setdefault("documents", {})[f"{row['scheme']}+{row['documents']}"] = {
                 k: row.get(k) for k in ("step_ms", "step_ratio_vs_same_scheme", "doc_length")}
+        if row.get("path") == "pelab-variant":
+            numbers.setdefault("variants", {})[f"{row['scheme']}@{row['variant']}"] = {
+                k: row.get(k) for k in ("step_ms", "step_ratio_vs_same_scheme", "step_ratio_vs_same_scheme_ci95")}
         if row.get("peak_source"):
             numbers["peak"] = f"{row.get('peak_tflops')} TFLOP/s ({row['peak_source']})"
         if row.get("path") == "reference":
@@ -303,9 +331,9 @@ def bench_parser(rows_file: Path, schemes: tuple[str, ...]) -> Callable[[Result]
     return parse_bench
 
 
-def bench_steps(out: Path) -> list[Step]:
+def bench_steps(out: Path, runs: dict = BENCH_RUNS) -> list[Step]:
     steps = []
-    for name, run in BENCH_RUNS.items():
+    for name, run in runs.items():
         rows = out / f"{name}.jsonl"
         extra = " ".join(run["extra"])
         steps.append(Step(name, "bench", f"scripts/bench.py: gpt2 124M at context 1024, compiled, bf16, "
@@ -327,8 +355,8 @@ def fsdp_step(out: Path, gpus: int) -> Step:
 def all_steps(out: Path, schemes: list[str], gpus: int, workers: int = 1) -> list[Step]:
     """Every step after the preflight, in the order they run (the most telling first, so that a
     budget running out drops the least)."""
-    return [cuda_tests_step(out, workers), *train_steps(out, schemes), t5_step(out), *bench_steps(out),
-            ddp_step(out, gpus), fsdp_step(out, gpus)]
+    return [cuda_tests_step(out, workers), *train_steps(out, schemes), t5_step(out), attention_step(out),
+            *bench_steps(out), *bench_steps(out, BENCH_2026), ddp_step(out, gpus), fsdp_step(out, gpus)]
 
 
 PART_BUDGET_S = 540  # a part is one command of a borrowed GPU machine (10 min at most, its start included)
@@ -349,9 +377,11 @@ class Part:
 
 
 def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, Part]:
-    """Two parts, each within one GPU-machine command. Part 1: the cuda tests (pytest -n
+    """Three parts, each within one GPU-machine command. Part 1: the cuda tests (pytest -n
     ``workers``), the short train runs and t5_timing, three lanes at once (none of them is timed
-    for performance). Part 2: the bench alone, so that its step times are clean."""
+    for performance). Part 2: the bench alone, so that its step times are clean. Part 3: what
+    has not yet run on a GPU: the cuda tests beside its train runs, then, after them in the
+    first lane, the attention timing and its bench runs (the train lane ends first)."""
     every = {step.name: step for step in all_steps(out, schemes, gpus, workers)}
     train = [every[name] for name in PART1_TRAIN]
     return {
@@ -359,6 +389,10 @@ def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, P
                   [[every["cuda_tests"]], train, [every["t5_timing"]]]),
         "2": Part("2", "preflight; the bench alone (step times, MFU, the performance targets)", PART_BUDGET_S,
                   [[every[name] for name in BENCH_RUNS]]),
+        "3": Part("3", "preflight; the cuda tests beside the new train runs, then the attention timing and the bench "
+                       "of PoPE, FoX, sinks, windows and the learned-bias table route", PART_BUDGET_S,
+                  [[every["cuda_tests"], every["attention_timing"], *(every[name] for name in BENCH_2026)],
+                   [every[name] for name in PART3_TRAIN]]),
     }
 
 
@@ -366,6 +400,9 @@ def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, P
 PART1_TRAIN = ("train_rope", "train_t5", "train_fire", "train_alibi", "train_t5_documents", "train_rope_documents",
                "train_alibi_documents", "train_rope_init_from_yarn", "train_rope_temperature_randomized",
                "train_t5_fp32", "train_t5_compile", "train_alibi_fp16", "train_t5_dropout")
+# part 3's: the schemes and options that landed on CPU only
+PART3_TRAIN = ("train_pope", "train_fox", "train_cope", "train_rope_window_sinks", "train_t5_window_sinks",
+               "train_stick_breaking")
 
 
 @dataclass

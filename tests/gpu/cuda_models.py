@@ -32,10 +32,11 @@ FLOOR = {torch.bfloat16: 1e-2, torch.float16: 1.2e-3}
 T, BATCH = 128, 4
 
 
-def config(attention: str = "auto", dropout: float = 0.0, vocab: int = 96, n_embd: int = 64, n_head: int = 4
-           ) -> GPTConfig:
+def config(attention: str = "auto", dropout: float = 0.0, vocab: int = 96, n_embd: int = 64, n_head: int = 4,
+           **options) -> GPTConfig:
+    """``options``: other model options (model.sinks, model.window, ...)."""
     return GPTConfig(vocab_size=vocab, block_size=T, n_layer=2, n_head=n_head, n_embd=n_embd, dropout=dropout,
-                     attention=attention)
+                     attention=attention, **options)
 
 
 def scheme_instance(name: str, cfg: GPTConfig):

@@ -45,9 +45,16 @@ def check_bounded(record_property, what: str, route, math_, ref, floor: float) -
     assert d <= bound, f"{what}: relative error {d:.3g} against math > bound {bound:.3g} (math's own {own:.3g})"
 
 
-def compare_with_math(record_property, scheme: str, precision: str, route: str) -> None:
+def compare_with_math(record_property, scheme: str, precision: str, route: str, choice: str | None = None,
+                      **options) -> None:
+    """``choice``: the model.attention value that leads to ``route`` (default the route's own
+    name); ``options``: model options (sinks, windows), learned sinks set far from zero."""
     dtype = DTYPES[precision]
-    model = build(scheme, config(route))
+    model = build(scheme, config(choice or route, **options))
+    with torch.no_grad():  # learned sinks start near zero (gpt-oss's init): make them matter
+        for block in model.blocks:
+            if isinstance(block.attn.sinks, torch.nn.Parameter):
+                block.attn.sinks.copy_(torch.linspace(-1.0, 2.0, block.attn.sinks.numel()))
     assert model.attention(CUDA, dtype=dtype).name == route, "the route resolved differently on this machine"
     math_model = with_attention(model, "math")
     x, y = tokens(model.config.vocab_size)
@@ -62,10 +69,11 @@ def compare_with_math(record_property, scheme: str, precision: str, route: str) 
     check_bounded(record_property, "logits", logits, m_logits, r_logits, floor)
     check_bounded(record_property, "grads", flat(grads), flat(m_grads), flat(r_grads), floor)
     names = [n for n, _ in model.named_parameters()]
-    ids = scheme_parameter_indices(model)
-    scale = flat([r_grads[i] for i in ids]).norm().item() if ids else 0.0
-    for i in ids:  # the scheme's own gradients, each tensor alone
-        check_scheme_tensor(record_property, names[i], grads[i], m_grads[i], r_grads[i], floor, scale)
+    sinks = [i for i, n in enumerate(names) if n.endswith("attn.sinks")]
+    for ids in (scheme_parameter_indices(model), sinks):  # the scheme's own gradients, then the sinks'
+        scale = flat([r_grads[i] for i in ids]).norm().item() if ids else 0.0
+        for i in ids:  # each tensor alone
+            check_scheme_tensor(record_property, names[i], grads[i], m_grads[i], r_grads[i], floor, scale)
 
 
 def check_scheme_tensor(record_property, name: str, route, math_, ref, floor: float, scale: float) -> None:

@@ -100,7 +100,8 @@ def test_steps_are_selected_by_name_or_group(tmp_path):
     train = gpu_check.select(every, "train")
     assert {s.name for s in train} == {f"train_{s}" for s in SCHEMES} | {f"train_{e}" for e in steps.TRAIN_EXTRAS}
     assert [s.name for s in gpu_check.select(every, "bench_core,cuda_tests")] == ["cuda_tests", "bench_core"]
-    assert [s.name for s in gpu_check.select(every, "bench")] == ["bench_core", "bench_bias_documents"]  # a group
+    assert [s.name for s in gpu_check.select(every, "bench")] == [  # a group
+        "bench_core", "bench_bias_documents", "bench_2026", "bench_bias_table"]
     with pytest.raises(SystemExit, match="unknown steps"):
         gpu_check.select(every, "nonsense")
 
@@ -353,19 +354,22 @@ def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monk
                             lambda name, *a: (find_spec("pytest") if xdist else None) if name == "xdist"
                             else find_spec(name, *a))
         parts = steps.parts(tmp_path, sorted(SCHEMES), 1, 4)
-        assert 1 <= len(parts) <= 2 and all(p.budget_s <= 540 for p in parts.values())
+        assert len(parts) == 3 and all(p.budget_s <= 540 for p in parts.values())
         lanes = parts["1"].lanes
         assert [s.name for s in lanes[0]] == ["cuda_tests"] and ("-n" in lanes[0][0].command) == xdist
+        # part 3: the cuda tests first in its timed lane, the other lane train runs only
+        assert parts["3"].lanes[0][0].name == "cuda_tests"
+        assert {s.group for s in parts["3"].lanes[1]} == {"train"}
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert any(s.group == "train" for s in lanes[1]) and "t5_timing" in {s.name for lane in lanes for s in lane}
     assert [s.group for s in parts["2"].steps()] == ["bench"] * len(parts["2"].steps())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["plan=true", f"out={tmp_path / 'r'}"]) == 0
     printed = capsys.readouterr().out
-    assert "part=1 (budget 540 s)" in printed and "part=2 (budget 540 s)" in printed and "part=3" not in printed
+    assert all(f"part={p} (budget 540 s)" in printed for p in "123") and "part=4" not in printed
     assert len(runner.EXPORTED) <= 8
-    with pytest.raises(SystemExit, match="part='3': expected one of 1, 2"):
-        gpu_check.main(["part=3"])
+    with pytest.raises(SystemExit, match="part='4': expected one of 1, 2, 3"):
+        gpu_check.main(["part=4"])
     with pytest.raises(SystemExit, match="workers='x' is not valid: expected an integer >= 1"):
         gpu_check.main(["workers=x"])
 
