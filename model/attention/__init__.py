@@ -39,7 +39,8 @@ def auto(pe: Any, device: torch.device, dropout: float) -> str:
 
 def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
             grad: bool = False, queries: int | None = None, documents: bool = False, batch: int | None = None,
-            layers: int = 1, sinks: bool = False, normaliser: str = "softmax") -> AttentionBackend:
+            layers: int = 1, sinks: bool = False, normaliser: str = "softmax", windows: bool = False
+            ) -> AttentionBackend:
     """The backend that runs ``name`` (a value of model.attention) for this forward: ``auto``
     decided, a backend that does not apply replaced by the first of its fallbacks that does
     (``math`` applies everywhere; a ``strict`` one raises instead, saying why), flex for a
@@ -49,6 +50,9 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     ``documents``: packed documents. On CUDA ``auto`` then takes flex where it applies (no
     dropout): its document BlockMask skips the blocks with no pair of one document, where SDPA
     would get a dense (B, 1, T, T) mask and compute every block. CPU routes are unchanged.
+    ``windows``: some layer has a sliding window; on CUDA ``auto`` takes flex likewise (its
+    window BlockMask skips the blocks before the window; SDPA would lose its causal kernel to
+    an explicit mask: 1.135x the full model's step on an H200, docs/gpu.md).
     ``sinks``: attention sinks (sinks.py), which a backend joins only in its ``sink_dtypes``;
     ``normaliser``: model.normaliser, which a backend computes only in its ``normalisers``.
     ``batch`` (with ``queries`` and ``layers``): a CUDA training forward that resolves to
@@ -60,7 +64,8 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     backend = BACKENDS[auto(pe, device, dropout) if name == "auto" else name]
     if (name == "auto" or not backend.strict) and not applies(backend.name):  # auto's pick is never an error
         backend = next(BACKENDS[n] for n in backend.fallback if applies(n))
-    if name == "auto" and documents and device.type == "cuda" and backend.name != "flex" and applies("flex"):
+    if (name == "auto" and (documents or windows) and device.type == "cuda" and backend.name != "flex"
+            and applies("flex")):
         backend = BACKENDS["flex"]
     if queries == 1 and backend.decode is not None:
         backend = BACKENDS[backend.decode]
@@ -75,7 +80,8 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     if normaliser not in backend.normalisers:  # a strict backend named
         raise ValueError(f"model.attention={name} cannot compute model.normaliser={normaliser}; "
                          f"use model.attention=auto or math")
-    if backend.name == "math" and grad and device.type == "cuda" and batch is not None and queries is not None:
+    if (backend.name == "math" and grad and device.type == "cuda" and batch is not None and queries is not None
+            and not torch.compiler.is_compiling()):  # reading the free memory would break the graph
         check_math_memory(name, pe, device, dtype, dropout, batch, queries, layers)
     return backend
 

@@ -154,9 +154,11 @@ def captured_attention(model, idx):
 
 
 def attention_timing(out: Path) -> dict:
-    """Each case of ATTENTION_CASES at each shape: the median over 5 interleaved rounds of the
-    median of 10 forward + backward calls (CUDA events), and per ratio the median and range of
-    the per-round ratios. The masks and tables a forward prepares once are not in the time."""
+    """ATTENTION_CASES at each shape, in groups of one backend (timed together, so that their
+    ratios are paired; the file is rewritten after each group, so a crash keeps what finished):
+    per case the median over 5 interleaved rounds of the median of 10 forward + backward calls
+    (CUDA events), per ratio the median and range of the per-round ratios. The masks and tables
+    a forward prepares once are not in the time."""
     import statistics
 
     import torch
@@ -168,54 +170,65 @@ def attention_timing(out: Path) -> dict:
 
     torch.set_float32_matmul_precision("high")
     numbers: dict = {"problems": [], "shapes": {}}
+    groups: dict[str, list] = {}
+    for case in ATTENTION_CASES:
+        groups.setdefault(f"{case[1]} on {case[2]}", []).append(case)
     for B, T in ATTENTION_SHAPES:
-        calls = {}
-        for name, scheme, backend, options in ATTENTION_CASES:
-            options = {k: T // 8 if v == "W" else v for k, v in options.items()}
-            cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=1, n_head=12, n_embd=768, attention=backend,
-                            **options)
-            torch.manual_seed(0)
-            model = GPT(cfg, SCHEMES[scheme](cfg)).cuda()
-            idx = torch.randint(0, 256, (B, T), device="cuda")
-            q, k, v, ctx, dropout, sink, *rest = captured_attention(model, idx)
-            if ctx.backend.name != backend:
-                numbers["problems"].append(f"{name} at T={T}: ran on {ctx.backend.name}, not {backend}")
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            sink = None if sink is None else sink.detach().float().requires_grad_(isinstance(sink, torch.nn.Parameter))
-            grad = torch.randn_like(q[..., : v.shape[-1]])
+        shape = numbers["shapes"].setdefault(f"B={B} T={T}", {"ms": {}, "ratios": {}})
+        times: dict[str, list[float]] = {}
+        for group in groups.values():
+            calls = {}
+            for name, scheme, backend, options in group:
+                options = {k: T // 8 if v == "W" else v for k, v in options.items()}
+                cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=1, n_head=12, n_embd=768, attention=backend,
+                                **options)
+                torch.manual_seed(0)
+                model = GPT(cfg, SCHEMES[scheme](cfg)).cuda()
+                idx = torch.randint(0, 256, (B, T), device="cuda")
+                q, k, v, ctx, dropout, sink, *rest = captured_attention(model, idx)
+                torch.cuda.synchronize()
+                if ctx.backend.name != backend:
+                    numbers["problems"].append(f"{name} at T={T}: ran on {ctx.backend.name}, not {backend}")
+                q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+                sink = (None if sink is None else
+                        sink.detach().float().requires_grad_(isinstance(sink, torch.nn.Parameter)))
+                grad = torch.randn_like(q[..., : v.shape[-1]])
 
-            def call(q=q, k=k, v=v, ctx=ctx, sink=sink, rest=rest, grad=grad):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    y = attend(q, k, v, ctx, 0.0, sink, *rest)
-                y.backward(grad, retain_graph=True)  # a table's graph to the scheme's parameters is reused
+                def call(q=q, k=k, v=v, ctx=ctx, sink=sink, rest=rest, grad=grad):
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        y = attend(q, k, v, ctx, 0.0, sink, *rest)
+                    y.backward(grad, retain_graph=True)  # a table's graph to the scheme's parameters is reused
 
-            calls[name] = call
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for name, call in calls.items():  # warm-up: flex compiles
-            for _ in range(3):
-                call()
-        torch.cuda.synchronize()
-        for _ in range(5):
-            for name, call in calls.items():
-                ms = []
-                for _ in range(10):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
+                calls[name] = call
+            for name, call in calls.items():  # warm-up: flex compiles
+                for _ in range(3):
                     call()
-                    end.record()
-                    end.synchronize()
-                    ms.append(start.elapsed_time(end))
-                times[name].append(statistics.median(ms))
-        shape = {"ms": {name: round(statistics.median(t), 3) for name, t in times.items()}, "ratios": {}}
-        for what, num, den, target in ATTENTION_RATIOS:
-            per_round = [a / b for a, b in zip(times[num], times[den])]
-            ratio = statistics.median(per_round)
-            shape["ratios"][what] = {"median": round(ratio, 3), "range": [round(min(per_round), 3),
-                                                                          round(max(per_round), 3)]}
-            if target is not None:
-                shape["ratios"][what]["status"] = "PASS" if ratio <= target else "FAIL"
-        numbers["shapes"][f"B={B} T={T}"] = shape
-        torch.cuda.empty_cache()
+                torch.cuda.synchronize()
+            for name in calls:
+                times[name] = []
+            for _ in range(5):
+                for name, call in calls.items():
+                    ms = []
+                    for _ in range(10):
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        call()
+                        end.record()
+                        end.synchronize()
+                        ms.append(start.elapsed_time(end))
+                    times[name].append(statistics.median(ms))
+            shape["ms"] |= {name: round(statistics.median(times[name]), 3) for name in calls}
+            for what, num, den, target in ATTENTION_RATIOS:
+                if num in calls and den in calls:
+                    per_round = [a / b for a, b in zip(times[num], times[den])]
+                    ratio = statistics.median(per_round)
+                    shape["ratios"][what] = {"median": round(ratio, 3),
+                                             "range": [round(min(per_round), 3), round(max(per_round), 3)]}
+                    if target is not None:
+                        shape["ratios"][what]["status"] = "PASS" if ratio <= target else "FAIL"
+            (out / "attention_timing.json").write_text(json.dumps(numbers, indent=2) + "\n")
+            del calls
+            torch.cuda.empty_cache()
     return numbers
 
 

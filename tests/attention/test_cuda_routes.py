@@ -190,6 +190,28 @@ def test_document_masks_on_cuda_take_flex(precision):
     assert model.attention(CUDA, dtype=dtype, queries=16, batch=2, documents=True).name == "flex"
 
 
+def test_windows_on_cuda_take_flex():
+    """A model with a sliding window on some layer: ``auto`` on CUDA takes flex where it applies
+    (its window BlockMask skips blocks; SDPA would need an explicit mask), in bf16 and float32,
+    and the route is the one without windows with dropout, on CPU and for a named backend."""
+    cpu = torch.device("cpu")
+    for scheme in sorted(SCHEMES):
+        for dropout in (0.0, 0.2):
+            cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=dropout)
+            pe = SCHEMES[scheme](cfg)
+            for dtype in (torch.bfloat16, torch.float32):
+                plain = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16).name
+                routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, windows=True).name
+                assert routed == ("flex" if not (dropout or pe.data_dependent) else plain), (scheme, dropout, routed)
+            for device, name in ((cpu, "auto"), (CUDA, "sdpa")):
+                assert (resolve(name, pe, device, torch.bfloat16, dropout, grad=True, windows=True).name
+                        == resolve(name, pe, device, torch.bfloat16, dropout, grad=True).name)
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, window_pattern=[4, None])
+    model = GPT(cfg, SCHEMES["rope"](cfg)).train()  # GPT.attention hands the model's windows over
+    assert model.attention(CUDA, dtype=torch.bfloat16, queries=16, batch=2).name == "flex"
+    assert model.attention(cpu, dtype=torch.bfloat16, queries=16, batch=2).name == "sdpa"
+
+
 def test_document_masked_attention_on_the_cuda_route_skips_blocks(monkeypatch, scheme="t5"):
     """The CUDA route run on CPU (a spy on SDPA and on flex's BlockMask): no dense mask reaches
     SDPA, the key blocks flex visits fall as documents shrink (one document: causal's 3 of the
