@@ -1,7 +1,8 @@
-"""The GPU acceptance run, in two parts that each fit one command of a borrowed GPU machine.
+"""The GPU acceptance run, in three parts that each fit one command of a borrowed GPU machine.
 
     python scripts/gpu_check.py part=1 out=DIR   # preflight; cuda tests (pytest -n 4) beside the train runs and t5_timing
     python scripts/gpu_check.py part=2 out=DIR   # preflight; the bench alone (MFU, step ratios, the performance targets)
+    python scripts/gpu_check.py part=3 out=DIR   # preflight; windows, sinks, PoPE, FoX, CoPE, stick-breaking: tests, runs, timing
     python scripts/gpu_check.py plan=true        # the plan only: the parts, their budgets, commands, what to install
     python scripts/gpu_check.py steps=bench      # some steps (names or groups: tests, train, timing, bench, ddp)
 

@@ -178,6 +178,17 @@ def is_window(positions: Tensor) -> bool:
     return positions.dim() == 1 and (positions.numel() < 2 or bool((positions.diff() == 1).all()))
 
 
+def reverse_rows(windows: Tensor, by_index: bool | None = None) -> Tensor:
+    """``windows.flip(-2)`` materialised. On CUDA, for an output of 2 GiB or more (t5's table at
+    T = 8192), by ``index_select`` instead (``by_index`` forces either way): CUDA's flip of this
+    overlapping view stopped on an illegal memory access there (docs/gpu.md, 2026-11-26)."""
+    if by_index is None:
+        by_index = windows.is_cuda and windows.numel() * windows.element_size() >= 2**31
+    if by_index:
+        return windows.index_select(-2, torch.arange(windows.shape[-2] - 1, -1, -1, device=windows.device))
+    return windows.flip(-2)
+
+
 def distance_bias(values_of: Callable[[Tensor], Tensor], q_positions: Tensor, k_positions: Tensor) -> Tensor:
     """(..., H, Tq, Tk) bias[h, i, j] = values_of(d)[h] of d = p_i - p_j, for a bias of the
     distance alone; ``values_of`` maps integer distances (...) to float32 (..., H).
@@ -194,7 +205,7 @@ def distance_bias(values_of: Callable[[Tensor], Tensor], q_positions: Tensor, k_
         nearest = int(q_positions[0]) - int(k_positions[-1])  # first query to last key
         values = values_of(torch.arange(nearest, nearest + Tq + Tk - 1, device=device))  # d = nearest + i - j + Tk - 1
         # row i holds values[i - j + Tk - 1] over j: windows of the reversed values, last window first
-        return values.t().flip(-1).unfold(-1, Tk, 1).flip(-2)
+        return reverse_rows(values.t().flip(-1).unfold(-1, Tk, 1))
     distance = q_positions[..., :, None] - k_positions[..., None, :]
     if eager:
         lo, hi = int(distance.min()), int(distance.max())

@@ -123,9 +123,15 @@ def test_bias_and_its_gradients_match_naive(name, pos):
     ([[0, 1, 2, 3], [2, 3, 4, 5]], [[0, 1, 2, 3], [4, 5, 6, 7]], 9),  # per-sequence positions: -3..3 and -5..1
     ([0, 9, 40], [0, 9, 40], 9),  # sparse: fewer pairs (9) than distances (81), per pair
 ])
-def test_distance_bias_equals_its_definition(qpos, kpos, evaluated):
+@pytest.mark.parametrize("by_index", [False, True], ids=["flip", "index_select"])
+def test_distance_bias_equals_its_definition(monkeypatch, qpos, kpos, evaluated, by_index):
     """bias[..., h, i, j] = values[p_i - p_j, h] by loops, value and gradient, from a table
-    indexed by distance; and the values are evaluated once per distance (or per pair)."""
+    indexed by distance; and the values are evaluated once per distance (or per pair). The
+    Toeplitz rows reversed by flip (CPU) and by index_select (CUDA's tables of 2 GiB or more)."""
+    import model.pe.base as base
+
+    real = base.reverse_rows
+    monkeypatch.setattr(base, "reverse_rows", lambda windows: real(windows, by_index=by_index))
     table = torch.randn(101, 3, dtype=torch.float64, requires_grad=True)  # distances -50..50
     seen = []
 
