@@ -101,135 +101,14 @@ def t5_timing(out: Path) -> dict:
     return numbers
 
 
-# attention_timing: pelab's attention alone (model/attention ``attend``, the backend's prepared
-# state reused as every layer of a forward reuses it), forward + backward, bf16, 12 heads of 64
-ATTENTION_SHAPES = ((2, 8192),)  # (batch, T)
-ATTENTION_CASES = (  # (name, scheme, model.attention, model options with W standing for T/8)
-    ("flex causal", "rope", "flex", {}),
-    ("flex window T/8", "rope", "flex", {"window": "W"}),
-    ("flex sinks", "rope", "flex", {"sinks": "learned"}),
-    ("sdpa causal", "rope", "sdpa", {}),
-    ("sdpa window T/8", "rope", "sdpa", {"window": "W"}),
-    ("sdpa sinks", "rope", "sdpa", {"sinks": "learned"}),
-    ("sdpa_key alibi", "alibi", "sdpa_key", {}),
-    ("sdpa_key alibi sinks", "alibi", "sdpa_key", {"sinks": "learned"}),
-    ("flex t5", "t5", "flex", {}),
-    ("flex t5 sinks", "t5", "flex", {"sinks": "learned"}),
-)
-ATTENTION_RATIOS = (  # (what, numerator case, denominator case, target or None)
-    ("window T/8 / causal, flex (target <= 0.25)", "flex window T/8", "flex causal", 0.25),
-    ("window T/8 / causal, sdpa", "sdpa window T/8", "sdpa causal", None),
-    ("sinks / none, flex rope (target <= 1.05)", "flex sinks", "flex causal", 1.05),
-    ("sinks / none, sdpa rope (target <= 1.05)", "sdpa sinks", "sdpa causal", 1.05),
-    ("sinks / none, sdpa_key alibi (target <= 1.05)", "sdpa_key alibi sinks", "sdpa_key alibi", 1.05),
-    ("sinks / none, flex t5 (target <= 1.05)", "flex t5 sinks", "flex t5", 1.05),
-)
-
-
-class _Captured(Exception):
-    pass
-
-
-def captured_attention(model, idx):
-    """The arguments the first layer hands to ``attend`` in a bf16 training forward of ``model``."""
-    import torch
-
-    import model.gpt as gpt_module
-
-    found = {}
-
-    def spy(*args):
-        found["args"] = args
-        raise _Captured
-
-    real, gpt_module.attend = gpt_module.attend, spy
-    try:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            model.train()(idx)
-    except _Captured:
-        pass
-    finally:
-        gpt_module.attend = real
-    return found["args"]
-
-
 def attention_timing(out: Path) -> dict:
-    """ATTENTION_CASES at each shape, in groups of one backend (timed together, so that their
-    ratios are paired; the file is rewritten after each group, so a crash keeps what finished):
-    per case the median over 5 interleaved rounds of the median of 10 forward + backward calls
-    (CUDA events), per ratio the median and range of the per-round ratios. The masks and tables
-    a forward prepares once are not in the time."""
-    import statistics
+    """scripts/benchkit/attention.py's GPU table: pelab's attention alone at B=2, T=8192, the
+    file rewritten after each backend group, so that a crash keeps what finished."""
+    from benchkit.attention import GPU_CASES, GPU_RATIOS, time_attention
 
-    import torch
-
-    from model.attention import attend
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from model.pe import SCHEMES
-
-    torch.set_float32_matmul_precision("high")
-    numbers: dict = {"problems": [], "shapes": {}}
-    groups: dict[str, list] = {}
-    for case in ATTENTION_CASES:
-        groups.setdefault(f"{case[1]} on {case[2]}", []).append(case)
-    for B, T in ATTENTION_SHAPES:
-        shape = numbers["shapes"].setdefault(f"B={B} T={T}", {"ms": {}, "ratios": {}})
-        times: dict[str, list[float]] = {}
-        for group in groups.values():
-            calls = {}
-            for name, scheme, backend, options in group:
-                options = {k: T // 8 if v == "W" else v for k, v in options.items()}
-                cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=1, n_head=12, n_embd=768, attention=backend,
-                                **options)
-                torch.manual_seed(0)
-                model = GPT(cfg, SCHEMES[scheme](cfg)).cuda()
-                idx = torch.randint(0, 256, (B, T), device="cuda")
-                q, k, v, ctx, dropout, sink, *rest = captured_attention(model, idx)
-                torch.cuda.synchronize()
-                if ctx.backend.name != backend:
-                    numbers["problems"].append(f"{name} at T={T}: ran on {ctx.backend.name}, not {backend}")
-                q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-                sink = (None if sink is None else
-                        sink.detach().float().requires_grad_(isinstance(sink, torch.nn.Parameter)))
-                grad = torch.randn_like(q[..., : v.shape[-1]])
-
-                def call(q=q, k=k, v=v, ctx=ctx, sink=sink, rest=rest, grad=grad):
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
-                        y = attend(q, k, v, ctx, 0.0, sink, *rest)
-                    y.backward(grad, retain_graph=True)  # a table's graph to the scheme's parameters is reused
-
-                calls[name] = call
-            for name, call in calls.items():  # warm-up: flex compiles
-                for _ in range(3):
-                    call()
-                torch.cuda.synchronize()
-            for name in calls:
-                times[name] = []
-            for _ in range(5):
-                for name, call in calls.items():
-                    ms = []
-                    for _ in range(10):
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        call()
-                        end.record()
-                        end.synchronize()
-                        ms.append(start.elapsed_time(end))
-                    times[name].append(statistics.median(ms))
-            shape["ms"] |= {name: round(statistics.median(times[name]), 3) for name in calls}
-            for what, num, den, target in ATTENTION_RATIOS:
-                if num in calls and den in calls:
-                    per_round = [a / b for a, b in zip(times[num], times[den])]
-                    ratio = statistics.median(per_round)
-                    shape["ratios"][what] = {"median": round(ratio, 3),
-                                             "range": [round(min(per_round), 3), round(max(per_round), 3)]}
-                    if target is not None:
-                        shape["ratios"][what]["status"] = "PASS" if ratio <= target else "FAIL"
-            (out / "attention_timing.json").write_text(json.dumps(numbers, indent=2) + "\n")
-            del calls
-            torch.cuda.empty_cache()
-    return numbers
+    return time_attention("cuda", [(2, 8192)], GPU_CASES, GPU_RATIOS,
+                          write=lambda numbers: (out / "attention_timing.json").write_text(
+                              json.dumps(numbers, indent=2) + "\n"))
 
 
 WORKERS = {"t5_timing": t5_timing, "attention_timing": attention_timing}

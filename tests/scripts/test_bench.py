@@ -104,3 +104,61 @@ def test_documents_schemes_must_be_benched_schemes_with_documents() -> None:
         main(["configs=byte-tiny:learned+rope", "documents_schemes=rope"])
     with pytest.raises(SystemExit, match=r"documents_schemes: \['t5'\] not among the schemes of config byte-tiny"):
         main(["configs=byte-tiny:learned+rope", "documents=mask", "documents_schemes=rope,t5"])
+
+
+def test_variants_are_model_options_checked_before_anything_runs() -> None:
+    _import_like_the_script()
+    import pytest
+    from bench import main, variants_of
+    from benchkit.paths import path_parts
+
+    assert variants_of("sinks=learned,window_pattern=[8,null];sinks=zero") == [
+        "sinks=learned", "window_pattern=[8,null];sinks=zero"]
+    assert path_parts("rope@window_pattern=[8,null];sinks=zero") == (
+        "rope", None, {"window_pattern": [8, None], "sinks": "zero"})
+    assert path_parts("t5+mask") == ("t5", "mask", {})
+    with pytest.raises(SystemExit, match="'foo=1' is not KEY=VALUE;KEY=VALUE with model options"):
+        main(["configs=byte-tiny:rope", "variants=foo=1"])
+    with pytest.raises(SystemExit, match="model.sinks must be one of"):
+        main(["configs=byte-tiny:rope", "variants=sinks=bogus"])
+    with pytest.raises(SystemExit, match="variant_schemes= needs variants="):
+        main(["configs=byte-tiny:rope", "variant_schemes=rope"])
+
+
+def test_targets_judge_variants_and_the_schemes_with_their_own_limit() -> None:
+    """The report's GPU targets from rows: sinks within 1.05x the same scheme, a window no slower
+    than full attention, PoPE within 1.3x rope (issue 35), a bias scheme within 1.10x; CPU rows
+    judge nothing."""
+    _import_like_the_script()
+    from benchkit.report import targets
+
+    def row(scheme, step, path="pelab", device="cuda", **extra):
+        return {"config": "gpt2-gpt2", "precision": "bf16-mixed", "compile": True, "block_size": 1024,
+                "device": device, "scheme": scheme, "path": path, "step_ms": step, "mfu": 0.3} | extra
+
+    rows = [row("rope", 40.0), row("pope", 50.0), row("t5", 48.0),
+            row("rope", 41.6, "pelab-variant", variant="sinks=learned", options={"sinks": "learned"},
+                step_ratio_vs_same_scheme=1.04),
+            row("rope", 44.0, "pelab-variant", variant="window=128", options={"window": 128},
+                step_ratio_vs_same_scheme=1.1)]
+    judged = {t["target"].split(" (")[0]: t["status"] for t in targets(rows)}
+    assert judged == {"pope step <= 1.30x rope's": "PASS", "t5 step <= 1.10x rope's": "FAIL",
+                      "rope with sinks=learned <= 1.05x without": "PASS",
+                      "rope with window=128 <= full attention's step": "FAIL"}
+    assert targets([{**r, "device": "cpu"} for r in rows]) == []
+
+
+def test_attention_bench_smoke(tmp_path: Path) -> None:
+    """scripts/bench_attention.py's smoke run: pelab's attention alone on the CPU route, each case
+    timed (numbers not asserted), the ratios with their per-round range, the JSON written."""
+    _import_like_the_script()
+    from bench_attention import main
+
+    out = tmp_path / "attention.json"
+    assert main(["smoke=true", f"out={out}"]) == 0
+    found = json.loads(out.read_text())
+    shape = found["shapes"]["B=1 T=256 W=32"]
+    assert found["problems"] == [] and set(shape["ms"]) == {"causal", "window", "sinks"}
+    assert all(ms > 0 for ms in shape["ms"].values())
+    for ratio in shape["ratios"].values():
+        assert ratio["range"][0] <= ratio["median"] <= ratio["range"][1]
