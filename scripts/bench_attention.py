@@ -20,6 +20,7 @@ OPTIONS = {
     "T": "sequence length (default 2048)",
     "W": "window (default 256 on CPU, T/8 on CUDA)",
     "batch": "sequences (default 4)",
+    "precision": "bf16-mixed or 32 (default: 32 on CPU, where bf16 is often emulated; bf16-mixed on CUDA)",
     "rounds": "interleaved timed rounds (default 5)",
     "calls": "forward + backward calls per case and round (default 5)",
     "out": "also write the JSON to this file",
@@ -39,17 +40,21 @@ def main(argv: list[str]) -> int:
     batch = integer("batch", args.get("batch", "4"), minimum=1)
     rounds = integer("rounds", args.get("rounds", "5"), minimum=1)
     calls = integer("calls", args.get("calls", "5"), minimum=1)
+    precision = args.get("precision", "32" if device == "cpu" else "bf16-mixed")
+    if precision not in ("bf16-mixed", "32"):
+        raise SystemExit(f"precision={precision!r} is not valid: expected bf16-mixed or 32")
     from benchkit.attention import CPU_CASES, CPU_RATIOS, GPU_CASES, GPU_RATIOS, time_attention
 
     cases, ratios = (GPU_CASES, GPU_RATIOS) if device == "cuda" else (CPU_CASES, CPU_RATIOS)
-    numbers = time_attention(device, [(batch, T)], cases, ratios, window=W, rounds=rounds, calls=calls)
+    numbers = time_attention(device, [(batch, T)], cases, ratios, window=W, rounds=rounds, calls=calls,
+                             bf16=precision == "bf16-mixed")
     line = json.dumps(numbers)
     print("ATTENTION_JSON " + line, flush=True)
     if "out" in args:
         with open(args["out"], "w") as f:
             f.write(line + "\n")
     for shape, found in numbers["shapes"].items():
-        print(f"\n{shape} ({device}), ms per forward + backward: "
+        print(f"\n{shape} ({device}, {precision}), ms per forward + backward: "
               + ", ".join(f"{name} {ms:.2f}" for name, ms in found["ms"].items()))
         for what, r in found["ratios"].items():
             print(f"  {what}: {r['median']:.3f} ({r['range'][0]:.3f}-{r['range'][1]:.3f})"

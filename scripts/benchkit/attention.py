@@ -48,8 +48,9 @@ class _Captured(Exception):
     pass
 
 
-def captured_attention(model, idx, device_type: str):
-    """The arguments the first layer hands to ``attend`` in a bf16 training forward of ``model``."""
+def captured_attention(model, idx, device_type: str, bf16: bool = True):
+    """The arguments the first layer hands to ``attend`` in a training forward of ``model``
+    (under bf16 autocast, or in float32)."""
     import torch
 
     import model.gpt as gpt_module
@@ -62,7 +63,7 @@ def captured_attention(model, idx, device_type: str):
 
     real, gpt_module.attend = gpt_module.attend, spy
     try:
-        with torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
             model.train()(idx)
     except _Captured:
         pass
@@ -92,13 +93,14 @@ def timer(device_type: str) -> Callable[[Callable[[], None]], float]:
 
 
 def time_attention(device: str, shapes, cases=GPU_CASES, ratios=GPU_RATIOS, window: int | None = None,
-                   rounds: int = 5, calls: int = 10, heads: int = 12, head_dim: int = 64,
+                   rounds: int = 5, calls: int = 10, heads: int = 12, head_dim: int = 64, bf16: bool = True,
                    write: Callable[[dict], None] | None = None) -> dict:
     """Per shape (batch, T) and case: the median over ``rounds`` interleaved rounds of the median
     of ``calls`` forward + backward calls; per ratio the median and range of the per-round
     ratios. Cases of one scheme and backend are timed together (so their ratios are paired),
     one group after another; ``write`` gets the numbers after each group. ``window``: W (default
-    T/8)."""
+    T/8); ``bf16``: under bf16 autocast, else float32 (CPUs without native bf16 emulate it,
+    tens of times slower than float32)."""
     import torch
 
     from model.attention import attend
@@ -110,7 +112,7 @@ def time_attention(device: str, shapes, cases=GPU_CASES, ratios=GPU_RATIOS, wind
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")
     ms_of = timer(device_type)
-    numbers: dict = {"device": device, "problems": [], "shapes": {}}
+    numbers: dict = {"device": device, "precision": "bf16-mixed" if bf16 else "32", "problems": [], "shapes": {}}
     groups: dict[str, list] = {}
     for case in cases:
         groups.setdefault(f"{case[1]} on {case[2]}", []).append(case)
@@ -126,7 +128,7 @@ def time_attention(device: str, shapes, cases=GPU_CASES, ratios=GPU_RATIOS, wind
                 torch.manual_seed(0)
                 model = GPT(cfg, SCHEMES[scheme](cfg)).to(device)
                 idx = torch.randint(0, 256, (B, T), device=device)
-                q, k, v, ctx, dropout, sink, *rest = captured_attention(model, idx, device_type)
+                q, k, v, ctx, dropout, sink, *rest = captured_attention(model, idx, device_type, bf16)
                 if backend != "auto" and ctx.backend.name != backend:
                     numbers["problems"].append(f"{name} at T={T}: ran on {ctx.backend.name}, not {backend}")
                 q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -135,7 +137,7 @@ def time_attention(device: str, shapes, cases=GPU_CASES, ratios=GPU_RATIOS, wind
                 grad = torch.randn_like(q[..., : v.shape[-1]])
 
                 def call(q=q, k=k, v=v, ctx=ctx, sink=sink, rest=rest, grad=grad):
-                    with torch.autocast(device_type, dtype=torch.bfloat16):
+                    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
                         y = attend(q, k, v, ctx, 0.0, sink, *rest)
                     y.backward(grad, retain_graph=True)  # a table's graph to the scheme's parameters is reused
 
