@@ -22,13 +22,16 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Sequence
 
+from evaluation import streaming
 from evaluation import tasks as task_eval
 from evaluation.extrapolation import ExtrapolationRow, read_csv
+from evaluation.streaming import StreamingRow
 from evaluation.stats import ALPHA, mean_ci, welch_test
 from model.pe import SCHEMES
 
-RESULT_FILES = {"extrapolation": "extrapolation.csv", "tasks": "tasks.csv"}
+RESULT_FILES = {"extrapolation": "extrapolation.csv", "tasks": "tasks.csv", "streaming": "streaming.csv"}
 POSITION_FILE = "position_loss.csv"  # written beside extrapolation.csv
+TABLE_OF = {task_eval.TaskRow: "tasks", StreamingRow: "streaming"}  # which RESULT_FILES a row type is read from
 
 
 class CompareError(ValueError):
@@ -45,7 +48,7 @@ def find_result_files(patterns: Sequence[str], name: str = "extrapolation.csv") 
             if path.is_file() and path.name == name:
                 files.add(path.resolve())
             elif (path.is_file() and path.suffix == ".csv" and name == "extrapolation.csv"
-                  and path.name not in ("tasks.csv", POSITION_FILE)):
+                  and path.name not in ("tasks.csv", "streaming.csv", POSITION_FILE)):
                 files.add(path.resolve())  # any other CSV given by name is read as an extrapolation table
             elif path.is_dir():
                 files.update(p.resolve() for p in path.rglob(name))
@@ -64,7 +67,7 @@ def check_table(path: Path, row_type: type) -> None:
     what = " (a Lightning CSVLogger metrics file)" if {"step", "epoch"} <= set(header) else ""
     run = path.parent.parent if path.parent.name == "csv" else None  # logger=csv writes RUN/csv/metrics.csv
     raise CompareError(f"{path} is not a results table{what}: its columns are {', '.join(header) or '(none)'}, and "
-                       f"{RESULT_FILES['tasks' if row_type is task_eval.TaskRow else 'extrapolation']} needs "
+                       f"{RESULT_FILES[TABLE_OF.get(row_type, 'extrapolation')]} needs "
                        f"{', '.join(needed)}; give the run or sweep directory" + (f" ({run})" if run else "")
                        + " or the extrapolation.csv / tasks.csv written by train.py and scripts/eval_*.py")
 
@@ -217,6 +220,7 @@ class Runs:
     pairs: list[tuple[str, ExtrapolationRow]]
     task_pairs: list[tuple[str, task_eval.TaskRow]]
     groups: dict[tuple[str, str], Group]
+    stream_pairs: list[tuple[str, StreamingRow]] = field(default_factory=list)
 
     @property
     def multi_seed(self) -> bool:
@@ -228,23 +232,27 @@ def read_runs(paths: Sequence[str], mode: str | None, ignored: Sequence[str]) ->
     before any is read, runs grouped by seed (``ignored``: config keys that do not split a group)."""
     files = find_result_files(paths)
     task_files = find_result_files(paths, "tasks.csv")
+    stream_files = find_result_files(paths, "streaming.csv")
     if not files and not task_files:
         raise CompareError(f"no extrapolation.csv found (nor tasks.csv) under {list(paths)}")
     for path in files:
         check_table(path, ExtrapolationRow)
     for path in task_files:
         check_table(path, task_eval.TaskRow)
+    for path in stream_files:
+        check_table(path, StreamingRow)
     pairs = newest_series(files, read_csv, lambda r: (r.scheme, r.mode, r.rope_scaling))
     if mode:
         pairs = [(run, r) for run, r in pairs if r.mode == mode]
         if not pairs:
             raise CompareError(f"no rows with mode={mode}")
     task_pairs = newest_series(task_files, task_eval.read_csv, lambda r: (r.task, r.scheme))
+    stream_pairs = newest_series(stream_files, streaming.read_csv, lambda r: (r.scheme, r.cache_positions))
     runs_by_label: dict[str, set[str]] = {}
-    for run, r in [*pairs, *task_pairs]:
+    for run, r in [*pairs, *task_pairs, *stream_pairs]:
         runs_by_label.setdefault(base_label(r), set()).add(run)
     info = {run: run_info(run, ignored) for runs in runs_by_label.values() for run in runs}
-    return Runs(files, task_files, pairs, task_pairs, seed_groups(runs_by_label, info))
+    return Runs(files, task_files, pairs, task_pairs, seed_groups(runs_by_label, info), stream_pairs)
 
 
 # --- cells: one group at one length ---------------------------------------------------------
@@ -314,6 +322,19 @@ def task_points(runs: Runs) -> dict[tuple, list[tuple]]:
             key = (group.label, r.task, r.train_length, r.eval_length)
             accuracy = 100 * r.accuracy if r.ok else None  # percent in tables and plots
             points.setdefault(key, []).append((group.seeds[group.runs.index(run)], accuracy, r.status))
+    return points
+
+
+def streaming_points(runs: Runs) -> dict[tuple, list[tuple]]:
+    """Streaming perplexity per position bucket: the section is the cache-position rule, the
+    "length" the bucket's end (positions [previous end, end))."""
+    points: dict[tuple, list[tuple]] = {}
+    for run, r in runs.stream_pairs:
+        group = runs.groups.get((base_label(r), run))
+        if group is None:  # a repeated seed, left out
+            continue
+        key = (group.label, f"{r.cache_positions}, S={r.sinks} W={r.window}", r.train_length, r.end)
+        points.setdefault(key, []).append((group.seeds[group.runs.index(run)], r.ppl if r.ok else None, r.status))
     return points
 
 

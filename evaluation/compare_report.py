@@ -17,7 +17,7 @@ from typing import Sequence
 
 from evaluation import tasks as task_eval
 from evaluation.compare import (POSITION_FILE, Cell, Runs, find_result_files, heatmap_rows, label_rows, make_cells,
-                                newest_series, not_learned_marks, ppl_points, task_points)
+                                newest_series, not_learned_marks, ppl_points, streaming_points, task_points)
 from evaluation.extrapolation import markdown_table, plot_rows, write_csv
 from evaluation.plots import length_axis
 
@@ -54,6 +54,18 @@ def perplexity(runs: Runs, out: Path) -> list[str]:
     save(plot_bands(cells, "perplexity", "Extrapolation: perplexity vs evaluation length",
                     log_y=bool(means) and max(means) > 3 * min(means)), out / "comparison.png")
     return sections
+
+
+def streaming(runs: Runs, out: Path) -> list[str]:
+    """comparison_streaming.csv; one markdown section per cache rule: StreamingLLM perplexity by
+    position bucket (a column N holds the positions from the previous column's N up to N)."""
+    if not runs.stream_pairs:
+        return []
+    cells = make_cells(streaming_points(runs), lower_is_better=True)
+    write_stats_csv(cells, out / "comparison_streaming.csv", "cache")
+    return [f"### streaming, {cache}\n\nPerplexity by position bucket: each column holds the positions from the "
+            f"previous column's bound up to its own (docs/evaluation.md, section 7).\n\n"
+            f"{stats_markdown(cells, cache, '{:.2f}')}\n{LEGEND}" for cache in sorted({c.section for c in cells})]
 
 
 def task_accuracy(runs: Runs, out: Path) -> list[str]:

@@ -40,7 +40,7 @@ from evaluation.attention_probe import probe_windows
 from evaluation.plots import length_axis
 from evaluation.probe import Probe, Subject
 from evaluation.results import LineSeries, Logged, table
-from evaluation.sweep import LengthSweepOptions, autocast, write_rows
+from evaluation.sweep import LengthSweepOptions, autocast, read_rows, write_rows
 from model.config import require
 from model.generate import KVCache
 from model.gpt import uncompiled
@@ -232,6 +232,10 @@ def evaluate_streaming(gpt: nn.Module, texts_of, train_length: int, config: Stre
         log(f"[streaming] pe={module.pe.name} {mode}, S={config.sinks} W={window}: ppl {rows[-1].ppl:.2f} at "
             f"[{rows[-1].start}, {rows[-1].end}) over {len(texts)} x {n} tokens in {seconds:.1f}s")
     return rows
+
+
+def read_csv(path: Path) -> list[StreamingRow]:
+    return read_rows(path, StreamingRow)
 
 
 def series_label(r: StreamingRow) -> str:

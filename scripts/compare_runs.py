@@ -1,5 +1,6 @@
 """Collect the results of many runs into one table and one plot: perplexity vs length
-(``extrapolation.csv``) and synthetic-task accuracy vs length (``tasks.csv``).
+(``extrapolation.csv``) and synthetic-task accuracy vs length (``tasks.csv``); streaming
+perplexity by position (``streaming.csv``) as a table.
 
     python scripts/compare_runs.py multirun/2026-11-21/12-00-00
     python scripts/compare_runs.py 'outputs/*/*' --mode sliding --out comparison/
@@ -68,7 +69,8 @@ def main(argv: list[str]) -> int:
     out = args.out or (first if first.is_dir() else Path("."))
     out.mkdir(parents=True, exist_ok=True)
 
-    sections = [*compare_report.perplexity(runs, out), *compare_report.task_accuracy(runs, out),
+    sections = [*compare_report.perplexity(runs, out), *compare_report.streaming(runs, out),
+                *compare_report.task_accuracy(runs, out),
                 *compare_report.heatmaps(runs, out),
                 *compare_report.position_overlay(args.paths, out, args.position_length)]
     (out / "comparison.md").write_text("\n".join(sections))

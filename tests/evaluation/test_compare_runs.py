@@ -258,3 +258,31 @@ def test_runs_saved_before_and_after_the_data_module_moved_share_a_seed_group(tm
     assert proc.returncode == 0, proc.stderr
     # one group of two seeds: mean 5.50 at 64, interval 12.706205 * 0.7071068 / sqrt(2) = 6.35
     assert "| alibi (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in (tmp_path / "report" / "comparison.md").read_text()
+
+
+def test_streaming_tables_are_grouped_by_seed_per_cache_rule(tmp_path):
+    """streaming.csv beside extrapolation.csv: one section per cache rule, buckets as columns, the
+    seeds of a setting grouped. Perplexity of bucket [0, 64) / [64, 128) per seed:
+      rope  [6.0, 6.2, 6.4] -> 6.20 ± 4.302653*0.2/sqrt(3) = 0.50;  [7.0, 8.0, 9.0] -> 8.00 ± 2.48
+      alibi [6.1, 6.1, 6.1] -> 6.10 ± 0.00 (best);                   [5.0, 5.5, 6.0] -> 5.50 ± 1.24 (best)
+    rope vs alibi at 128: t = 2.5/sqrt(1/3 + 0.25/3) = 3.87, df = 2.94: p < 0.05, marked."""
+    from evaluation.streaming import StreamingRow
+    from evaluation.sweep import write_rows
+
+    sweep = tmp_path / "multirun"
+    values = {"rope": ((6.0, 7.0), (6.2, 8.0), (6.4, 9.0)), "alibi": ((6.1, 5.0), (6.1, 5.5), (6.1, 6.0))}
+    for i, (scheme, per_seed) in enumerate(values.items()):
+        for seed, (first, second) in enumerate(per_seed, start=1):
+            run = seed_run(sweep, f"{3 * i + seed}-{scheme}-seed_{seed}", scheme, seed, {64: 5.0})
+            rows = [StreamingRow(scheme, "none", "reindexed", 64, 128, 4, 60, s, e, 64, math.log(p), p, 64, 1.0)
+                    for (s, e), p in (((0, 64), first), ((64, 128), second))]
+            write_rows(rows, run / "streaming" / "streaming.csv", StreamingRow)
+    out = tmp_path / "report"
+    proc = compare_runs(str(sweep), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    md = (out / "comparison.md").read_text()
+    assert "### streaming, reindexed, S=4 W=60" in md
+    assert "| scheme (seeds) | 64 (train) | 128 |\n|---|---|---|\n" \
+        "| rope (3) | 6.20 ± 0.50 | 8.00 ± 2.48 * |\n" \
+        "| alibi (3) | **6.10 ± 0.00** | **5.50 ± 1.24** |\n" in md
+    assert (out / "comparison_streaming.csv").is_file()
