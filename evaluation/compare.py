@@ -247,7 +247,8 @@ def read_runs(paths: Sequence[str], mode: str | None, ignored: Sequence[str]) ->
         if not pairs:
             raise CompareError(f"no rows with mode={mode}")
     task_pairs = newest_series(task_files, task_eval.read_csv, lambda r: (r.task, r.scheme))
-    stream_pairs = newest_series(stream_files, streaming.read_csv, lambda r: (r.scheme, r.cache_positions))
+    stream_pairs = newest_series(stream_files, streaming.read_csv,
+                                 lambda r: (r.scheme, r.cache_positions, r.sinks, r.window))
     runs_by_label: dict[str, set[str]] = {}
     for run, r in [*pairs, *task_pairs, *stream_pairs]:
         runs_by_label.setdefault(base_label(r), set()).add(run)

@@ -266,6 +266,8 @@ def test_streaming_tables_are_grouped_by_seed_per_cache_rule(tmp_path):
       rope  [6.0, 6.2, 6.4] -> 6.20 ± 4.302653*0.2/sqrt(3) = 0.50;  [7.0, 8.0, 9.0] -> 8.00 ± 2.48
       alibi [6.1, 6.1, 6.1] -> 6.10 ± 0.00 (best);                   [5.0, 5.5, 6.0] -> 5.50 ± 1.24 (best)
     rope vs alibi at 128: t = 2.5/sqrt(1/3 + 0.25/3) = 3.87, df = 2.94: p < 0.05, marked."""
+    from dataclasses import replace
+
     from evaluation.streaming import StreamingRow
     from evaluation.sweep import write_rows
 
@@ -277,6 +279,9 @@ def test_streaming_tables_are_grouped_by_seed_per_cache_rule(tmp_path):
             rows = [StreamingRow(scheme, "none", "reindexed", 64, 128, 4, 60, s, e, 64, math.log(p), p, 64, 1.0)
                     for (s, e), p in (((0, 64), first), ((64, 128), second))]
             write_rows(rows, run / "streaming" / "streaming.csv", StreamingRow)
+            if scheme == "rope" and seed == 1:  # a later evaluation without sink tokens: its own series
+                later = [replace(r, sinks=0, window=64, ppl=r.ppl + 1) for r in rows]
+                write_rows(later, run / "streaming" / "eval-last-1" / "streaming.csv", StreamingRow)
     out = tmp_path / "report"
     proc = compare_runs(str(sweep), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -285,4 +290,5 @@ def test_streaming_tables_are_grouped_by_seed_per_cache_rule(tmp_path):
     assert "| scheme (seeds) | 64 (train) | 128 |\n|---|---|---|\n" \
         "| rope (3) | 6.20 ± 0.50 | 8.00 ± 2.48 * |\n" \
         "| alibi (3) | **6.10 ± 0.00** | **5.50 ± 1.24** |\n" in md
+    assert "### streaming, reindexed, S=0 W=64" in md and "| rope (1) | **7.00** | **8.00** |" in md
     assert (out / "comparison_streaming.csv").is_file()
