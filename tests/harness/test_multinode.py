@@ -2,6 +2,8 @@
 MASTER_ADDR/PORT as a cluster launcher sets them) train from one fresh shared token cache: it is
 prepared once, and training equals a one-node 2-process run of the same config."""
 
+import os
+import random
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,9 +14,21 @@ from tests.harness.test_train import TINY_RUN, read_metrics, run_train
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and below the kernel's ephemeral range (32768 up on Linux), in a slice of
+    its own for each pytest-xdist worker: the nodes bind it ~10 s later (after their imports).
+    A port the kernel handed out (bind to 0) could meanwhile be given to another process's
+    outgoing connection (the gloo mesh of a DDP test on the other worker, the one-node run's
+    own pick) and the nodes' store then fails with "address already in use"."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    start = 20000 + 1000 * (worker % 12)
+    for port in random.sample(range(start, start + 1000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}..{start + 999}")
 
 
 def test_two_nodes_prepare_once_and_train_as_one_node_with_two_processes(tmp_path):
