@@ -25,6 +25,61 @@ torch.set_num_threads(THREADS)
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Seconds each of the heaviest modules took (one xdist worker, a loaded 2-core machine); only
+# the order below depends on them: a stale figure costs balance, never a test.
+HEAVY = {"tests/harness/test_train.py": 424, "tests/model/test_compile_flex.py": 167,
+         "tests/harness/test_preemption.py": 127, "tests/harness/test_config_errors.py": 124,
+         "tests/harness/test_faults.py": 123, "tests/harness/test_checkpoint_compat.py": 120,
+         "tests/attention/test_document_mask.py": 98, "tests/harness/test_init_from.py": 95,
+         "tests/model/test_compile.py": 74, "tests/attention/test_backends.py": 64,
+         "tests/harness/test_multinode.py": 63, "tests/evaluation/test_tasks.py": 62,
+         "tests/harness/test_distributed.py": 60, "tests/scripts/test_bench.py": 59,
+         "tests/model/test_generate.py": 47, "tests/attention/test_windows.py": 40,
+         "tests/harness/test_launchers.py": 40, "tests/scripts/test_export_hf.py": 39,
+         "tests/harness/test_fsdp.py": 38, "tests/evaluation/test_compare_runs.py": 37,
+         "tests/harness/test_init_from_hf.py": 36, "tests/harness/test_lit.py": 33,
+         "tests/harness/test_host_memory.py": 32, "tests/gpu/test_gpu_check.py": 28,
+         "tests/data/test_tokenizers.py": 23, "tests/data/test_text_data.py": 18}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's worksteal (README's command), an order that lets the workers finish
+    together. worksteal hands worker i the i-th contiguous share of the collection (by count)
+    and an idle worker steals the tail half of the busiest one's queue. So each share here is
+    a set of whole heavy modules (end-to-end runs in subprocesses, compiles: 10-40 s a test;
+    whole, so a module-scoped fixture is built once), spread over the shares by their seconds
+    (longest first), heaviest first, then light tests (~0.1 s) to the share's count: the tails
+    anyone steals from, and the last tests of the run, are short ones. Collection order
+    (module by module) stays for a plain run and within every module."""
+    workers = WORKERS
+    if workers < 2:
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    heavy = sorted((m for m in modules if m in HEAVY), key=lambda m: -HEAVY[m])
+    light = [item for m, its in modules.items() if m not in HEAVY for item in its]
+    shares = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for m in heavy:
+        i = min(range(workers), key=lambda w: load[w])
+        shares[i].extend(modules[m])
+        load[i] += HEAVY[m]
+    # the counts worksteal hands out: share i gets len(pending) // (workers - i) of what is left
+    counts, left = [], len(items)
+    for i in range(workers):
+        counts.append(left // (workers - i))
+        left -= counts[-1]
+    # light tests to each share's count, the least loaded share (at ~0.1 s a test) first
+    fill = [max(0, c - len(sh)) for c, sh in zip(counts, shares)]
+    if sum(fill) != len(light):  # a share holds more heavy tests than its count: keep pytest's order
+        return
+    pos = 0
+    for i in range(workers):
+        shares[i].extend(light[pos:pos + fill[i]])
+        pos += fill[i]
+    items[:] = [item for share in shares for item in share]
+
 
 @pytest.fixture(scope="session")
 def project_root() -> Path:
