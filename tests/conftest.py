@@ -5,7 +5,7 @@ import os
 import tempfile
 from pathlib import Path
 
-# Under pytest-xdist (pyproject's addopts: 2 workers on CI's 2 cores) each worker, and every
+# Under pytest-xdist (README's command: -n auto, 2 workers on CI's 2 cores) each worker, and every
 # train.py it spawns (they inherit OMP_NUM_THREADS), runs one intra-op thread: two threads per
 # worker would put 4 on 2 cores. A plain run (-p no:xdist, -n 0) keeps 2.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -15,7 +15,8 @@ if WORKERS > 1:
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-# One cache per test session, shared with subprocesses (train.py) through the environment.
+# One cache per test session (per xdist worker: no two processes prepare into one), shared with
+# subprocesses (train.py) through the environment.
 os.environ["PELAB_CACHE"] = os.environ.get("PELAB_TEST_CACHE") or tempfile.mkdtemp(prefix="pelab-test-cache-")
 
 import pytest  # noqa: E402
