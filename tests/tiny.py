@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from model.attention import Terms
+from model.attention import BACKENDS, Terms
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-from model.positions import layer_contexts
+from model.positions import Pass, layer_contexts
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -103,3 +103,12 @@ def contexts(model, positions, k_positions=None, dtype=torch.float32, always_mas
     terms = Terms(model.pe, positions, positions if k_positions is None else k_positions, dtype=dtype,
                   explicit_mask=always_mask)
     return layer_contexts(terms, backend, n_layer=len(model.blocks), nope_layers=model.nope_layers)
+
+
+def layer_output(model, x, backend: str, window=None, documents=None, chunk=None):
+    """The first layer's attention output on ``backend`` as GPT.hidden runs it."""
+    positions = torch.arange(x.shape[1])
+    docs = None if documents is None else torch.tensor(documents)
+    terms = Terms(model.pe, positions, positions, dtype=x.dtype, q_documents=docs, k_documents=docs)
+    ctx = layer_contexts(terms, BACKENDS[backend], Pass(q_chunk=chunk), 1, windows=(window,))[0]
+    return model.blocks[0].attn(x, ctx)

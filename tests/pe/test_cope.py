@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 
-from model.attention import BACKENDS, Terms, resolve
+from model.attention import BACKENDS, resolve
 from model.pe import SCHEMES
-from model.positions import Pass, layer_contexts
-from tests.tiny import attention_config, build
+from tests.tiny import attention_config, build, layer_output
 
 T = 9
 DOCUMENTS = [[0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 2, 2]]
@@ -53,15 +52,6 @@ def cope_model(npos_max=None, **overrides):
     with torch.no_grad():  # a table far from its zero init: the position term must show
         model.pe.context_table.normal_(std=1.0)
     return model.double(), attn
-
-
-def layer_output(model, x, backend, window=None, documents=None, chunk=None):
-    """The first layer's attention output on ``backend`` as GPT.hidden runs it."""
-    positions = torch.arange(x.shape[1])
-    docs = None if documents is None else torch.tensor(documents)
-    terms = Terms(model.pe, positions, positions, dtype=x.dtype, q_documents=docs, k_documents=docs)
-    ctx = layer_contexts(terms, BACKENDS[backend], Pass(q_chunk=chunk), 1, windows=(window,))[0]
-    return model.blocks[0].attn(x, ctx)
 
 
 @pytest.mark.parametrize("backend", DECLARED)

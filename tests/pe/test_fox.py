@@ -11,11 +11,10 @@ import math
 import pytest
 import torch
 
-from model.attention import BACKENDS, Terms, resolve
+from model.attention import BACKENDS, resolve
 from model.attention.base import pair_terms
 from model.pe import SCHEMES
-from model.positions import Pass, layer_contexts
-from tests.tiny import attention_config, build, tiny_gpt
+from tests.tiny import attention_config, build, layer_output, tiny_gpt
 
 T = 9
 DOCUMENTS = [[0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 2, 2]]
@@ -43,15 +42,6 @@ def fox_attention(x, attn, gate, window=None, documents=None, sink=None):
                 w = torch.softmax(logits, dim=0)[:len(seen)]
                 out[b, i, h] = sum(w[m] * vh[j] for m, j in enumerate(seen))
     return out.reshape(B, n, C) @ attn.c_proj.weight.double().T
-
-
-def layer_output(model, x, backend, window=None, documents=None, chunk=None):
-    """The first layer's attention output on ``backend`` as GPT.hidden runs it."""
-    positions = torch.arange(x.shape[1])
-    docs = None if documents is None else torch.tensor(documents)
-    terms = Terms(model.pe, positions, positions, dtype=x.dtype, q_documents=docs, k_documents=docs)
-    ctx = layer_contexts(terms, BACKENDS[backend], Pass(q_chunk=chunk), 1, windows=(window,))[0]
-    return model.blocks[0].attn(x, ctx)
 
 
 def fox_model(sinks="none", dtype=torch.float64, **overrides):
