@@ -37,8 +37,7 @@ def check_windows(config: GPTConfig) -> None:
         require(1 <= len(pattern) <= config.n_layer, "model.window_pattern", list(pattern),
                 f"1 to model.n_layer={config.n_layer} entries (layer l uses entry l % length: a shorter "
                 f"pattern repeats)")
-    windowed = any(w is not None for w in config.layer_windows)
-    require(config.attn_temperature not in ("log_length", "ssmax") or not windowed, "model.attn_temperature",
+    require(config.attn_temperature not in ("log_length", "ssmax") or not config.windowed, "model.attn_temperature",
             config.attn_temperature, "none or llama4 with windows (log_length and ssmax count every earlier key)")
 
 
@@ -122,6 +121,11 @@ class GPTConfig:
         if self.window_pattern:
             return tuple(self.window_pattern[i % len(self.window_pattern)] for i in range(self.n_layer))
         return (self.window,) * self.n_layer
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer has a sliding window."""
+        return any(w is not None for w in self.layer_windows)
 
     @property
     def head_dim(self) -> int:

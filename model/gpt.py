@@ -270,7 +270,7 @@ class GPT(nn.Module):
         dropout = self.config.dropout if self.training else 0.0
         return resolve(name or self.config.attention, self.pe, device, dtype, dropout, torch.is_grad_enabled(),
                        queries, documents, batch, len(self.blocks), self.config.sinks != "none",
-                       self.config.normaliser, any(w is not None for w in self.config.layer_windows))
+                       self.config.normaliser, self.config.windowed)
 
     def attention_backend(self, device: torch.device, name: str | None = None,
                           dtype: torch.dtype = torch.float32) -> str:
