@@ -203,9 +203,8 @@ class Report:
             now = time.monotonic()
             still = [Outcome(step, "running", f"still running after {now - t:.0f} s when this report was written "
                              f"(its timeout: {step.timeout_s} s)", now - t) for step, t in self.running.values()]
-            path = write_report(self.out, self.info, self.outcomes + still, self.budget_s, now - self.t0, self.part)
-            self._export()
-            return path
+            self._export()  # before the JSON, which is written last: whoever reads it finds logs as recent
+            return write_report(self.out, self.info, self.outcomes + still, self.budget_s, now - self.t0, self.part)
 
     def _export(self) -> None:
         xml = self.work / "cuda-tests.xml"
@@ -268,9 +267,9 @@ def write_report(out: Path, info: dict, outcomes: list[Outcome], budget_s: float
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": info, "part": part, "budget_s": budget_s, "wall_s": round(wall_s, 1),
               "summary": summary(outcomes), "steps": [o.as_dict() for o in outcomes]}
-    _write(out / "gpu_check.json", (json.dumps(report, indent=2, default=str) + "\n").encode())
     path = out / "gpu_check.md"
     _write(path, markdown(report).encode())
+    _write(out / "gpu_check.json", (json.dumps(report, indent=2, default=str) + "\n").encode())  # last
     return path
 
 
