@@ -79,5 +79,4 @@ def test_old_checkpoint_evaluates(old_run, tmp_path):
 def test_old_checkpoint_samples(old_run):
     scheme, ckpt = old_run
     args = ["scripts/sample.py", f"ckpt={ckpt}", "tokens=24", "seed=0", "prompt=It was", "device=cpu"]
-    with_cache, without = run(args).stdout, run([*args, "cache=false"]).stdout
-    assert with_cache == without == EXPECTED[scheme]["sample"]
+    assert run(args).stdout == EXPECTED[scheme]["sample"]  # cache = no cache: tests/model/test_generate.py

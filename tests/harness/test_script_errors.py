@@ -64,6 +64,7 @@ CASES = [
     ("sample", "top_p=0", "top_p='0' is not valid: expected a finite number > 0 and <= 1"),
     ("eval_tasks", "precision=bf17", "precision='bf17' is not valid: expected one of bf16-mixed"),
     ("eval_tasks", "depths=0,2", "depths='0,2' is not valid: expected numbers in [0, 1]"),
+    ("eval_tasks", "samples=many", "samples='many' is not valid"),
     ("eval_tasks", "device=gpu", "device='gpu' is not valid: expected cpu, cuda or cuda:N"),
 ]
 

@@ -176,13 +176,11 @@ def test_single_run_wandb_goes_offline_by_itself(tmp_path):
     assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
     assert "val loss" in proc.stdout and "unigram baseline" in proc.stdout
     assert str((tmp_path / "run" / "checkpoints").resolve()) in proc.stdout
-
-
-def test_learned_pe_refuses_context_beyond_its_table(tmp_path):
-    proc = run_train(["pe=learned", "pe.max_positions=16", "logger=none", f"hydra.run.dir={tmp_path}", *FAST], tmp_path)
-    assert proc.returncode != 0
-    assert "model.block_size=32 exceeds the 16 positions of pe=learned" in proc.stderr
-    assert not (tmp_path / "checkpoints").exists()  # refused before any work
+    # under Hydra's logging each Lightning line appears once (on stdout and in train.log), not
+    # also through Lightning's own console handler
+    for line in ("GPU available:", "Seed set to 1337", "`Trainer.fit` stopped: `max_steps=4` reached"):
+        assert (proc.stdout + proc.stderr).count(line) == 1, (line, proc.stdout, proc.stderr)
+        assert line in (tmp_path / "run" / "train.log").read_text()
 
 
 def compose_config(overrides, output_dir="/nonexistent/pelab-out"):
@@ -257,17 +255,6 @@ def test_the_scheme_is_built_once_per_run(tmp_path, monkeypatch):
     assert len(built) == 1 and fitted[0].model.pe is built[0]
 
 
-def test_lightning_info_lines_are_printed_once(tmp_path):
-    """Under Hydra's logging each Lightning line appears once (on stdout and in train.log), not
-    also through Lightning's own console handler."""
-    proc = run_train(["trainer.max_steps=2", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
-                      "eval.extrapolation.enabled=false", "logger=none", f"hydra.run.dir={tmp_path}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for line in ("GPU available:", "Seed set to 1337", "`Trainer.fit` stopped: `max_steps=2` reached"):
-        assert (proc.stdout + proc.stderr).count(line) == 1, (line, proc.stdout, proc.stderr)
-        assert line in (tmp_path / "train.log").read_text()
-
-
 def test_default_config_is_the_documented_one():
     cfg = compose_config([])
     assert cfg.pe._target_ == "model.pe.rope.RoPE"
@@ -280,7 +267,8 @@ def test_ddp_on_two_cpu_processes_writes_artefacts_once(tmp_path):
     """The multi-device path under Hydra: gloo DDP, rank-zero-only checkpoints and evaluation."""
     run = tmp_path / "ddp"
     proc = run_train(["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp", "logger=csv",
-                      f"hydra.run.dir={run}", *FAST], tmp_path, env={"OMP_NUM_THREADS": "1"})
+                      f"hydra.run.dir={run}", *FAST, "trainer.precision=32-true"], tmp_path,
+                     env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "MEMBER: 2/2" in proc.stderr + proc.stdout
     assert proc.stdout.count("[pelab] extrapolation table") == 1
@@ -300,11 +288,6 @@ def test_resume_from_checkpoint_continues(sweep, tmp_path):
     steps = read_metrics(tmp_path / "csv" / "metrics.csv")["step"]
     assert min(steps) >= 4  # nothing re-trained from step 0
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
-
-
-def test_missing_resume_checkpoint_is_refused_early(tmp_path):
-    proc = run_train(["ckpt_path=/nonexistent/last.ckpt", "logger=none", f"hydra.run.dir={tmp_path}", *FAST], tmp_path)
-    assert proc.returncode != 0 and "ckpt_path=/nonexistent/last.ckpt does not exist" in proc.stderr
 
 
 # --- run names, W&B failures, secrets, output dir --------------------------------------------
