@@ -229,6 +229,10 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=rnope_swa"],
     ["experiment=gemma3_like"],
     ["experiment=gptoss_like"],
+    ["experiment=pope_indirect_indexing", "pe=pope"],
+    ["experiment=cope_counting", "pe=cope"],
+    ["experiment=copy_ordering", "pe=learned", "pe.max_positions=512"],
+    ["experiment=task_ablation", "+hybrid=rnope_swa"],  # a hybrid layout on a task
     ["eval.streaming.enabled=true", "eval.streaming.cache_positions=[reindexed,absolute]"],
     ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],
     ["trainer.devices=auto"],
