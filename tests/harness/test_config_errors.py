@@ -233,6 +233,8 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=cope_counting", "pe=cope"],
     ["experiment=copy_ordering", "pe=learned", "pe.max_positions=512"],
     ["experiment=task_ablation", "+hybrid=rnope_swa"],  # a hybrid layout on a task
+    ["experiment=fox_loss_by_position", "pe=fox"],
+    ["experiment=stick_breaking"],
     ["eval.streaming.enabled=true", "eval.streaming.cache_positions=[reindexed,absolute]"],
     ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],
     ["trainer.devices=auto"],
