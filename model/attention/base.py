@@ -131,14 +131,22 @@ class Terms:
                            self.q_documents, self.k_documents, self.window)
 
 
+def split_terms(terms: Tensor) -> tuple[Tensor, Tensor]:
+    """float64 terms c as a float32 head c.float() and the float32 remainder of c - head. The
+    remainder is a constant to autograd: its derivative (1 - 1) is zero, so the gradient reaches c
+    through the head alone, as it would through c itself."""
+    head = terms.float()
+    return head, (terms.detach() - head.detach().double()).float()
+
+
 def pair_terms(q_terms: Tensor, k_terms: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """(B, H, Tq, Tk) c_i - c_j of float64 (B, H, Tq) and (B, H, Tk) terms: float64 for float64
     compute, else float32 within about one rounding of the difference, however large c grows
-    with T: each c is split into a float32 head and remainder, subtracted apart."""
+    with T: each c is split into a float32 head and remainder (``split_terms``), subtracted apart
+    (flex's score_mod adds the same two differences)."""
     if dtype == torch.float64:
         return q_terms[..., :, None] - k_terms[..., None, :]
-    q_hi, k_hi = q_terms.float(), k_terms.float()
-    q_lo, k_lo = (q_terms - q_hi.double()).float(), (k_terms - k_hi.double()).float()
+    (q_hi, q_lo), (k_hi, k_lo) = split_terms(q_terms), split_terms(k_terms)
     return (q_hi[..., :, None] - k_hi[..., None, :]) + (q_lo[..., :, None] - k_lo[..., None, :])
 
 
@@ -162,7 +170,7 @@ class AttentionBackend:
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
     sink_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it joins sinks in (None: any)
     normalisers: ClassVar[tuple[str, ...]] = ("softmax",)  # the values of model.normaliser it computes
-    layer_terms: ClassVar[bool] = False  # adds a data-dependent scheme's per-layer terms to its float32 mask
+    layer_terms: ClassVar[bool] = False  # adds a data-dependent scheme's per-layer terms to its float32 scores
     score_terms: ClassVar[bool] = False  # adds a score-dependent scheme's terms of q and the scores to its logits
 
     def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool,

@@ -32,7 +32,8 @@ def sink_probabilities(logits: Tensor, sink: Tensor) -> Tensor:
 def rescale(out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
     """(B, H, Tq, hd) output of a plain softmax whose rows' log-sum-exp is ``lse`` (B, H, Tq),
     as with the (H,) sink logits: out * sigmoid(lse - s_h)."""
-    weight = torch.sigmoid(lse.float() - sink.float()[:, None])
+    acc = torch.promote_types(lse.dtype, torch.float32)  # float64 for float64 compute (CPU flex)
+    weight = torch.sigmoid(lse.to(acc) - sink.to(acc)[:, None])
     return out * weight.unsqueeze(-1).to(out.dtype)
 
 
