@@ -74,7 +74,7 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     if not backend.adds(pe):  # a strict backend named
         kind = data_terms(pe)
         raise ValueError(f"model.attention={name} cannot add pe={pe.name}'s per-layer data-dependent terms; "
-                         f"use model.attention=auto, sdpa or math" if kind == "layer" else
+                         f"use model.attention=auto, sdpa, flex or math" if kind == "layer" else
                          f"model.attention={name} cannot add pe={pe.name}'s terms of the attention scores; "
                          f"use model.attention=auto or math")
     if normaliser not in backend.normalisers:  # a strict backend named
@@ -146,14 +146,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink
     parts = []
     for s, e in spans:
         ks, ke = ctx.terms.key_span(s, e)  # rows [s, e) see keys [ks, ke): their windows' (all earlier without)
+        if backend.full_keys:  # all Tk keys (its ``chunk`` hides the unseen): one K/V shape, one compiled kernel
+            ks, ke = 0, Tk
         state = ctx.state if ctx.chunk is None else backend.chunk(ctx.state, ctx.terms, s, e)
         if layer_terms is not None:
             state = backend.add_layer_terms(state, layer_terms[0][..., s:e], layer_terms[1][..., ks:ke],
                                             ctx.terms.dtype)
         if ctx.chunk is None:
             out = backend(q, k, v, state, dropout, **with_sink)
-        elif backend.full_keys:  # same K/V shape for every chunk: one compiled kernel per length
-            out = backend(q[:, :, s:e], k, v, state, dropout, **with_sink)
         else:
             out = backend(q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], state, dropout, **with_sink)
         if backend.records:

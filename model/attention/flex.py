@@ -1,9 +1,10 @@
 """``flex``: FlexAttention with the scheme's elementwise bias as ``score_mod`` and a causal BlockMask.
 
-Compiled on CUDA (one kernel per shape); eager elsewhere (on CPU, forward only). Float32
-throughout the scores, so position terms keep float32 accuracy. No attention dropout. Query
-chunks attend the full-length K/V with the chunk's offset in the BlockMask (fully masked key
-blocks are skipped), so every chunk of a length shares one compiled kernel.
+Compiled on CUDA (one kernel per shape); eager elsewhere (on CPU, forward only: eager flex
+differentiates the tensors score_mod captures, never q, k, v). Float32 throughout the scores, so
+position terms keep float32 accuracy. No attention dropout. Query chunks attend the full-length
+K/V with the chunk's offset in the BlockMask (fully masked key blocks are skipped), so every
+chunk of a length shares one compiled kernel.
 
 Inductor builds flex's backward only for a score_mod that indexes each captured tensor which
 requires gradients once (``validate_joint_graph``; tests/model/test_flex_joint_graph.py checks
@@ -11,18 +12,24 @@ every scheme on CPU). A scheme whose elementwise form does not (``flex_reads_bia
 unrolled MLP), and on CUDA every bias with parameters (``Flex.reads_table``), gets under
 autograd its ``bias()`` computed outside the kernel and read once per score: (H, Tq, Tk)
 float32, or (B, H, Tq, Tk) with per-sequence positions, as a float mask.
+
+A data-dependent scheme's c_i - c_j (FoX, ``layer_terms``) joins score_mod from (B, H, T) terms
+of the queries and of the keys, four captured tensors: each c's float32 head and remainder
+(``split_terms``), the heads' difference and the remainders' added together, as ``pair_terms``
+forms it. Each head requires gradients and is indexed once; the remainders are constants, and
+so is the queries' c without sinks (a row's constant: its gradient is zero).
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from model.attention.base import AttentionBackend, Terms
+from model.attention.base import AttentionBackend, Terms, split_terms
 from model.attention.sinks import rescale
 
 # Compiled flex specialises on every (batch, Tq, Tk): an evaluation sweep (lengths x query
@@ -51,6 +58,20 @@ class FlexState:
     documents: Any = None  # packed documents: this forward's (or chunk's) document BlockMask, else None
     table: Tensor | None = None  # (H, Tq, Tk) or (B, H, Tq, Tk) float32 bias read instead of score, or None
     window: int | None = None  # sliding window: the BlockMask also hides keys before it (and skips their blocks)
+    layer: tuple[Tensor, ...] | None = None  # a layer's c: (q_hi, k_hi, q_lo, k_lo), or float64 (q, k)
+
+
+def with_layer_terms(score_mod: Callable | None, q_hi: Tensor, k_hi: Tensor, q_lo: Tensor | None = None,
+                     k_lo: Tensor | None = None) -> Callable:
+    """``score_mod`` (None: the plain score) plus c_i - c_j of (B, H, Tq) and (B, H, Tk) terms:
+    the heads' difference and, given, the remainders', summed before they meet the score."""
+    def mod(s, b, h, q_idx, kv_idx):
+        pair = q_hi[b, h, q_idx] - k_hi[b, h, kv_idx]
+        if q_lo is not None:
+            pair = pair + (q_lo[b, h, q_idx] - k_lo[b, h, kv_idx])
+        return (s if score_mod is None else score_mod(s, b, h, q_idx, kv_idx)) + pair
+
+    return mod
 
 
 class Flex(AttentionBackend):
@@ -63,6 +84,7 @@ class Flex(AttentionBackend):
     full_keys = True
     compile_devices = ("cuda",)  # where flex_attention runs compiled (CPU flex runs eager)
     compile_backend = "inductor"
+    layer_terms = True  # c_i - c_j in score_mod (``with_layer_terms``)
 
     def __init__(self) -> None:
         self._compiled = None
@@ -96,6 +118,14 @@ class Flex(AttentionBackend):
         if getattr(pe, "flex_reads_bias", False):
             return True
         return device.type == "cuda" and pe.uses_bias and any(p.requires_grad for p in pe.parameters())
+
+    def add_layer_terms(self, state: FlexState, q_terms: Tensor, k_terms: Tensor, dtype: torch.dtype) -> FlexState:
+        """The state with a layer's float64 c of its queries and of all Tk keys (``full_keys``):
+        as they are for float64 compute, else each as float32 head and remainder (``split_terms``)."""
+        if dtype == torch.float64:
+            return replace(state, layer=(q_terms, k_terms))
+        (q_hi, q_lo), (k_hi, k_lo) = split_terms(q_terms), split_terms(k_terms)
+        return replace(state, layer=(q_hi, k_hi, q_lo, k_lo))
 
     def chunk(self, state: FlexState, terms: Terms, s: int, e: int) -> FlexState:
         """Rows [s, e) against all Tk keys: the BlockMask's offset hides the keys they do not see."""
@@ -198,6 +228,11 @@ class Flex(AttentionBackend):
 
             def score_mod(s, b, h, q_idx, kv_idx):
                 return s + score(qp[b, q_idx], kp[b, kv_idx], h)
+        if state.layer is not None:
+            q_terms, *rest = state.layer
+            # c_i shifts query i's whole row, which a softmax without sinks ignores: its gradient is
+            # zero, and flex's backward would add it into q_terms score by score (atomics)
+            score_mod = with_layer_terms(score_mod, q_terms if lse else q_terms.detach(), *rest)
 
         block_mask = (self.block_mask(Tq, Tk, q.device, state.offset, state.window) if state.documents is None
                       else state.documents)

@@ -39,8 +39,8 @@ def test_sdpa_never_gets_a_float_mask_of_another_dtype_on_cuda(monkeypatch, sche
     dtype = DTYPES[precision]
     calls = sdpa_calls(monkeypatch)
     for choice in CHOICES:
-        if choice == "flex" and (dropout or SCHEMES[scheme].data_dependent):
-            continue  # refused by GPTConfig, or by resolve (flex cannot add FoX's per-layer terms)
+        if choice == "flex" and (dropout or not BACKENDS["flex"].adds(SCHEMES[scheme])):
+            continue  # refused by GPTConfig, or by resolve (flex cannot add CoPE's terms of the scores)
         cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout,
                         attention=choice)
         torch.manual_seed(0)
@@ -72,6 +72,9 @@ def test_sdpa_never_gets_a_float_mask_of_another_dtype_on_cuda(monkeypatch, sche
     ("alibi", "fp16", 0.0, "flex"),  # fp16 has no exact pieces
     ("rope_alibi", "fp16", 0.2, "math"),
     ("rope", "fp16", 0.2, "sdpa"),  # no bias: the causal kernel
+    ("fox", "bf16", 0.0, "flex"),  # c_i - c_j in score_mod: SDPA would need a float32 mask with bf16 q
+    ("fox", "bf16", 0.2, "math"),
+    ("fox", "fp32", 0.0, "sdpa"),  # a float32 mask with float32 q
 ])
 def test_auto_on_cuda_takes_an_exact_route(scheme, precision, dropout, expected):
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout)
@@ -90,8 +93,8 @@ def test_every_backend_falls_back_to_one_that_applies():
             for device in (torch.device("cpu"), CUDA):
                 for dtype in DTYPES.values():
                     for dropout in (0.0, 0.2):
-                        if name == "flex" and (dropout or pe.data_dependent):
-                            continue  # refused (GPTConfig; resolve, which cannot add FoX's terms on flex)
+                        if name == "flex" and (dropout or not backend.adds(pe)):
+                            continue  # refused (GPTConfig; resolve, which cannot add CoPE's terms on flex)
                         got = resolve(name, pe, device, dtype, dropout, grad=True)
                         assert got.supports(pe, device, dtype, dropout, True) or got.name == "flex"
 
@@ -180,7 +183,7 @@ def test_document_masks_on_cuda_take_flex(precision):
             pe = SCHEMES[scheme](cfg)
             plain = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16).name
             routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, documents=True).name
-            assert routed == ("flex" if not (dropout or pe.data_dependent) else plain), (scheme, dropout, routed)
+            assert routed == ("flex" if not (dropout or pe.score_dependent) else plain), (scheme, dropout, routed)
             for device, name in ((cpu, "auto"), (CUDA, "sdpa"), (CUDA, "math")):
                 assert (resolve(name, pe, device, dtype, dropout, grad=True, queries=16, documents=True).name
                         == resolve(name, pe, device, dtype, dropout, grad=True, queries=16).name)
@@ -202,7 +205,7 @@ def test_windows_on_cuda_take_flex():
             for dtype in (torch.bfloat16, torch.float32):
                 plain = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16).name
                 routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, windows=True).name
-                assert routed == ("flex" if not (dropout or pe.data_dependent) else plain), (scheme, dropout, routed)
+                assert routed == ("flex" if not (dropout or pe.score_dependent) else plain), (scheme, dropout, routed)
             for device, name in ((cpu, "auto"), (CUDA, "sdpa")):
                 assert (resolve(name, pe, device, torch.bfloat16, dropout, grad=True, windows=True).name
                         == resolve(name, pe, device, torch.bfloat16, dropout, grad=True).name)

@@ -28,8 +28,8 @@ ROUTE_IDS = [f"{a}{'-grad' if g else ''}{f'-chunk{c}' if c else ''}" for a, g, c
 
 
 def refused(name: str, attention: str) -> bool:
-    """model.attention=flex cannot add a data-dependent scheme's per-layer terms (resolve raises)."""
-    return attention == "flex" and SCHEMES[name].data_dependent
+    """model.attention=flex cannot add a score-dependent scheme's terms (CoPE's; resolve raises)."""
+    return BACKENDS[attention].strict and not BACKENDS[attention].adds(SCHEMES[name])
 
 
 def windows(seed: int, T: int = 32, ends: tuple[tuple[int, ...], ...] = ((4, 11), (2, 7, 11))) -> torch.Tensor:
@@ -51,7 +51,7 @@ def logits(model: GPT, idx: torch.Tensor, positions, documents, grad: bool, chun
 @pytest.mark.parametrize("name", SCHEMES_ALL)
 def test_document_logits_bit_identical_whatever_precedes(name, attention, grad, chunk, with_positions):
     if refused(name, attention):
-        pytest.skip("model.attention=flex refuses a data-dependent scheme (tests/pe/test_fox.py)")
+        pytest.skip(f"model.attention={attention} refuses pe={name} (tests/pe/test_cope.py)")
     _, model, _ = build(name, attention=attention)
     if grad and not any(True for _ in model.pe.parameters()):
         pytest.skip("autograd changes the route only for a learned bias")
@@ -70,7 +70,7 @@ def test_document_logits_bit_identical_whatever_precedes(name, attention, grad, 
 @pytest.mark.parametrize("name", SCHEMES_ALL)
 def test_with_both_options_a_document_scores_as_if_alone(name, attention, grad, chunk):
     if refused(name, attention):
-        pytest.skip("model.attention=flex refuses a data-dependent scheme (tests/pe/test_fox.py)")
+        pytest.skip(f"model.attention={attention} refuses pe={name} (tests/pe/test_cope.py)")
     _, model, _ = build(name, attention=attention)
     if grad and not any(True for _ in model.pe.parameters()):
         pytest.skip("autograd changes the route only for a learned bias")
@@ -85,7 +85,7 @@ def test_with_both_options_a_document_scores_as_if_alone(name, attention, grad, 
 def test_a_window_of_one_document_is_unchanged(name, attention):
     """No separator before the last token: the options change nothing."""
     if refused(name, attention):
-        pytest.skip("model.attention=flex refuses a data-dependent scheme (tests/pe/test_fox.py)")
+        pytest.skip(f"model.attention={attention} refuses pe={name} (tests/pe/test_cope.py)")
     _, model, _ = build(name, attention=attention)
     idx = windows(3, ends=((31,), (5,)))[:1]
     positions, documents = document_layout(idx, EOT)

@@ -58,7 +58,7 @@ def routes() -> list[tuple[str, str, float, str, tuple[str, ...]]]:
                         continue  # GPTConfig refuses it (flex has no attention dropout)
                     try:
                         route = resolve(choice, pe, CUDA, dtype, dropout, grad=True).name
-                    except ValueError:  # a named backend that refuses the scheme (flex with FoX): no route
+                    except ValueError:  # a named backend that refuses the scheme (flex with CoPE): no route
                         continue
                     found.setdefault((scheme, precision, dropout, route), []).append(choice)
     return [(*key, tuple(choices)) for key, choices in found.items()]

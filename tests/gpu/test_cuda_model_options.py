@@ -40,7 +40,7 @@ def option_routes() -> list[tuple[str, str, str, str]]:
                     route = resolve(choice, pe, CUDA, torch.bfloat16, 0.0, grad=True,
                                     sinks=values.get("sinks", "none") != "none",
                                     windows=any(k.startswith("window") for k in values)).name
-                except ValueError:  # a named backend that refuses the scheme (flex with FoX)
+                except ValueError:  # a named backend that refuses the scheme (flex with CoPE)
                     continue
                 found.setdefault((scheme, option, route), choice)
     return [(*key, choice) for key, choice in sorted(found.items()) if key[2] != "math"]
@@ -56,7 +56,8 @@ def test_training_step_with_option_matches_math(record_property, scheme, option,
 
 
 @pytest.mark.parametrize("scheme, option", [("rope", "window_sinks"), ("t5", "window_sinks"),
-                                            ("pope", "window_pattern"), ("alibi", "sinks_zero")])
+                                            ("pope", "window_pattern"), ("alibi", "sinks_zero"),
+                                            ("fox", "window_sinks")])
 def test_compiled_model_with_option_is_one_graph(record_property, scheme, option):
     torch._dynamo.reset()
     model = build(scheme, config(**OPTIONS[option]))

@@ -28,8 +28,11 @@ CPU = torch.device("cpu")
 SCORE_MOD_SCHEMES = [n for n in sorted(SCHEMES) if SCHEMES[n](attention_config()).bias_score() is not None]
 
 
-def flex_calls(monkeypatch, pe, positions: torch.Tensor) -> list:
-    """The flex HOP nodes (with their graph) of one flex-backend attention call under autograd."""
+def flex_calls(monkeypatch, pe, positions: torch.Tensor, layer_terms: tuple | None = None,
+               sink: torch.Tensor | None = None) -> list:
+    """The flex HOP nodes (with their graph) of one flex-backend attention call under autograd;
+    ``layer_terms``: a data-dependent scheme's float64 c of the queries and keys, added to the
+    state; ``sink``: (H,) sink logits."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     torch._dynamo.reset()
@@ -38,10 +41,11 @@ def flex_calls(monkeypatch, pe, positions: torch.Tensor) -> list:
     monkeypatch.setattr(flex, "compile_backend", recorder)
     monkeypatch.setattr(flex, "_compiled", None)
     ctx = layer_contexts(Terms(pe, positions, positions), flex)[0]
+    state = ctx.state if layer_terms is None else flex.add_layer_terms(ctx.state, *layer_terms, torch.bfloat16)
     q, k, v = (torch.randn(2, pe.n_head, positions.shape[-1], 8) for _ in range(3))  # CPU flex: no q/k/v grad
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = flex(q, k, v, ctx.state, 0.0)
+        out = flex(q, k, v, state, 0.0, sink)
     assert out.requires_grad or not any(p.requires_grad for p in pe.parameters())
     return [(gm, node) for gm in recorder.graphs for node in gm.graph.nodes
             if node.op == "call_function" and node.target is torch.ops.higher_order.flex_attention]
@@ -82,6 +86,19 @@ def test_flex_backward_of_every_score_mod_passes_inductors_checks(monkeypatch, n
         captured = check_joint_graph(*calls[0])
         learned = [b for b in captured if b.requires_grad]
         assert bool(learned) == any(True for _ in pe.parameters())  # the check saw the learned tensors
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_flex_backward_of_layer_terms_passes_inductors_checks(monkeypatch, sinks):
+    """FoX's c_i - c_j in score_mod, four captured (B, H, T) terms: the float32 head of the keys'
+    c requires gradients (into the gates), and with sinks the queries' head too, each indexed once."""
+    torch.manual_seed(0)
+    pe = SCHEMES["fox"](attention_config(block_size=16))
+    c = pe.layer_terms(torch.randn(2, 16, pe.gates[0].in_features), 0)
+    calls = flex_calls(monkeypatch, pe, torch.arange(16), (c, c), torch.zeros(pe.n_head) if sinks else None)
+    assert len(calls) == 1
+    captured = check_joint_graph(*calls[0])
+    assert [b.shape for b in captured if b.requires_grad] == [(2, pe.n_head, 16)] * (2 if sinks else 1)
 
 
 def test_the_check_refuses_a_score_mod_that_indexes_a_learned_tensor_twice(monkeypatch):

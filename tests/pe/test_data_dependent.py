@@ -7,12 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model.attention import BACKENDS
 from model.generate import KVCache
+from model.pe import SCHEMES
 from tests.pe.test_cope import cope_model
 from tests.pe.test_fox import fox_model
 
 T = 9
 MODELS = {"fox": fox_model, "cope": cope_model}
+# (scheme, model.attention, window pattern): auto, and flex where it adds the scheme's terms (a full
+# layer and a windowed one: eager CPU flex costs about 1 s a model)
+CACHE_CASES = ([(s, "auto", pattern) for s in MODELS for pattern in (None, [3, None])]
+               + [(s, "flex", [3, None]) for s in MODELS if BACKENDS["flex"].adds(SCHEMES[s])])
 
 
 @pytest.mark.parametrize("scheme", MODELS)
@@ -34,10 +40,13 @@ def test_documents_are_independent(scheme):
     torch.testing.assert_close(packed[:, 4:], model(idx[:, 4:])[0], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("pattern", [None, [3, None]])
-@pytest.mark.parametrize("scheme", MODELS)
-def test_kv_cache_equals_no_cache(scheme, pattern):
-    model, _ = MODELS[scheme](window_pattern=pattern)
+@torch.no_grad()
+@pytest.mark.parametrize("scheme, attention, pattern", CACHE_CASES,
+                         ids=[f"{s}-{a}{'-windowed' if p else ''}" for s, a, p in CACHE_CASES])
+def test_kv_cache_equals_no_cache(scheme, attention, pattern):
+    """On flex, blocks of new tokens after the cache take flex and single tokens math (``decode``);
+    without autograd, as generation runs (CPU flex differentiates no q, k, v)."""
+    model, _ = MODELS[scheme](window_pattern=pattern, attention=attention)
     idx = torch.randint(0, 31, (2, T))
     full = model.hidden(idx)
     cache = KVCache(len(model.blocks), torch.arange(T), model.config.layer_windows)

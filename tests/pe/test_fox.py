@@ -7,6 +7,7 @@ query chunks, the KV cache, the 16x-length exactness of c_i - c_j, and bad input
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -58,15 +59,21 @@ def fox_model(sinks="none", dtype=torch.float64, **overrides):
 @pytest.mark.parametrize("backend", DECLARED)
 @pytest.mark.parametrize("case", ["plain", "window", "documents", "sinks", "chunks"])
 def test_layer_matches_reference_with_gate_gradients(backend, case):
+    """Gradients into the gates (and the sinks) and the input; on flex, whose eager CPU kernel
+    differentiates only what score_mod captures, q, k and v are frozen (their gradient: the cuda tests)."""
     model, attn = fox_model(sinks="learned" if case == "sinks" else "none")
-    x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
-    window, documents = (3 if case == "window" else None), (DOCUMENTS if case == "documents" else None)
+    frozen = backend == "flex"
+    attn.c_attn.requires_grad_(not frozen)
+    x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=not frozen)
+    window = {"window": 3, "chunks": 6}.get(case)  # chunks of 4 rows: the last sees keys 3..8
+    documents = DOCUMENTS if case == "documents" else None
     got = layer_output(model, x, backend, window, documents, chunk=4 if case == "chunks" else None)
     want = fox_attention(x, attn, model.pe.gates[0], window, documents, attn.sinks if case == "sinks" else None)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     gate = model.pe.gates[0]
-    got_grads = torch.autograd.grad(got.square().sum(), (gate.weight, gate.bias, x))
-    want_grads = torch.autograd.grad(want.square().sum(), (gate.weight, gate.bias, x))
+    wrt = (gate.weight, gate.bias, *((attn.sinks,) if case == "sinks" else ()), *(() if frozen else (x,)))
+    got_grads = torch.autograd.grad(got.square().sum(), wrt)
+    want_grads = torch.autograd.grad(want.square().sum(), wrt)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
 
@@ -75,7 +82,8 @@ def test_float32_model_is_close_to_reference():
     model, attn = fox_model(dtype=torch.float32)
     x = torch.randn(2, T, 32)
     for backend in DECLARED:
-        got = layer_output(model, x, backend).double()
+        with torch.no_grad():  # forward only (CPU flex differentiates no q, k, v)
+            got = layer_output(model, x, backend).double()
         torch.testing.assert_close(got, fox_attention(x.double(), attn, model.pe.gates[0]), rtol=1e-5, atol=1e-5)
 
 
@@ -113,19 +121,49 @@ def test_pair_terms_exact_at_16x_the_training_length():
     assert ((naive - exact).abs() > bound).any()  # why the split is needed
 
 
+def test_flex_score_mod_exact_at_16x_the_training_length():
+    """Flex adds c_i - c_j in its float32 score_mod from each c's float32 head and remainder: at
+    16 x 64 tokens (|c| grows to ~4000) its attention weights are within a few float32 roundings
+    of each logit of the float64 formula's, and the gradient into c is the float64 one (the
+    remainder carries none: it must not count twice). Float32 c errs by eps |c_i| (~190x the bound)."""
+    from model.attention.flex import FlexState
+
+    torch.manual_seed(0)
+    n = 16 * 64
+    log_f = torch.nn.functional.logsigmoid(torch.randn(1, 1, n, dtype=torch.float64) * 3 - 4)
+    c = torch.cumsum(log_f, dim=-1).requires_grad_(True)
+    later = torch.ones(n, n, dtype=torch.bool).triu(1)
+    exact = torch.softmax((c[..., :, None] - c[..., None, :]).masked_fill(later, -math.inf), dim=-1)
+    q = k = torch.zeros(1, 1, n, 8)  # zero scores: the weights are the terms' softmax,
+    v = torch.eye(n).expand(1, 1, n, n)  # read out one key per value dim
+    flex, state = BACKENDS["flex"], FlexState(None, torch.arange(n), torch.arange(n))
+    got = flex(q, k, v, flex.add_layer_terms(state, c, c, torch.float32), 0.0).double()
+    seen = exact > 1e-30  # float32 weights underflow below
+    bound = 2 ** -21 * exact * (exact.log().abs() + 1)  # the logit's rounding, relative to the weight
+    assert ((got - exact).abs() <= bound)[seen].all()
+    weights = torch.randn(1, 1, n, n, dtype=torch.float64)
+    (grad,), (want,) = (torch.autograd.grad((p * weights).sum(), c) for p in (got, exact))
+    assert (grad - want).norm() <= 1e-6 * want.norm()
+    with torch.no_grad():
+        naive = flex(q, k, v, replace(state, layer=(c.float(), c.float())), 0.0).double()
+    assert ((naive - exact).abs() > bound)[seen].any()  # why the split is needed
+
+
 def test_backends_declared_and_auto_routes():
     pe = SCHEMES["fox"](attention_config())
     assert resolve("auto", pe, torch.device("cpu")).name == "sdpa"
     assert resolve("auto", pe, torch.device("cpu"), grad=True).name == "sdpa"
     assert resolve("sdpa_key", pe, torch.device("cpu")).name == "sdpa"
-    assert resolve("auto", pe, torch.device("cuda"), torch.bfloat16).name == "math"  # a float32 mask needs float32 SDPA
+    # on CUDA a float32 mask needs float32 SDPA: bf16 takes flex's score_mod, math with dropout (flex has none)
+    assert resolve("auto", pe, torch.device("cuda"), torch.bfloat16, grad=True).name == "flex"
+    assert resolve("auto", pe, torch.device("cuda"), torch.bfloat16, 0.1, grad=True).name == "math"
+    assert resolve("auto", pe, torch.device("cuda"), torch.float32, grad=True).name == "sdpa"
     assert resolve("math", pe, torch.device("cpu")).name == "math"
+    assert resolve("flex", pe, torch.device("cpu")).name == "flex"
 
 
 def test_bad_input():
     pe = SCHEMES["fox"](attention_config())
-    with pytest.raises(ValueError, match="model.attention=flex cannot add pe=fox"):
-        resolve("flex", pe, torch.device("cpu"))
     with pytest.raises(ValueError, match="gates for layers 0..1, got layer 2"):
         pe.layer_terms(torch.zeros(1, 3, 32), 2)
     with pytest.raises(ValueError, match="pe.scaling.kind"):
