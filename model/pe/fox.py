@@ -8,15 +8,17 @@ log of the gates between them:
 
 The decay runs over tokens, never over position values: FoX has no embed, rotate or bias hook,
 and enters attention through the data-dependent hook (``layer_terms``), which the backends that
-declare ``layer_terms`` add to their float32 mask (model/attention/base.py).
+declare ``layer_terms`` add to their float32 scores: math's and sdpa's float32 mask
+(model/attention/base.py), flex's score_mod (model/attention/flex.py).
 
 Transcribed from the authors' code (zhixuan-lin/forgetting-transformer,
 src/forgetting_transformer/model/forgetting_transformer/modeling_forgetting_transformer.py,
 ``fgate_type="full"``; ops/forgetting_attention.py): the gate is ``nn.Linear(hidden, heads,
 bias=True)`` with the model's normal(0, 0.02) weight and zero bias (f = 1/2 at init), and
 log f = logsigmoid(logit.float()). Where the code differs: its cumsum is float32; here it is
-float64 and the pair term is rounded once (model/attention/base.py, ``pair_terms``), so c_i - c_j
-keeps float32's relative accuracy however long the sequence (float32 c errs by eps |c_i|, growing with T).
+float64 and c_i - c_j is formed from each c's float32 head and remainder (model/attention/base.py,
+``split_terms``: in ``pair_terms`` and flex's score_mod alike), so it keeps float32's relative
+accuracy however long the sequence (float32 c errs by eps |c_i|, growing with T).
 """
 
 from __future__ import annotations
