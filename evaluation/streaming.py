@@ -55,6 +55,8 @@ class SinkLayerCache:
     def __init__(self) -> None:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        self.key_terms: Tensor | None = None  # a data-dependent scheme's c of the kept keys (model/gpt.py)
+        self.evicted_terms: Tensor | None = None  # c of the last evicted token: where the kept recent keys' sum starts
         self.peak = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,10 +92,16 @@ class StreamingCache:
         for layer in self.layers:
             layer.k = torch.cat((layer.k[:, :, :s], layer.k[:, :, s + excess:]), dim=2)
             layer.v = torch.cat((layer.v[:, :, :s], layer.v[:, :, s + excess:]), dim=2)
+            if layer.key_terms is not None:
+                terms = layer.key_terms
+                layer.evicted_terms = terms[..., s + excess - 1 : s + excess]
+                layer.key_terms = torch.cat((terms[..., :s], terms[..., s + excess:]), dim=-1)
 
     def place_sinks(self, gpt: nn.Module, sink_tokens: Tensor) -> None:
         """Re-indexed positions: the sinks' keys recomputed at the positions right before the oldest
-        recent key (a no-op until the first eviction)."""
+        recent key (a no-op until the first eviction). A data-dependent scheme's c (FoX) is
+        re-indexed alike: the sinks' own sums end where the recent keys' begin, so the cache reads
+        as one contiguous text (the evicted tokens' gates drop out of every c_i - c_j)."""
         s = self.sinks
         if s == 0 or self.length <= s:
             return
@@ -107,6 +115,9 @@ class StreamingCache:
         for layer, sink in zip(self.layers, fresh.layers):
             layer.k = torch.cat((sink.k, layer.k[:, :, s:]), dim=2)
             layer.v = torch.cat((sink.v, layer.v[:, :, s:]), dim=2)
+            if sink.key_terms is not None:  # c - c_last + the evicted token's c: contiguous with the recent keys
+                placed = sink.key_terms - sink.key_terms[..., -1:] + layer.evicted_terms
+                layer.key_terms = torch.cat((placed, layer.key_terms[..., s:]), dim=-1)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ def text(n: int, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("scheme", ["rope", "alibi", "learned"])
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "learned", "fox", "cope"])
 def test_a_cache_that_holds_the_whole_text_is_the_full_context_evaluation(scheme):
     model, tokens = tiny(scheme), text(20)
     with torch.no_grad():
@@ -65,6 +65,25 @@ def test_each_step_is_a_plain_forward_over_the_sinks_and_the_window(scheme):
             torch.testing.assert_close(got[:, t], F.cross_entropy(logits, tokens[:, t + 1], reduction="none"),
                                        atol=2e-5, rtol=0)
     assert (reindexed[:, S + W:] - absolute[:, S + W:]).abs().max() > 1e-3  # the two rules differ
+
+
+def test_fox_streams_the_cache_as_one_contiguous_text_when_reindexed():
+    """FoX has no positions: re-indexed, step t equals a plain forward over tokens [0, S) +
+    [t - W + 1, t], the gates of the evicted tokens out of every decay; absolute keeps them in."""
+    S, W, n = 2, 4, 16
+    model, tokens = tiny("fox", n_layer=1), text(n)
+    with torch.no_grad():
+        for gate in model.pe.gates:  # decays far from 1, so dropping the evicted gates shows
+            gate.bias.fill_(-1.0)
+    reindexed, _ = stream_nll(model, tokens, S, W, "reindexed")
+    absolute, _ = stream_nll(model, tokens, S, W, "absolute")
+    for t in range(S + W, n - 1):
+        kept = list(range(S)) + list(range(t - W + 1, t + 1))
+        with torch.no_grad():
+            logits = model(tokens[:, kept])[0][:, -1]
+        torch.testing.assert_close(reindexed[:, t], F.cross_entropy(logits, tokens[:, t + 1], reduction="none"),
+                                   atol=2e-5, rtol=0)
+    assert (reindexed[:, S + W:] - absolute[:, S + W:]).abs().max() > 1e-3
 
 
 def test_the_cache_stays_within_sinks_plus_window_in_every_layer():
