@@ -127,8 +127,8 @@ def run(models: dict, backend: str, dtype: torch.dtype, idx, positions, document
     grad = backend == "bias_grad"
     mixed = dtype.itemsize < 4
     model = models[torch.float32 if mixed else dtype]
-    if not BACKENDS[backend].layer_terms and model.pe.data_dependent:
-        return None  # refused by resolve: it cannot add the scheme's per-layer terms
+    if not BACKENDS[backend].adds(model.pe):
+        return None  # refused by resolve: it cannot add the scheme's data-dependent terms
     with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=dtype, enabled=mixed):
         if resolve(backend, model.pe, CPU, dtype, grad=grad, queries=idx.shape[1]).name != backend:
             return None
