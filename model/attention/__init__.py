@@ -53,7 +53,9 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     ``windows``: some layer has a sliding window; on CUDA ``auto`` takes flex likewise (its
     window BlockMask skips the blocks before the window; SDPA would lose its causal kernel to
     an explicit mask: 1.135x the full model's step on an H200, docs/gpu.md).
-    ``sinks``: attention sinks (sinks.py), which a backend joins only in its ``sink_dtypes``;
+    ``sinks``: attention sinks (sinks.py), which a backend joins only in its ``sink_dtypes``; on
+    CUDA ``auto`` takes flex for them too (its LSE rescale; SDPA's extra key and head dims cost
+    2.0x at T = 8192 on an H100, flex's rescale 1.06x);
     ``normaliser``: model.normaliser, which a backend computes only in its ``normalisers``.
     ``batch`` (with ``queries`` and ``layers``): a CUDA training forward that resolves to
     ``math`` is refused before any compute when math's float32 (B, H, T, T) tensors would not
@@ -64,7 +66,7 @@ def resolve(name: str, pe: Any, device: torch.device, dtype: torch.dtype = torch
     backend = BACKENDS[auto(pe, device, dropout) if name == "auto" else name]
     if (name == "auto" or not backend.strict) and not applies(backend.name):  # auto's pick is never an error
         backend = next(BACKENDS[n] for n in backend.fallback if applies(n))
-    if (name == "auto" and (documents or windows) and device.type == "cuda" and backend.name != "flex"
+    if (name == "auto" and (documents or windows or sinks) and device.type == "cuda" and backend.name != "flex"
             and applies("flex")):
         backend = BACKENDS["flex"]
     if queries == 1 and backend.decode is not None:

@@ -193,24 +193,27 @@ def test_document_masks_on_cuda_take_flex(precision):
     assert model.attention(CUDA, dtype=dtype, queries=16, batch=2, documents=True).name == "flex"
 
 
-def test_windows_on_cuda_take_flex():
-    """A model with a sliding window on some layer: ``auto`` on CUDA takes flex where it applies
-    (its window BlockMask skips blocks; SDPA would need an explicit mask), in bf16 and float32,
-    and the route is the one without windows with dropout, on CPU and for a named backend."""
-    cpu = torch.device("cpu")
+@pytest.mark.parametrize("option", ["windows", "sinks"])
+def test_windows_and_sinks_on_cuda_take_flex(option):
+    """A model with a sliding window on some layer, or with attention sinks: ``auto`` on CUDA
+    takes flex where it applies (its window BlockMask skips blocks, its LSE rescales for sinks;
+    SDPA would need an explicit mask or an extra key), in bf16 and float32, and the route is the
+    one without the option with dropout, on CPU and for a named backend."""
+    cpu, given = torch.device("cpu"), {option: True}
     for scheme in sorted(SCHEMES):
         for dropout in (0.0, 0.2):
             cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=dropout)
             pe = SCHEMES[scheme](cfg)
             for dtype in (torch.bfloat16, torch.float32):
                 plain = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16).name
-                routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, windows=True).name
+                routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, **given).name
                 assert routed == ("flex" if not (dropout or pe.score_dependent) else plain), (scheme, dropout, routed)
             for device, name in ((cpu, "auto"), (CUDA, "sdpa")):
-                assert (resolve(name, pe, device, torch.bfloat16, dropout, grad=True, windows=True).name
+                assert (resolve(name, pe, device, torch.bfloat16, dropout, grad=True, **given).name
                         == resolve(name, pe, device, torch.bfloat16, dropout, grad=True).name)
-    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, window_pattern=[4, None])
-    model = GPT(cfg, SCHEMES["rope"](cfg)).train()  # GPT.attention hands the model's windows over
+    model_options = {"window_pattern": [4, None]} if option == "windows" else {"sinks": "learned"}
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, **model_options)
+    model = GPT(cfg, SCHEMES["rope"](cfg)).train()  # GPT.attention hands the model's windows and sinks over
     assert model.attention(CUDA, dtype=torch.bfloat16, queries=16, batch=2).name == "flex"
     assert model.attention(cpu, dtype=torch.bfloat16, queries=16, batch=2).name == "sdpa"
 
