@@ -253,7 +253,7 @@ def test_learned_sinks_leave_the_other_weights_and_start_as_torchtitan():
 
 def test_backends_declare_where_they_join_sinks():
     """sdpa's sink key needs exact pieces of the logit, which fp16 lacks: it falls back there and
-    keeps its route everywhere else, ``auto`` on CUDA included."""
+    keeps its route everywhere else; ``auto`` on CUDA takes flex for sinks, on CPU sdpa."""
     from model.pe import SCHEMES
 
     pe = SCHEMES["rope"](attention_config())
@@ -262,7 +262,9 @@ def test_backends_declare_where_they_join_sinks():
     assert resolve("sdpa", pe, cpu, torch.float16).name == "sdpa"
     for dtype in (torch.float32, torch.bfloat16):
         assert resolve("sdpa", pe, cpu, dtype, sinks=True).name == "sdpa"
-        assert resolve("auto", pe, cuda, dtype, grad=True, sinks=True).name == "sdpa"
+        assert resolve("sdpa", pe, cuda, dtype, grad=True, sinks=True).name == "sdpa"
+        assert resolve("auto", pe, cuda, dtype, grad=True, sinks=True).name == "flex"
+        assert resolve("auto", pe, cpu, dtype, grad=True, sinks=True).name == "sdpa"
     assert resolve("sdpa", pe, cuda, torch.float16, sinks=True).name == "flex"  # CUDA's fp16: flex rescales by its LSE
     assert all(BACKENDS[n].supports(pe, cpu, torch.float32, 0.0, False, sinks=True) for n in ("sdpa", "math", "flex"))
 
