@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from data.corpus import HubCorpus, TextFilesCorpus, document_key, find_corpus_files, held_out_by_hash, held_out_evenly
 from data.cache import prepare_token_files
 from data.tokenizers import get_tokenizer
+from tests.cli import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 SEP = 0x1E  # the bytes tokenizer's document separator
@@ -351,7 +352,7 @@ def test_train_py_on_own_files_writes_extrapolation_table(tmp_path):
         "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
         "optim.warmup_steps=1", "eval.extrapolation.multipliers=[1,2]", "eval.extrapolation.max_tokens=256",
     ]
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    proc = run_python(["train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HYDRA_FULL_ERROR": "1", "PELAB_CACHE": str(tmp_path / "cache")})
     # the JSONL's field is 'content' but the .txt files are read whole: both formats in one corpus
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -5,13 +5,13 @@ line order and seed settings."""
 import math
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from evaluation.extrapolation import ExtrapolationRow, write_csv
+from tests.cli import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def fake_run(sweep: Path, name: str, scheme: str, ppls: dict[int, float | None],
 
 
 def compare_runs(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/compare_runs.py", *args], cwd=ROOT, capture_output=True,
+    return run_python(["scripts/compare_runs.py", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -3,8 +3,6 @@ and hand counts, and scripts/eval_tasks.py on a checkpoint that train.py wrote."
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from evaluation.tasks import (
 from model import GPT, GPTConfig
 from pelab.datamodule import SyntheticDataModule
 from pelab.evaluate import run_evaluations, subject_of
+from tests.cli import run_python
 from tests.tiny import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,13 +162,13 @@ def test_train_then_eval_tasks_script(tmp_path):
             "trainer.max_steps=3", "trainer.val_check_interval=3", "~callbacks.attention_maps",
             "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
             "trainer.precision=32-true"]  # this CPU emulates bf16; the subject here is the scripts
-    proc = subprocess.run([sys.executable, "train.py", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = run_python(["train.py", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unigram baseline 2.3" in proc.stdout  # two-digit keys: about ln 10 per answer token
     ckpt = run / "checkpoints" / "last.ckpt"
     out = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, "scripts/eval_tasks.py", f"ckpt={ckpt}", "multipliers=1,2",
+    proc = run_python(["scripts/eval_tasks.py", f"ckpt={ckpt}", "multipliers=1,2",
                            "depths=0,1", "samples=5", "precision=32", f"out={out}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -180,7 +179,7 @@ def test_train_then_eval_tasks_script(tmp_path):
     # scripts/evaluate.py: the probes conf/eval enables, the files the end of training wrote, nothing else
     where = tmp_path / "elsewhere"
     where.mkdir()
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"ckpt={ckpt}", "device=cpu",
+    proc = run_python([str(ROOT / "scripts" / "evaluate.py"), f"ckpt={ckpt}", "device=cpu",
                            "eval.tasks.multipliers=[1]", "eval.tasks.depths=[1]", "eval.tasks.samples=3",
                            "eval.sweep.precision=32", "eval.probe.multipliers=[1]", "eval.probe.rows=4"],
                           cwd=where, env=env, capture_output=True, text=True, timeout=300)
@@ -219,8 +218,8 @@ def test_niah_trains_as_typed_and_writes_heatmap_and_table(tmp_path):
     """``python train.py data=synthetic data.task=niah``: no extrapolation switch needed; perplexity is
     skipped, the accuracy table and the depth x length heatmap are written and the verdict printed."""
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "data=synthetic", "data.task=niah", "logger=csv", f"hydra.run.dir={run}",
+    proc = run_python(
+        ["train.py", "data=synthetic", "data.task=niah", "logger=csv", f"hydra.run.dir={run}",
          "model.n_layer=1", "model.n_embd=32", "model.block_size=80", "data.batch_size=4", "data.val_samples=4",
          "data.key_length=2", "trainer.max_steps=2", "trainer.val_check_interval=2", "~callbacks.attention_maps",
          "eval.tasks.samples=2", "eval.tasks.multipliers=[1,2]", "eval.tasks.depths=[0,1]",

@@ -6,13 +6,13 @@ preparation and fitting are booby-trapped). A few real `python train.py` runs pr
 """
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from tests.cli import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,7 +212,7 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     """The real command line: non-zero exit, the message on stderr, no traceback, nothing written."""
     run, cache = tmp_path / "run", tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.run([sys.executable, "train.py", *overrides.split(), f"hydra.run.dir={run}"], cwd=ROOT,
+    proc = run_python(["train.py", *overrides.split(), f"hydra.run.dir={run}"], cwd=ROOT,
                           env={**env, "PELAB_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert expected in proc.stderr, proc.stderr

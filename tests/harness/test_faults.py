@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from pelab.checkpoint import (AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint,
                               resume_from_run_dir)
 from pelab.lit import LitGPT
+from tests.cli import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -47,7 +48,7 @@ def compose_config(overrides):
 
 def run_script(args, timeout=120):
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return run_python([*args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

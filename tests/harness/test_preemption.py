@@ -4,10 +4,11 @@ with the parameters of an uninterrupted run."""
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from tests.cli import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -22,7 +23,7 @@ ARGS = [
 
 def run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run_dir}", *ARGS, *extra], cwd=ROOT,
+    return run_python(["train.py", f"hydra.run.dir={run_dir}", *ARGS, *extra], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
 
 

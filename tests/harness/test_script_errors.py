@@ -9,12 +9,13 @@ import functools
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.cli import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -185,12 +186,12 @@ def test_cli_reports_bad_launcher_and_bad_script_option_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not (Path(p) / "srun").exists())
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"],
+    proc = run_python(["train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "hydra/launcher=slurm submits each job through submitit's slurm executor" in proc.stderr
     assert not sweep.exists()
-    proc = subprocess.run([sys.executable, "scripts/sample.py", "ckpt=x", "tokens=ten"], cwd=ROOT, env=env,
+    proc = run_python(["scripts/sample.py", "ckpt=x", "tokens=ten"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr == "tokens='ten' is not valid: expected an integer >= 1\n"
 
@@ -230,7 +231,7 @@ def test_evaluate_puts_overrides_on_the_runs_own_eval_section(old_run):
 
 
 def test_evaluate_command_line_refuses_an_unknown_key_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), "ckpt=x.ckpt",
+    proc = run_python([str(ROOT / "scripts" / "evaluate.py"), "ckpt=x.ckpt",
                            "eval.extrapolation.multiplierz=[1]"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

@@ -12,6 +12,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
+from tests.cli import run_python
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ["learned", "sinusoidal", "rope", "alibi", "xpos", "rope_alibi"]
 FAST = [
@@ -30,7 +32,7 @@ def scheme_of(run_dir: Path) -> str:
 
 def run_train(args, tmp_path, env=None, timeout=600):
     full_env = {**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=full_env,
+    return run_python(["train.py", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -95,7 +97,7 @@ def test_sweep_writes_extrapolation_tables_and_compares(sweep, tmp_path):
             if r.ok:
                 assert r.tokens == 512 // r.eval_length * r.eval_length and 1 < r.ppl < 300
     assert "[extrapolation] pe=alibi scaling=none mode=nonoverlapping train=32 eval=128" in proc.stdout
-    report = subprocess.run([sys.executable, "scripts/compare_runs.py", str(out), "--out", str(tmp_path)],
+    report = run_python(["scripts/compare_runs.py", str(out), "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr
     table = (tmp_path / "comparison.md").read_text()
@@ -109,8 +111,8 @@ def test_eval_script_sweeps_rope_scaling(sweep, tmp_path):
 
     out, _ = sweep
     ckpt = next(out.glob("*-rope-*")) / "checkpoints" / "last.ckpt"
-    proc = subprocess.run(
-        [sys.executable, "scripts/eval_extrapolation.py", f"ckpt={ckpt}", "multipliers=1,4", "mode=nonoverlapping,sliding",
+    proc = run_python(
+        ["scripts/eval_extrapolation.py", f"ckpt={ckpt}", "multipliers=1,4", "mode=nonoverlapping,sliding",
          "stride=16", "max_tokens=256", "rope_scaling=linear,ntk,yarn", f"out={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,7 +147,7 @@ def test_eval_script_under_torchrun_shards_windows_and_gives_the_same_table(swee
 
 
 def test_eval_script_rejects_unknown_option(sweep):
-    proc = subprocess.run([sys.executable, "scripts/eval_extrapolation.py", "ckpt=x", "lenghts=5"],
+    proc = run_python(["scripts/eval_extrapolation.py", "ckpt=x", "lenghts=5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown option 'lenghts'" in proc.stderr and "multipliers" in proc.stderr
 
@@ -421,7 +423,7 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, blocked_by):
         parent.chmod(0o500)
     run, cache = parent / "run", tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run}", "logger=csv"], cwd=ROOT,
+    proc = run_python(["train.py", f"hydra.run.dir={run}", "logger=csv"], cwd=ROOT,
                           env={**env, "PELAB_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert f"output directory {run}" in proc.stderr and "hydra.run.dir=PATH" in proc.stderr, proc.stderr

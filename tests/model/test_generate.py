@@ -10,6 +10,7 @@ from model.generate import KVCache, sample_next
 from model.gpt import GPT
 from model.pe import SCHEMES
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling
+from tests.cli import run_python
 from tests.tiny import tiny_gpt
 
 PROMPT, NEW = 16, 64
@@ -92,8 +93,6 @@ def test_sample_next_top_k_top_p_and_greedy():
 def test_sample_script_with_and_without_cache_gives_the_same_greedy_text(tmp_path):
     """scripts/sample.py on a real checkpoint: cache=true and cache=false, temperature 0."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     import lightning as L
@@ -112,7 +111,7 @@ def test_sample_script_with_and_without_cache_gives_the_same_greedy_text(tmp_pat
     root = Path(__file__).resolve().parents[2]
     outputs = []
     for cache in ("true", "false"):
-        proc = subprocess.run([sys.executable, "scripts/sample.py", f"ckpt={ckpt}", "prompt=It was", "tokens=40",
+        proc = run_python(["scripts/sample.py", f"ckpt={ckpt}", "prompt=It was", "tokens=40",
                                "temperature=0", f"cache={cache}", "device=cpu"], cwd=root, capture_output=True,
                               text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.cli import run_python
+
 ROOT = Path(__file__).resolve().parents[2]
 
 FIELDS = {"config", "scheme", "path", "precision", "compile", "tokens_per_s", "ratio_vs_reference",
@@ -51,7 +53,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_rejects_unknown_options() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "nonsense=1"], cwd=ROOT,
+    proc = run_python([str(ROOT / "scripts" / "bench.py"), "nonsense=1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "valid options" in proc.stderr
 
