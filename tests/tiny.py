@@ -112,3 +112,25 @@ def layer_output(model, x, backend: str, window=None, documents=None, chunk=None
     terms = Terms(model.pe, positions, positions, dtype=x.dtype, q_documents=docs, k_documents=docs)
     ctx = layer_contexts(terms, BACKENDS[backend], Pass(q_chunk=chunk), 1, windows=(window,))[0]
     return model.blocks[0].attn(x, ctx)
+
+
+def compiled_training_loss(model, seed: int = 11, length: int = 16):
+    """Check that ``model`` (training mode) is one graph without a break, and that its compiled
+    training step (aot_eager, fullgraph) neither recompiles nor moves away from eager's loss;
+    returns the compiled loss (its gradients are in the parameters)."""
+    torch._dynamo.reset()
+    model.train()
+    idx = torch.randint(0, 31, (2, length), generator=torch.Generator().manual_seed(seed))
+    targets = torch.roll(idx, -1, dims=1)
+    explained = torch._dynamo.explain(model)(idx, targets)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    eager = model(idx, targets)[1]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            model.zero_grad()
+            loss = compiled(idx, targets)[1]
+            loss.backward()
+    torch.testing.assert_close(loss, eager, atol=1e-5, rtol=1e-5)
+    return loss
+

@@ -16,7 +16,7 @@ from model.positions import Pass, layer_contexts
 from tests.naive import (
     leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate, set_naive_params,
 )
-from tests.tiny import attention_config, build, tiny_gpt
+from tests.tiny import attention_config, build, compiled_training_loss, tiny_gpt
 
 T = 9
 ROWS = [[0, 1, 2, 3, 4, 0, 1, 2, 3], [5, 5, 5, 2, 2, 7, 0, 0, 9]]  # per-sequence positions (reset, repeated)
@@ -179,21 +179,8 @@ def test_greedy_cache_decodes_as_without(name, windows):
 def test_sink_model_compiles_to_one_graph():
     """Learned sinks with a window pattern and a learned bias (bias_grad's custom op with the sink
     key): one graph, no break, eager's loss, a gradient for every sink, no recompile."""
-    torch._dynamo.reset()
     model, _ = sink_model("t5", n_layer=2, window_pattern=[3, None])
-    model.train()
-    idx = torch.randint(0, 31, (2, 16), generator=torch.Generator().manual_seed(11))
-    targets = torch.roll(idx, -1, dims=1)
-    explained = torch._dynamo.explain(model)(idx, targets)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    eager = model(idx, targets)[1]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(2):
-            model.zero_grad()
-            loss = compiled(idx, targets)[1]
-            loss.backward()
-    torch.testing.assert_close(loss, eager, atol=1e-5, rtol=1e-5)
+    compiled_training_loss(model)
     assert all(block.attn.sinks.grad.abs().min() > 0 for block in model.blocks)
 
 

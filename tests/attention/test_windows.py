@@ -21,7 +21,7 @@ from tests.naive import (
     POSITION_SCHEMES, leaf_params, naive_gelu, naive_layer_norm, naive_linear, naive_reference, naive_rotate,
     set_naive_params,
 )
-from tests.tiny import LEARNED_BIAS, attention_config, build, schemes_where
+from tests.tiny import LEARNED_BIAS, attention_config, build, compiled_training_loss, schemes_where
 
 T = 9
 WINDOWS = [1, 3, T]
@@ -288,20 +288,8 @@ def test_cache_keeps_the_window_and_decodes_as_without(name, windows):
 
 def test_windowed_model_compiles_to_one_graph():
     """A window pattern with a learned bias: one graph, no break, eager's loss and no recompile."""
-    torch._dynamo.reset()
     _, model, _ = build("t5", n_layer=2, window_pattern=[3, None])
-    model.train()
-    idx = torch.randint(0, 31, (2, 16), generator=torch.Generator().manual_seed(11))
-    targets = torch.roll(idx, -1, dims=1)
-    explained = torch._dynamo.explain(model)(idx, targets)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    eager = model(idx, targets)[1]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(2):
-            loss = compiled(idx, targets)[1]
-            loss.backward()
-    torch.testing.assert_close(loss, eager, atol=1e-5, rtol=1e-5)
+    compiled_training_loss(model)
 
 
 def test_flex_window_block_mask_compiles_fullgraph(name="alibi"):
