@@ -83,20 +83,19 @@ def _main(args: list[str], cwd: str, env: dict, out: str, err: str) -> None:
     os._exit(code)
 
 
-def run_python(args: list[str], cwd: Path | str = ROOT, env: dict | None = None, timeout: float = 600,
-               capture_output: bool = True, text: bool = True) -> subprocess.CompletedProcess:
+def run_python(args: list, cwd: Path | str = ROOT, env: dict | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
     """``python *args`` (a script and its arguments, ``-c CODE ...`` or ``-m MODULE ...``) in a
-    child of the forkserver: a CompletedProcess with text stdout and stderr, or TimeoutExpired
-    (``capture_output`` and ``text``: as subprocess.run's, which this replaces; always on)."""
-    assert capture_output and text, "run_python always captures text"
-    env = dict(os.environ if env is None else env)
+    child of the forkserver: a CompletedProcess with text stdout and stderr (always captured, as
+    ``subprocess.run(..., capture_output=True, text=True)``), or TimeoutExpired."""
+    args, env = [str(a) for a in args], dict(os.environ if env is None else env)
+    cmd = [sys.executable, *args]
     context = _forkserver()
     if _imports_differently(env):
-        return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="pelab-cli-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        child = context.Process(target=_main, args=(list(map(str, args)), str(cwd), env, out, err))
+        child = context.Process(target=_main, args=(args, str(cwd), env, out, err))
         child.start()
         child.join(timeout)
         timed_out = child.exitcode is None
@@ -108,7 +107,6 @@ def run_python(args: list[str], cwd: Path | str = ROOT, env: dict | None = None,
             return Path(path).read_text(encoding="utf-8", errors="replace") if os.path.exists(path) else ""
 
         stdout, stderr = read(out), read(err)
-    cmd = [sys.executable, *map(str, args)]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)

@@ -352,8 +352,8 @@ def test_train_py_on_own_files_writes_extrapolation_table(tmp_path):
         "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
         "optim.warmup_steps=1", "eval.extrapolation.multipliers=[1,2]", "eval.extrapolation.max_tokens=256",
     ]
-    proc = run_python(["train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HYDRA_FULL_ERROR": "1", "PELAB_CACHE": str(tmp_path / "cache")})
+    proc = run_python(["train.py", *args], cwd=ROOT, timeout=300,
+                      env={**os.environ, "HYDRA_FULL_ERROR": "1", "PELAB_CACHE": str(tmp_path / "cache")})
     # the JSONL's field is 'content' but the .txt files are read whole: both formats in one corpus
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_csv(run / "extrapolation" / "extrapolation.csv")

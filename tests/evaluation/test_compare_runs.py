@@ -28,8 +28,7 @@ def fake_run(sweep: Path, name: str, scheme: str, ppls: dict[int, float | None],
 
 
 def compare_runs(*args: str) -> subprocess.CompletedProcess:
-    return run_python(["scripts/compare_runs.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return run_python(["scripts/compare_runs.py", *args], cwd=ROOT, timeout=120)
 
 
 def test_compare_two_fake_runs(tmp_path):

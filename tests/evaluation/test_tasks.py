@@ -162,15 +162,14 @@ def test_train_then_eval_tasks_script(tmp_path):
             "trainer.max_steps=3", "trainer.val_check_interval=3", "~callbacks.attention_maps",
             "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
             "trainer.precision=32-true"]  # this CPU emulates bf16; the subject here is the scripts
-    proc = run_python(["train.py", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_python(["train.py", *tiny], cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unigram baseline 2.3" in proc.stdout  # two-digit keys: about ln 10 per answer token
     ckpt = run / "checkpoints" / "last.ckpt"
     out = tmp_path / "eval"
     proc = run_python(["scripts/eval_tasks.py", f"ckpt={ckpt}", "multipliers=1,2",
-                           "depths=0,1", "samples=5", "precision=32", f"out={out}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                       "depths=0,1", "samples=5", "precision=32", f"out={out}"],
+                       cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_csv(out / "tasks.csv")
     assert [(r.task, r.scheme, r.train_length, r.eval_length, r.depth, r.samples) for r in rows] == \
@@ -180,9 +179,9 @@ def test_train_then_eval_tasks_script(tmp_path):
     where = tmp_path / "elsewhere"
     where.mkdir()
     proc = run_python([str(ROOT / "scripts" / "evaluate.py"), f"ckpt={ckpt}", "device=cpu",
-                           "eval.tasks.multipliers=[1]", "eval.tasks.depths=[1]", "eval.tasks.samples=3",
-                           "eval.sweep.precision=32", "eval.probe.multipliers=[1]", "eval.probe.rows=4"],
-                          cwd=where, env=env, capture_output=True, text=True, timeout=300)
+                       "eval.tasks.multipliers=[1]", "eval.tasks.depths=[1]", "eval.tasks.samples=3",
+                       "eval.sweep.precision=32", "eval.probe.multipliers=[1]", "eval.probe.rows=4"],
+                       cwd=where, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (tasks,) = (run / "tasks").glob("eval-last-*/tasks.csv")
     (probe,) = (run / "attention_probe").glob("eval-last-*/probe.csv")
@@ -225,7 +224,7 @@ def test_niah_trains_as_typed_and_writes_heatmap_and_table(tmp_path):
          "eval.tasks.samples=2", "eval.tasks.multipliers=[1,2]", "eval.tasks.depths=[0,1]",
          "trainer.precision=32-true",
          "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"],
-        cwd=ROOT, env={**os.environ, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env={**os.environ, "HYDRA_FULL_ERROR": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[extrapolation]" not in proc.stdout and "task NOT learned at the training length" in proc.stdout
     rows = read_csv(run / "tasks" / "tasks.csv")

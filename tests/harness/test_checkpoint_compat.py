@@ -37,8 +37,7 @@ EXPECTED = {  # b42b955 on its own checkpoints
 
 def run(args, timeout=300) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": "1"}
-    proc = run_python([*args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_python(args, cwd=ROOT, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

@@ -213,7 +213,7 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     run, cache = tmp_path / "run", tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = run_python(["train.py", *overrides.split(), f"hydra.run.dir={run}"], cwd=ROOT,
-                          env={**env, "PELAB_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
+                      env={**env, "PELAB_CACHE": str(cache)}, timeout=300)
     assert proc.returncode != 0
     assert expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

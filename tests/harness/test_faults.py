@@ -48,8 +48,7 @@ def compose_config(overrides):
 
 def run_script(args, timeout=120):
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": "1"}
-    return run_python([*args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_python(args, cwd=ROOT, env=env, timeout=timeout)
 
 
 class Poison(L.Callback):

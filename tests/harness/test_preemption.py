@@ -23,8 +23,7 @@ ARGS = [
 
 def run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    return run_python(["train.py", f"hydra.run.dir={run_dir}", *ARGS, *extra], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return run_python(["train.py", f"hydra.run.dir={run_dir}", *ARGS, *extra], cwd=ROOT, env=env, timeout=600)
 
 
 def weights(ckpt: Path) -> dict:

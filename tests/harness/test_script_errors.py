@@ -187,12 +187,11 @@ def test_cli_reports_bad_launcher_and_bad_script_option_in_one_line(tmp_path):
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not (Path(p) / "srun").exists())
     sweep = tmp_path / "sweep"
     proc = run_python(["train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                      cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "hydra/launcher=slurm submits each job through submitit's slurm executor" in proc.stderr
     assert not sweep.exists()
-    proc = run_python(["scripts/sample.py", "ckpt=x", "tokens=ten"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python(["scripts/sample.py", "ckpt=x", "tokens=ten"], cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 1 and proc.stderr == "tokens='ten' is not valid: expected an integer >= 1\n"
 
 
@@ -231,9 +230,8 @@ def test_evaluate_puts_overrides_on_the_runs_own_eval_section(old_run):
 
 
 def test_evaluate_command_line_refuses_an_unknown_key_in_one_line(tmp_path):
-    proc = run_python([str(ROOT / "scripts" / "evaluate.py"), "ckpt=x.ckpt",
-                           "eval.extrapolation.multiplierz=[1]"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python([str(ROOT / "scripts" / "evaluate.py"), "ckpt=x.ckpt", "eval.extrapolation.multiplierz=[1]"],
+                      cwd=tmp_path, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("eval.extrapolation.multiplierz=[1] is not an option of eval.extrapolation; "
                                   "valid options: enabled, multipliers, lengths,"), proc.stderr

@@ -32,8 +32,7 @@ def scheme_of(run_dir: Path) -> str:
 
 def run_train(args, tmp_path, env=None, timeout=600):
     full_env = {**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})}
-    return run_python(["train.py", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python(["train.py", *args], cwd=ROOT, env=full_env, timeout=timeout)
 
 
 def read_metrics(path: Path) -> dict[str, list[float]]:
@@ -97,8 +96,7 @@ def test_sweep_writes_extrapolation_tables_and_compares(sweep, tmp_path):
             if r.ok:
                 assert r.tokens == 512 // r.eval_length * r.eval_length and 1 < r.ppl < 300
     assert "[extrapolation] pe=alibi scaling=none mode=nonoverlapping train=32 eval=128" in proc.stdout
-    report = run_python(["scripts/compare_runs.py", str(out), "--out", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    report = run_python(["scripts/compare_runs.py", str(out), "--out", str(tmp_path)], cwd=ROOT, timeout=300)
     assert report.returncode == 0, report.stderr
     table = (tmp_path / "comparison.md").read_text()
     for scheme in SCHEMES:
@@ -114,7 +112,7 @@ def test_eval_script_sweeps_rope_scaling(sweep, tmp_path):
     proc = run_python(
         ["scripts/eval_extrapolation.py", f"ckpt={ckpt}", "multipliers=1,4", "mode=nonoverlapping,sliding",
          "stride=16", "max_tokens=256", "rope_scaling=linear,ntk,yarn", f"out={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_csv(tmp_path / "extrapolation.csv")
     assert {(r.rope_scaling, r.mode, r.eval_length) for r in rows} == {
@@ -147,8 +145,7 @@ def test_eval_script_under_torchrun_shards_windows_and_gives_the_same_table(swee
 
 
 def test_eval_script_rejects_unknown_option(sweep):
-    proc = run_python(["scripts/eval_extrapolation.py", "ckpt=x", "lenghts=5"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_python(["scripts/eval_extrapolation.py", "ckpt=x", "lenghts=5"], cwd=ROOT, timeout=120)
     assert proc.returncode != 0 and "unknown option 'lenghts'" in proc.stderr and "multipliers" in proc.stderr
 
 
@@ -424,7 +421,7 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, blocked_by):
     run, cache = parent / "run", tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = run_python(["train.py", f"hydra.run.dir={run}", "logger=csv"], cwd=ROOT,
-                          env={**env, "PELAB_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
+                      env={**env, "PELAB_CACHE": str(cache)}, timeout=300)
     assert proc.returncode != 0
     assert f"output directory {run}" in proc.stderr and "hydra.run.dir=PATH" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -112,8 +112,8 @@ def test_sample_script_with_and_without_cache_gives_the_same_greedy_text(tmp_pat
     outputs = []
     for cache in ("true", "false"):
         proc = run_python(["scripts/sample.py", f"ckpt={ckpt}", "prompt=It was", "tokens=40",
-                               "temperature=0", f"cache={cache}", "device=cpu"], cwd=root, capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "temperature=0", f"cache={cache}", "device=cpu"],
+                          cwd=root, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1] and outputs[0].startswith("It was") and len(outputs[0]) > len("It was") + 20

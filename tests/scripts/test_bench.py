@@ -53,8 +53,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_rejects_unknown_options() -> None:
-    proc = run_python([str(ROOT / "scripts" / "bench.py"), "nonsense=1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python([str(ROOT / "scripts" / "bench.py"), "nonsense=1"], cwd=ROOT, timeout=120)
     assert proc.returncode != 0 and "valid options" in proc.stderr
 
 
