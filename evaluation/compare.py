@@ -246,7 +246,7 @@ def read_runs(paths: Sequence[str], mode: str | None, ignored: Sequence[str]) ->
         pairs = [(run, r) for run, r in pairs if r.mode == mode]
         if not pairs:
             raise CompareError(f"no rows with mode={mode}")
-    task_pairs = newest_series(task_files, task_eval.read_csv, lambda r: (r.task, r.scheme))
+    task_pairs = newest_series(task_files, task_eval.read_csv, lambda r: (r.task, r.scheme, r.rope_scaling))
     stream_pairs = newest_series(stream_files, streaming.read_csv,
                                  lambda r: (r.scheme, r.cache_positions, r.sinks, r.window))
     runs_by_label: dict[str, set[str]] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -73,7 +74,8 @@ def task_accuracy(runs: Runs, out: Path) -> list[str]:
     if not runs.task_pairs:
         return []
     if not runs.multi_seed:
-        rows = label_rows(runs.task_pairs, runs.groups)
+        # the label carries the evaluation-time scaling (scheme+ntk): the rows' own field is not added again
+        rows = [replace(r, rope_scaling="none") for r in label_rows(runs.task_pairs, runs.groups)]
         task_eval.write_csv(rows, out / "comparison_tasks.csv")
         save(task_eval.plot_rows(task_eval.mean_over_depths(rows), title="Task accuracy vs evaluation length"),
              out / "comparison_tasks.png")

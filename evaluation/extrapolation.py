@@ -32,10 +32,10 @@ from evaluation.probe import Probe, Report
 from evaluation.plots import length_axis
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, distributed_sum, eval_positions,
-                              read_rows, shard_of, why_not_randomized, write_rows)
+                              read_rows, rope_scalings, scaling_at, shard_of, why_not_randomized, why_not_scaled,
+                              write_rows)
 from model.config import require
 from model.gpt import GPT, uncompiled
-from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling, default_factor
 from model.pe.scaling import scaled
 
 MODES = ("nonoverlapping", "sliding")
@@ -81,13 +81,7 @@ class ExtrapolationConfig(LengthSweepOptions):
         if any(m <= 0 for m in self.multipliers) or any(n < 1 for n in self.lengths):
             raise ValueError(f"eval lengths must be positive, got multipliers={list(self.multipliers)} "
                              f"lengths={list(self.lengths)}")
-        given = list(self.rope_scaling)
-        self.rope_scaling = [None if s in (None, "none", "None", "") else s for s in given] or [None]
-        require(all(s is None or s in ROPE_SCALINGS for s in self.rope_scaling), f"{key}.rope_scaling", given,
-                f"a list of null, {', '.join(ROPE_SCALINGS)}")
-        factor = self.rope_scaling_factor
-        require(factor is None or math.isfinite(factor) and factor >= 1, f"{key}.rope_scaling_factor", factor,
-                "null (eval length / train length) or a finite number >= 1")
+        self.rope_scaling = rope_scalings(self.rope_scaling, self.rope_scaling_factor, key)
 
 
 @dataclass
@@ -247,11 +241,9 @@ def measure(gpt: GPT, tokens: np.ndarray, train_length: int, config: Extrapolati
 
 def _why_not_scored(pe, row: ExtrapolationRow, num_tokens: int) -> str | None:
     """The status of a row that cannot be measured honestly, or None when it can."""
-    if row.rope_scaling != "none" and row.rope_scaling not in pe.scaling_kinds:
-        return (f"not applicable: rope_scaling={row.rope_scaling} does not apply to pe={pe.name} "
-                f"(it takes {', '.join(pe.scaling_kinds) or 'none'})")
-    if row.rope_scaling != "none" and pe.scaling is not None:  # model.pe.scaling.scaled refuses it too
-        return f"not applicable: pe was trained with pe.scaling.kind={pe.scaling.kind}, no scaling on top"
+    scaled_not = why_not_scaled(pe, row.rope_scaling)
+    if scaled_not:
+        return scaled_not
     if pe.max_positions is not None and row.eval_length > pe.max_positions:
         return f"not applicable: pe={pe.name} has {pe.max_positions} positions"
     if num_tokens < row.eval_length + 1:
@@ -266,10 +258,7 @@ def _score_row(gpt: GPT, tokens: np.ndarray, row: ExtrapolationRow, config: Extr
                documents: DocumentOptions = DocumentOptions()) -> PositionSums:
     """Fill tokens, loss, ppl and seconds, with the row's RoPE scaling on for this length only;
     the same NLL summed by window position is returned."""
-    scaling = None
-    if row.rope_scaling != "none":
-        factor = config.rope_scaling_factor or default_factor(row.rope_scaling, row.eval_length, row.train_length)
-        scaling = RopeScaling(row.rope_scaling, factor, row.train_length)
+    scaling = scaling_at(row.rope_scaling, config.rope_scaling_factor, row.eval_length, row.train_length)
     t0 = time.perf_counter()
     sums = PositionSums(row.eval_length)
     with scaled(gpt.pe, scaling):

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
 
+from model.config import require
+from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling, default_factor
 from model.pe.schedule import random_positions
 
 #: Positions the model sees at evaluation: 0..T-1, or (a ``pe.randomize_to=N`` model) a sorted
@@ -64,6 +67,39 @@ def why_not_randomized(positions: str, randomize_to: int | None, length: int) ->
     if length > randomize_to:
         return f"not applicable: {length} randomized positions do not fit in [0, pe.randomize_to={randomize_to})"
     return None
+
+
+def rope_scalings(given: Sequence[str | None], factor: float | None, key: str) -> list[str | None]:
+    """The evaluation-time RoPE scalings a probe scores each length with (None: the model as it
+    trained), checked with ``factor`` (None: eval length / train length); ``key`` is the config
+    section the values came from."""
+    kinds = [None if s in (None, "none", "None", "") else s for s in given] or [None]
+    require(all(s is None or s in ROPE_SCALINGS for s in kinds), f"{key}.rope_scaling", list(given),
+            f"a list of null, {', '.join(ROPE_SCALINGS)}")
+    require(factor is None or math.isfinite(factor) and factor >= 1, f"{key}.rope_scaling_factor", factor,
+            "null (eval length / train length) or a finite number >= 1")
+    return kinds
+
+
+def why_not_scaled(pe, kind: str) -> str | None:
+    """The status of a row whose evaluation-time scaling ``kind`` ("none" or a kind) cannot apply
+    to the scheme, or None when it can."""
+    if kind == "none":
+        return None
+    if kind not in pe.scaling_kinds:
+        return (f"not applicable: rope_scaling={kind} does not apply to pe={pe.name} "
+                f"(it takes {', '.join(pe.scaling_kinds) or 'none'})")
+    if pe.scaling is not None:  # model.pe.scaling.scaled refuses it too
+        return f"not applicable: pe was trained with pe.scaling.kind={pe.scaling.kind}, no scaling on top"
+    return None
+
+
+def scaling_at(kind: str, factor: float | None, eval_length: int, train_length: int) -> RopeScaling | None:
+    """The RopeScaling of one row ("none": None); ``factor`` None: the kind's default for the
+    length (eval length / train length; 1 for dynamic_ntk, which follows the length itself)."""
+    if kind == "none":
+        return None
+    return RopeScaling(kind, factor or default_factor(kind, eval_length, train_length), train_length)
 
 
 def autocast(precision: str, device: torch.device):

@@ -30,10 +30,11 @@ from data.synthetic import Task
 from evaluation.plots import length_axis
 from evaluation.probe import Probe
 from evaluation.results import LineSeries, Logged, table
-from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows,
-                              why_not_randomized, write_rows)
+from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows, rope_scalings,
+                              scaling_at, why_not_randomized, why_not_scaled, write_rows)
 from model.config import require
 from model.gpt import GPT, Pass, uncompiled
+from model.pe.scaling import scaled
 
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: A run learned its task when the exact match at the training length, over held-out samples
@@ -53,6 +54,8 @@ class TaskEvalConfig(LengthSweepOptions):
     precision: str = "bf16-mixed"
     positions: str = "sequential"  # POSITION_MODES (eval.positions)
     positions_seed: int = 0
+    rope_scaling: Sequence[str | None] = (None,)  # None (the model as trained) and/or linear, ntk, dynamic_ntk, yarn
+    rope_scaling_factor: float | None = None  # None = eval length / train length (1 for dynamic_ntk)
     # packed documents: a task sample is one document with no separator, so only "none" applies
     documents: str | None = None
 
@@ -72,6 +75,7 @@ class TaskEvalConfig(LengthSweepOptions):
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"{key}.{name}", value,
                     "an integer >= 1")
+        self.rope_scaling = rope_scalings(self.rope_scaling, self.rope_scaling_factor, key)
 
 
 
@@ -90,6 +94,7 @@ class TaskRow:
     positions: str = "sequential"  # POSITION_MODES: what the model saw
     learned: str = ""  # "yes" / "no": the run's exact match at its training length >= LEARNED_THRESHOLD; "" unknown
     documents: str = "none"  # packed documents read: always none (one sample, one document)
+    rope_scaling: str = "none"  # evaluation-time RoPE scaling (factor: eval length / train length unless given)
 
     @property
     def ok(self) -> bool:
@@ -138,19 +143,23 @@ def evaluate_tasks(gpt: GPT, task: Task, train_length: int, config: TaskEvalConf
     depths = [float(d) for d in config.depths] if task.has_depth else [math.nan]
     rows: list[TaskRow] = []
     try:
-        for length in config.eval_lengths(train_length):
-            for depth in depths:
-                row = TaskRow(task.name, gpt.pe.name, train_length, length, depth, 0, math.nan, math.nan, 0.0,
-                              positions=config.positions)
-                row.status = (why_not_randomized(config.positions, randomize_to, length)
-                              or _why_not_scored(gpt.pe, task, length) or "ok")
-                if row.ok:
-                    _score_row(gpt, task, row, config, seed, randomize_to)
-                rows.append(row)
-                log(format_row(row))
+        for kind in (s or "none" for s in config.rope_scaling):
+            series = []
+            for length in config.eval_lengths(train_length):
+                for depth in depths:
+                    row = TaskRow(task.name, gpt.pe.name, train_length, length, depth, 0, math.nan, math.nan, 0.0,
+                                  positions=config.positions, rope_scaling=kind)
+                    row.status = (why_not_scaled(gpt.pe, kind) or why_not_randomized(config.positions, randomize_to,
+                                                                                     length)
+                                  or _why_not_scored(gpt.pe, task, length) or "ok")
+                    if row.ok:
+                        _score_row(gpt, task, row, config, seed, randomize_to)
+                    series.append(row)
+                    log(format_row(row))
+            mark_learned(series)  # each scaling's own exact match at L (factor 1 there: the plain model's)
+            rows.extend(series)
     finally:
         gpt.train(was_training)
-    mark_learned(rows)
     return rows
 
 
@@ -178,12 +187,14 @@ def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed:
     depth = None if math.isnan(row.depth) else row.depth
     batch = max(1, config.tokens_per_batch // row.eval_length)
     exact, right, total = 0, 0, 0
+    scaling = scaling_at(row.rope_scaling, config.rope_scaling_factor, row.eval_length, row.train_length)
     for start in range(0, config.samples, batch):
         indices = range(start, min(config.samples, start + batch))
         inputs, targets = task_batch(task, row.eval_length, indices, seed, depth)
         where = eval_positions(config.positions, indices, row.eval_length, randomize_to, config.positions_seed,
                                next(gpt.parameters()).device)
-        ok, r, n = score_batch(gpt, inputs, targets, config.q_chunk, config.precision, where)
+        with scaled(gpt.pe, scaling):
+            ok, r, n = score_batch(gpt, inputs, targets, config.q_chunk, config.precision, where)
         exact, right, total = exact + int(ok.sum()), right + r, total + n
     row.seconds = time.perf_counter() - t0
     row.samples, row.accuracy, row.token_accuracy = config.samples, exact / config.samples, right / total
@@ -191,7 +202,9 @@ def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed:
 
 def format_row(row: TaskRow) -> str:
     depth = "" if math.isnan(row.depth) else f" depth={row.depth:g}"
-    head = (f"[tasks] task={row.task} pe={row.scheme} train={row.train_length} eval={row.eval_length}{depth}"
+    head = (f"[tasks] task={row.task} pe={row.scheme}"
+            + ("" if row.rope_scaling == "none" else f" scaling={row.rope_scaling}")
+            + f" train={row.train_length} eval={row.eval_length}{depth}"
             + ("" if row.positions == "sequential" else f" positions={row.positions}"))
     if not row.ok:
         return f"{head}: {row.status}"
@@ -217,9 +230,9 @@ def mean_over_depths(rows: Sequence[TaskRow]) -> list[TaskRow]:
     row not ok keeps that row's status."""
     groups: dict[tuple, list[TaskRow]] = {}
     for r in rows:
-        groups.setdefault((r.task, r.scheme, r.train_length, r.eval_length), []).append(r)
+        groups.setdefault((r.task, r.scheme, r.rope_scaling, r.train_length, r.eval_length), []).append(r)
     merged = []
-    for (task, scheme, train, length), members in groups.items():
+    for (task, scheme, scaling, train, length), members in groups.items():
         bad = next((r for r in members if not r.ok), None)
         if len(members) == 1 or bad is not None:
             merged.append(TaskRow(**{**asdict(bad or members[0]), "depth": math.nan}))
@@ -229,7 +242,7 @@ def mean_over_depths(rows: Sequence[TaskRow]) -> list[TaskRow]:
                               sum(r.accuracy * r.samples for r in members) / n,
                               sum(r.token_accuracy * r.samples for r in members) / n,  # equal answers per sample
                               sum(r.seconds for r in members), positions=members[0].positions,
-                              learned=members[0].learned))
+                              learned=members[0].learned, rope_scaling=scaling))
     return merged
 
 
@@ -239,8 +252,10 @@ LEARNED_NOTE = (f"[not learned at L]: exact match below {100 * LEARNED_THRESHOLD
 
 
 def scheme_label(r: TaskRow) -> str:
-    """The scheme, marked when its run did not learn the task at the training length."""
-    return r.scheme + (NOT_LEARNED if r.not_learned else "")
+    """The scheme (+ its evaluation-time scaling), marked when its run did not learn the task at
+    the training length."""
+    return (r.scheme + ("" if r.rope_scaling == "none" else f"+{r.rope_scaling}")
+            + (NOT_LEARNED if r.not_learned else ""))
 
 
 def _series(rows: Sequence[TaskRow]) -> dict[str, list[TaskRow]]:
@@ -355,10 +370,12 @@ def write_heatmap_csv(rows: Sequence[TaskRow], path: Path) -> Path:
 
 
 def _by_run(rows: Sequence[TaskRow]) -> dict[tuple[str, str], list[TaskRow]]:
+    """Rows with a depth by (task, scheme [+ scaling]): one heatmap panel each."""
     out: dict[tuple[str, str], list[TaskRow]] = {}
     for r in rows:
         if not math.isnan(r.depth):
-            out.setdefault((r.task, r.scheme), []).append(r)
+            scheme = r.scheme if r.rope_scaling == "none" else f"{r.scheme}+{r.rope_scaling}"
+            out.setdefault((r.task, scheme), []).append(r)
     return out
 
 
@@ -402,15 +419,19 @@ def plot_heatmaps(rows: Sequence[TaskRow], title: str = "Retrieval accuracy"):
 
 def summary_metrics(rows: Sequence[TaskRow], prefix: str = "tasks") -> dict[str, float]:
     """``{prefix}/{task}/accuracy@{length}`` (mean over depths) and, for passkey,
-    ``{prefix}/{task}/depth{d}/accuracy@{length}``; ok rows only."""
+    ``{prefix}/{task}/depth{d}/accuracy@{length}``; with an evaluation-time scaling,
+    ``{prefix}/{task}/{scaling}/...``; ok rows only."""
+    def key(r: TaskRow) -> str:
+        return f"{prefix}/{r.task}" + ("" if r.rope_scaling == "none" else f"/{r.rope_scaling}")
+
     metrics = {}
     for r in rows:
         if r.ok and not math.isnan(r.depth):
-            metrics[f"{prefix}/{r.task}/depth{r.depth:g}/accuracy@{r.eval_length}"] = r.accuracy
+            metrics[f"{key(r)}/depth{r.depth:g}/accuracy@{r.eval_length}"] = r.accuracy
     for r in mean_over_depths(rows):
         if r.ok:
-            metrics[f"{prefix}/{r.task}/accuracy@{r.eval_length}"] = r.accuracy
-            metrics[f"{prefix}/{r.task}/token_accuracy@{r.eval_length}"] = r.token_accuracy
+            metrics[f"{key(r)}/accuracy@{r.eval_length}"] = r.accuracy
+            metrics[f"{key(r)}/token_accuracy@{r.eval_length}"] = r.token_accuracy
     return metrics
 
 

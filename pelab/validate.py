@@ -172,10 +172,12 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
         configs[name] = build(section, PROBES[name].config.from_dict, options)
     extrapolation = configs.get("extrapolation")
     trained = ((plain(cfg.pe) or {}).get("scaling") or {}).get("kind", "none")
-    if extrapolation and trained != "none" and any(s is not None for s in extrapolation.rope_scaling):
-        fail("eval.extrapolation.rope_scaling", evaluation["extrapolation"]["rope_scaling"],
-             f"[null] when pe.scaling.kind={trained}: the trained scaling applies to every evaluation, and "
-             f"another one on top is refused")
+    for name in ("extrapolation", "tasks"):  # the probes that score with evaluation-time RoPE scaling
+        probe = configs.get(name)
+        if probe and trained != "none" and any(s is not None for s in probe.rope_scaling):
+            fail(f"eval.{name}.rope_scaling", evaluation[name]["rope_scaling"],
+                 f"[null] when pe.scaling.kind={trained}: the trained scaling applies to every evaluation, and "
+                 f"another one on top is refused")
     if extrapolation:
         check_stride(extrapolation, cfg.model.block_size)
 

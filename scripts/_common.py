@@ -228,6 +228,29 @@ def eval_lengths(args: dict[str, str], example_multipliers: str) -> dict:
     return options
 
 
+ROPE_SCALING_HELP = {
+    "rope_scaling": "linear, ntk, dynamic_ntk, yarn and/or llama3 (rotary schemes take all, alibi linear; evaluated "
+                    "next to the plain model; refused for a model trained with pe.scaling)",
+    "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
+}
+
+
+def rope_scaling_options(args: dict[str, str]) -> dict:
+    """``rope_scaling=`` (the plain model always scored beside them) and ``rope_scaling_factor=``."""
+    from model.pe.rope_scaling import ROPE_SCALINGS
+
+    options: dict = {}
+    if "rope_scaling" in args:
+        options["rope_scaling"] = [None] + [choice("rope_scaling", s, ROPE_SCALINGS)
+                                            for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
+    if "rope_scaling_factor" in args:
+        value = args["rope_scaling_factor"]
+        options["rope_scaling_factor"] = None if is_null(value) else number(
+            "rope_scaling_factor", value, minimum=1, allowed="a finite number >= 1, or null (eval length / training "
+                                                            "length)")
+    return options
+
+
 def flag(key: str, value: str) -> bool:
     word = value.strip().lower()
     if word not in ("true", "false", "1", "0", "yes", "no"):

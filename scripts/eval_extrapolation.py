@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import sys
 
-from _common import (EVAL_PRECISIONS, checkpoint_arg, choice, device_arg, eval_lengths, evaluate_checkpoint, flag,
-                     integer, is_null, load_run_config, number, parse_key_values, run_eval_block, split_list)
+from _common import (EVAL_PRECISIONS, ROPE_SCALING_HELP, checkpoint_arg, choice, device_arg, eval_lengths,
+                     evaluate_checkpoint, flag, integer, is_null, load_run_config, parse_key_values,
+                     rope_scaling_options, run_eval_block, split_list)
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py (required)",
@@ -25,8 +26,7 @@ OPTIONS = {
     "mode": "nonoverlapping and/or sliding, e.g. nonoverlapping,sliding",
     "stride": "sliding stride (default: half the eval length)",
     "max_tokens": "scored tokens per length (default: the run's setting; 'null' = all held-out text)",
-    "rope_scaling": "linear, ntk, dynamic_ntk, yarn and/or llama3 (rotary schemes take all, alibi linear; evaluated next to the plain model; refused for a model trained with pe.scaling)",
-    "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
+    **ROPE_SCALING_HELP,
     "precision": "bf16-mixed, 16-mixed, 32-true or 32 (default: the run's trainer.precision); the results' title "
                  "says what ran",
     "positions": "sequential (0..T-1, default) or randomized (a pe.randomize_to model, positions drawn as in training)",
@@ -41,15 +41,13 @@ OPTIONS = {
 def parse_options(args: dict[str, str]) -> dict:
     """The ExtrapolationConfig options given on the command line, each value checked (one line
     naming the option, before the checkpoint or any data is read)."""
-    from evaluation.extrapolation import DOCUMENT_MODES, MODES, POSITION_MODES, ROPE_SCALINGS
+    from evaluation.extrapolation import DOCUMENT_MODES, MODES, POSITION_MODES
 
     options: dict = eval_lengths(args, "1,2,4,8,16")  # lengths given here replace the run's
     if "mode" in args:
         options["modes"] = [choice("mode", m, MODES) for m in split_list(args["mode"])]
     for key, parse, allowed in (("stride", integer, "an integer >= 1, or null (half the eval length)"),
-                                ("max_tokens", integer, "an integer >= 1, or null (all held-out text)"),
-                                ("rope_scaling_factor", number, "a finite number >= 1, or null (eval length / "
-                                                                "training length)")):
+                                ("max_tokens", integer, "an integer >= 1, or null (all held-out text)")):
         if key in args:
             options[key] = None if is_null(args[key]) else parse(key, args[key], minimum=1, allowed=allowed)
     if "precision" in args:
@@ -59,10 +57,7 @@ def parse_options(args: dict[str, str]) -> dict:
     if "documents" in args:
         options["documents"] = [None if m.lower() in ("null", "train") else choice("documents", m, DOCUMENT_MODES)
                                 for m in split_list(args["documents"])]
-    if "rope_scaling" in args:
-        options["rope_scaling"] = [None] + [choice("rope_scaling", s, ROPE_SCALINGS)
-                                            for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
-    return options
+    return options | rope_scaling_options(args)
 
 
 def main(argv: list[str]) -> int:

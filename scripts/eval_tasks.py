@@ -3,6 +3,7 @@
     python scripts/eval_tasks.py ckpt=outputs/DATE/TIME/checkpoints/last.ckpt
     python scripts/eval_tasks.py ckpt=... multipliers=1,2,4,8,16 depths=0,0.5,1 samples=200
     python scripts/eval_tasks.py ckpt=... lengths=300,1000 wandb=true
+    python scripts/eval_tasks.py ckpt=... multipliers=1,2,4 rope_scaling=linear,ntk,yarn
 
 The task, its options and the seed of the test samples come from the run's resolved config
 (checkpoints/config.yaml, written by train.py); the run must have trained on data=synthetic.
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import sys
 
-from _common import (EVAL_PRECISIONS, checkpoint_arg, choice, device_arg, eval_lengths, evaluate_checkpoint, flag,
-                     integer, load_run_config, number, numbers, parse_key_values, run_eval_block)
+from _common import (EVAL_PRECISIONS, ROPE_SCALING_HELP, checkpoint_arg, choice, device_arg, eval_lengths,
+                     evaluate_checkpoint, flag, integer, load_run_config, number, numbers, parse_key_values,
+                     rope_scaling_options, run_eval_block)
 
 OPTIONS = {
     "ckpt": "path to a Lightning checkpoint written by train.py on data=synthetic (required)",
@@ -29,6 +31,7 @@ OPTIONS = {
     "precision": "bf16-mixed, 16-mixed, 32-true or 32 (default: the run's trainer.precision); the results' title "
                  "says what ran",
     "positions": "sequential (0..T-1, default) or randomized (a pe.randomize_to model, positions drawn as in training)",
+    **ROPE_SCALING_HELP,
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "out": "output directory (default: RUN_DIR/tasks/eval-<ckpt>-<time>)",
     "wandb": "true to log the table and chart to W&B (offline when there are no credentials)",
@@ -52,7 +55,7 @@ def parse_options(args: dict[str, str]) -> dict:
         options["precision"] = choice("precision", args["precision"], EVAL_PRECISIONS)
     if "positions" in args:
         options["positions"] = choice("positions", args["positions"], POSITION_MODES)
-    return options
+    return options | rope_scaling_options(args)
 
 
 def main(argv: list[str]) -> int:

@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
 
 
-def naive_scores(gpt, task, length, samples, seed, depth=None):
-    """(exact, tokens right, answer tokens): one sample at a time, full logits, a Python loop."""
+def naive_scores(gpt, task, length, samples, seed, depth=None, positions=None):
+    """(exact, tokens right, answer tokens): one sample at a time, full logits, a Python loop;
+    ``positions``: what the model is given instead of 0..T-1."""
     exact, right, total = 0, 0, 0
     for i in range(samples):
         x, y = task.sample(length, i, seed, "test", 0, depth)
         with torch.no_grad():
-            logits, _ = gpt(torch.from_numpy(x)[None])
+            logits, _ = gpt(torch.from_numpy(x)[None], positions=positions)
         ok = True
         for t in range(length):
             if y[t] >= 0:
@@ -62,6 +63,40 @@ def test_accuracy_equals_a_naive_loop(task):
         assert row.accuracy == exact / 7 and row.token_accuracy == pytest.approx(right / total, abs=1e-12)
     if task.name == "flipflop":  # the comparison is not vacuous: some reads right, some wrong
         assert all(0.1 < r.token_accuracy < 0.9 for r in rows)
+
+
+def test_position_interpolation_scores_as_the_model_at_positions_divided_by_the_factor():
+    """eval.tasks.rope_scaling=[null, linear] (PI, factor = eval length / L): at 2 L each sample
+    scores as the plain model given positions 0, 1/2, 1, ... (Chen et al. 2023's definition,
+    through the forward's positions, not the scaling code); at L the factor is 1, the plain
+    model's rows; a scheme the kind does not apply to says so; each scaling gets its own labels."""
+    task = Task("flipflop", p_ignore=0.5)
+    gpt = bits_only(tiny_gpt("rope", config=CFG))
+    with torch.no_grad():  # sharper attention: the positions decide more of the reads
+        for block in gpt.blocks:
+            block.attn.c_attn.weight.mul_(4)
+    config = TaskEvalConfig(multipliers=[1, 2], samples=7, precision="32", rope_scaling=[None, "linear"])
+    rows = evaluate_tasks(gpt, task, 32, config, seed=4, log=lambda _: None)
+    assert [(r.rope_scaling, r.eval_length) for r in rows] == [("none", 32), ("none", 64), ("linear", 32),
+                                                              ("linear", 64)]
+    plain, pi = {r.eval_length: r for r in rows[:2]}, {r.eval_length: r for r in rows[2:]}
+    exact, right, total = naive_scores(gpt, task, 64, 7, seed=4, positions=torch.arange(64) / 2)
+    assert pi[64].accuracy == exact / 7 and pi[64].token_accuracy == pytest.approx(right / total, abs=1e-12)
+    assert pi[64].token_accuracy != plain[64].token_accuracy  # the scaling changed what was read
+    assert (pi[32].accuracy, pi[32].token_accuracy) == (plain[32].accuracy, plain[32].token_accuracy)
+    assert {r.learned for r in rows} == {"no"}  # an untrained model, judged per scaling at L
+    table = markdown_table(rows)
+    assert "| flipflop | rope [not learned at L] |" in table and "| flipflop | rope+linear [not learned at L] |" in table
+    assert "tasks/flipflop/linear/accuracy@64" in summary_metrics(rows) and "tasks/flipflop/accuracy@64" in \
+        summary_metrics(rows)
+    (row,) = evaluate_tasks(tiny_gpt("learned", config=CFG), task, 32,
+                            TaskEvalConfig(multipliers=[1], samples=2, precision="32", rope_scaling=["ntk"]),
+                            seed=4, log=lambda _: None)
+    assert row.status == "not applicable: rope_scaling=ntk does not apply to pe=learned (it takes none)"
+    with pytest.raises(ValueError, match=r"eval.tasks.rope_scaling must be a list of null, linear.*got \['pi'\]"):
+        TaskEvalConfig(rope_scaling=["pi"])
+    with pytest.raises(ValueError, match=r"eval.tasks.rope_scaling_factor must be null .* got 0.5"):
+        TaskEvalConfig(rope_scaling=["linear"], rope_scaling_factor=0.5)
 
 
 def constant_model(token: int) -> GPT:
@@ -167,13 +202,15 @@ def test_train_then_eval_tasks_script(tmp_path):
     assert "unigram baseline 2.3" in proc.stdout  # two-digit keys: about ln 10 per answer token
     ckpt = run / "checkpoints" / "last.ckpt"
     out = tmp_path / "eval"
-    proc = run_python(["scripts/eval_tasks.py", f"ckpt={ckpt}", "multipliers=1,2",
+    bad = run_python(["scripts/eval_tasks.py", f"ckpt={ckpt}", "rope_scaling=pi"], cwd=ROOT, env=env, timeout=300)
+    assert bad.returncode != 0 and "rope_scaling='pi' is not valid" in bad.stderr + bad.stdout
+    proc = run_python(["scripts/eval_tasks.py", f"ckpt={ckpt}", "multipliers=1,2", "rope_scaling=linear",
                        "depths=0,1", "samples=5", "precision=32", f"out={out}"],
                        cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_csv(out / "tasks.csv")
-    assert [(r.task, r.scheme, r.train_length, r.eval_length, r.depth, r.samples) for r in rows] == \
-        [("passkey", "alibi", 32, n, d, 5) for n in (32, 64) for d in (0.0, 1.0)]
+    assert [(r.task, r.scheme, r.rope_scaling, r.train_length, r.eval_length, r.depth, r.samples) for r in rows] == \
+        [("passkey", "alibi", s, 32, n, d, 5) for s in ("none", "linear") for n in (32, 64) for d in (0.0, 1.0)]
 
     # scripts/evaluate.py: the probes conf/eval enables, the files the end of training wrote, nothing else
     where = tmp_path / "elsewhere"

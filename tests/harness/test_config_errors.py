@@ -109,6 +109,10 @@ CASES = [
                                                        "reads factor, original_length, got 8"]),
     ("pe.scaling.kind=yarn pe.scaling.factor=4 eval.extrapolation.rope_scaling=[null,ntk]",
      ["eval.extrapolation.rope_scaling must be [null]", "pe.scaling.kind=yarn", "got [None, 'ntk']"]),
+    ("data=synthetic eval.tasks.rope_scaling=[bogus]", ["eval.tasks.rope_scaling must be a list of null, linear, "
+                                                        "ntk, dynamic_ntk, yarn, llama3, got ['bogus']"]),
+    ("data=synthetic pe.scaling.kind=linear pe.scaling.factor=2 eval.tasks.rope_scaling=[null,ntk]",
+     ["eval.tasks.rope_scaling must be [null]", "pe.scaling.kind=linear", "got [None, 'ntk']"]),
     ("init_from=/nonexistent/base.ckpt", ["init_from=/nonexistent/base.ckpt does not exist"]),
     ("ckpt_path=/nonexistent/last.ckpt", ["ckpt_path=/nonexistent/last.ckpt does not exist"]),
     ("model.attn_temperature=llama4", ["model.attn_temperature must be none, log_length or ssmax for pe=rope with no "
@@ -233,6 +237,7 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=cope_counting", "pe=cope"],
     ["experiment=copy_ordering", "pe=learned", "pe.max_positions=512"],
     ["experiment=task_ablation", "+hybrid=rnope_swa"],  # a hybrid layout on a task
+    ["experiment=task_ablation", "eval.tasks.rope_scaling=[null,linear,ntk,yarn]"],  # a task under PI, NTK, YaRN
     ["experiment=fox_loss_by_position", "pe=fox"],
     ["experiment=stick_breaking"],
     ["eval.streaming.enabled=true", "eval.streaming.cache_positions=[reindexed,absolute]"],

@@ -1,5 +1,5 @@
-"""``experiment=drope`` (conf/experiment/drope.yaml): a RoPE run's weights, every position removed,
-recalibrated at the original length. Without ``init_from`` it is refused in one line before any
+"""``experiment=drope`` and ``drope_passkey`` (conf/experiment/): a RoPE run's weights (a language
+model's, a passkey model's), every position removed, recalibrated at the original length. Without ``init_from`` it is refused in one line before any
 data is read; with a RoPE checkpoint every weight loads and the model attends as pe=nope with
 those weights (no layer rotates), not as the RoPE base."""
 
@@ -21,9 +21,13 @@ SMALL = ["model.n_layer=2", "model.n_embd=32", "model.n_head=4"]  # both sides: 
 VOCAB = 64
 
 
-def save_rope_base(path, pe="rope"):
-    """A checkpoint as train.py writes one (weights and hyper-parameters), of context_extension_base."""
-    cfg = compose_config(["experiment=context_extension_base", *SMALL, f"pe={pe}"])
+# (the base's experiment, the DroPE experiment that starts from it)
+PAIRS = [("context_extension_base", "drope"), ("task_ablation", "drope_passkey")]
+
+
+def save_rope_base(path, pe="rope", base="context_extension_base"):
+    """A checkpoint as train.py writes one (weights and hyper-parameters), of experiment ``base``."""
+    cfg = compose_config([f"experiment={base}", *SMALL, f"pe={pe}"])
     torch.manual_seed(0)
     lit = LitGPT(model={**OmegaConf.to_container(cfg.model), "vocab_size": VOCAB}, pe=OmegaConf.to_container(cfg.pe),
                  optim=OmegaConf.to_container(cfg.optim))
@@ -31,7 +35,8 @@ def save_rope_base(path, pe="rope"):
     return lit.model
 
 
-def test_without_init_from_it_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch):
+@pytest.mark.parametrize("experiment", ["drope", "drope_passkey"])
+def test_without_init_from_it_is_refused_in_one_line_before_any_work(experiment, tmp_path, monkeypatch):
     import lightning as L
 
     import pelab.datamodule
@@ -45,15 +50,16 @@ def test_without_init_from_it_is_refused_in_one_line_before_any_work(tmp_path, m
     monkeypatch.setattr(L.Trainer, "fit", forbidden)
     out = tmp_path / "out"
     with pytest.raises(ConfigError) as err:
-        train(compose_config(["experiment=drope", "logger=csv"], out))
+        train(compose_config([f"experiment={experiment}", "logger=csv"], out))
     assert str(err.value) == ("init_from must be a RoPE run's checkpoint, recalibrated without positions "
                               "(init_from=RUN_DIR/checkpoints/last.ckpt), got None")
     assert not out.exists()
 
 
-def test_a_rope_checkpoint_loads_every_weight_and_attends_without_positions(tmp_path):
-    base = save_rope_base(tmp_path / "base.ckpt")
-    cfg = compose_config(["experiment=drope", *SMALL, f"init_from={tmp_path / 'base.ckpt'}"])
+@pytest.mark.parametrize("base_experiment,experiment", PAIRS)
+def test_a_rope_checkpoint_loads_every_weight_and_attends_without_positions(base_experiment, experiment, tmp_path):
+    base = save_rope_base(tmp_path / "base.ckpt", base=base_experiment)
+    cfg = compose_config([f"experiment={experiment}", *SMALL, f"init_from={tmp_path / 'base.ckpt'}"])
     checked = validate_config(cfg)
     assert cfg.model.block_size == base.config.block_size == 128  # recalibrated at the original length
     position = checked.position
