@@ -5,6 +5,7 @@ perplexity by position (``streaming.csv``) as a table.
     python scripts/compare_runs.py multirun/2026-11-21/12-00-00
     python scripts/compare_runs.py 'outputs/*/*' --mode sliding --out comparison/
     python scripts/compare_runs.py multirun/DATE/TIME --wandb      # also log to W&B, in the sweep's group
+    python scripts/compare_runs.py runs/drope_s*/drope --ignore init_from   # seeds, each from its own base
 
 Every ``extrapolation.csv`` and ``tasks.csv`` under the given directories (or the CSV files
 given) is read. When a run holds several (the one written at the end of training and later
@@ -53,6 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mode", default=None, help="only this mode (nonoverlapping or sliding)")
     parser.add_argument("--position-length", type=int, default=None,
                         help="eval length of the loss-by-position overlay (default: the longest every run has)")
+    parser.add_argument("--ignore", action="append", default=[], metavar="KEY",
+                        help="a config key that does not split a seed group (repeatable), e.g. init_from when each "
+                             "seed starts from its own base run's checkpoint")
     parser.add_argument("--wandb", action="store_true", help="also log table and plot to a W&B run")
     parser.add_argument("--project", default="pelab")
     parser.add_argument("--group", default=None, help="W&B group (default: the runs' group from their config)")
@@ -62,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        runs = compare.read_runs(args.paths, args.mode, NOT_TRAINED)
+        runs = compare.read_runs(args.paths, args.mode, (*NOT_TRAINED, *args.ignore))
     except compare.CompareError as err:
         raise SystemExit(str(err)) from None
     first = Path(args.paths[0])

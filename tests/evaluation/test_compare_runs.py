@@ -259,6 +259,25 @@ def test_runs_saved_before_and_after_the_data_module_moved_share_a_seed_group(tm
     assert "| alibi (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in (tmp_path / "report" / "comparison.md").read_text()
 
 
+def test_a_key_named_by_ignore_does_not_split_seeds(tmp_path):
+    """Fine-tunes whose seeds each start from their own base (init_from differs) are one group
+    with --ignore init_from, and two one-run lines named by init_from without it."""
+    import yaml
+
+    sweep = tmp_path / "multirun"
+    for seed in (1, 2):
+        seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
+        path = sweep / f"{seed}-alibi" / "checkpoints" / "config.yaml"
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "init_from": f"base_s{seed}/last.ckpt"}))
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "apart"))
+    assert proc.returncode == 0, proc.stderr
+    assert "| alibi (init_from='base_s1/last.ckpt') | 5.00 | 6.00 |" in (tmp_path / "apart" / "comparison.md").read_text()
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "together"), "--ignore", "init_from")
+    assert proc.returncode == 0, proc.stderr
+    # one group of two seeds: mean 5.50 at 64, interval 12.706205 * 0.7071068 / sqrt(2) = 6.35
+    assert "| alibi (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in (tmp_path / "together" / "comparison.md").read_text()
+
+
 def test_streaming_tables_are_grouped_by_seed_per_cache_rule(tmp_path):
     """streaming.csv beside extrapolation.csv: one section per cache rule, buckets as columns, the
     seeds of a setting grouped. Perplexity of bucket [0, 64) / [64, 128) per seed:
