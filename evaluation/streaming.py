@@ -30,7 +30,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
