@@ -26,21 +26,21 @@ torch.set_num_threads(THREADS)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Seconds each of the heaviest modules took (one xdist worker, a loaded 2-core machine); only
+# Seconds each of the heaviest modules took (one xdist worker, a loaded 2-core machine, 2026-11-26); only
 # the order below depends on them: a stale figure costs balance, never a test.
-HEAVY = {"tests/harness/test_train.py": 424, "tests/model/test_compile_flex.py": 167,
-         "tests/harness/test_preemption.py": 127, "tests/harness/test_config_errors.py": 124,
-         "tests/harness/test_faults.py": 123, "tests/harness/test_checkpoint_compat.py": 120,
-         "tests/attention/test_document_mask.py": 98, "tests/harness/test_init_from.py": 95,
-         "tests/model/test_compile.py": 74, "tests/attention/test_backends.py": 64,
-         "tests/harness/test_multinode.py": 63, "tests/evaluation/test_tasks.py": 62,
-         "tests/harness/test_distributed.py": 60, "tests/scripts/test_bench.py": 59,
-         "tests/model/test_generate.py": 47, "tests/attention/test_windows.py": 40,
-         "tests/harness/test_launchers.py": 40, "tests/scripts/test_export_hf.py": 39,
-         "tests/harness/test_fsdp.py": 38, "tests/evaluation/test_compare_runs.py": 37,
-         "tests/harness/test_init_from_hf.py": 36, "tests/harness/test_lit.py": 33,
-         "tests/harness/test_host_memory.py": 32, "tests/gpu/test_gpu_check.py": 28,
-         "tests/data/test_tokenizers.py": 23, "tests/data/test_text_data.py": 18}
+HEAVY = {"tests/attention/test_document_mask.py": 258, "tests/harness/test_train.py": 257,
+         "tests/model/test_compile_flex.py": 183, "tests/model/test_compile.py": 161,
+         "tests/attention/test_backends.py": 128, "tests/harness/test_config_errors.py": 98,
+         "tests/attention/test_windows.py": 78, "tests/harness/test_faults.py": 72, "tests/scripts/test_bench.py": 70,
+         "tests/harness/test_preemption.py": 66, "tests/harness/test_distributed.py": 57,
+         "tests/harness/test_init_from.py": 54, "tests/harness/test_fsdp.py": 44,
+         "tests/harness/test_checkpoint_compat.py": 44, "tests/data/test_tokenizers.py": 43,
+         "tests/gpu/test_gpu_check.py": 42, "tests/harness/test_init_from_hf.py": 41,
+         "tests/evaluation/test_tasks.py": 39, "tests/evaluation/test_compare_runs.py": 39,
+         "tests/attention/test_same_model.py": 39, "tests/harness/test_lit.py": 38,
+         "tests/scripts/test_export_hf.py": 37, "tests/harness/test_launchers.py": 35,
+         "tests/attention/test_sinks.py": 34, "tests/harness/test_host_memory.py": 32,
+         "tests/harness/test_multinode.py": 26, "tests/model/test_generate.py": 23, "tests/model/test_loss.py": 21}
 
 
 def pytest_collection_modifyitems(config, items):
