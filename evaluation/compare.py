@@ -18,7 +18,7 @@ import csv
 import glob
 import math
 import sys
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,6 +27,7 @@ from evaluation import tasks as task_eval
 from evaluation.extrapolation import ExtrapolationRow, read_csv
 from evaluation.streaming import StreamingRow
 from evaluation.stats import ALPHA, mean_ci, welch_test
+from evaluation.sweep import scaled_name
 from model.pe import SCHEMES
 
 RESULT_FILES = {"extrapolation": "extrapolation.csv", "tasks": "tasks.csv", "streaming": "streaming.csv"}
@@ -109,8 +110,7 @@ def run_group(files: list[Path]) -> str | None:
 # --- labels ---------------------------------------------------------------------------------
 
 def base_label(row) -> str:
-    scaling = getattr(row, "rope_scaling", "none")
-    label = row.scheme if scaling == "none" else f"{row.scheme}+{scaling}"
+    label = scaled_name(row.scheme, getattr(row, "rope_scaling", "none"))
     documents = getattr(row, "documents", "none")  # packed documents read by the evaluation
     return label if documents == "none" else f"{label} documents={documents}"
 
@@ -142,6 +142,12 @@ def label_rows(pairs: list[tuple[str, object]], groups: dict | None = None) -> l
         labelled.append(type(row)(**{**asdict(row), "scheme": label}))
     labelled.sort(key=lambda r: (*scheme_order(r.scheme), getattr(r, "mode", getattr(r, "task", "")), r.eval_length))
     return labelled
+
+
+def label_task_rows(pairs: list[tuple[str, task_eval.TaskRow]], groups: dict | None = None) -> list[task_eval.TaskRow]:
+    """``label_rows`` for task rows: their label already carries the evaluation-time scaling
+    (``rope+ntk``), so the field is cleared, else the tasks' own labels add it a second time."""
+    return [replace(r, rope_scaling="none") for r in label_rows(pairs, groups)]
 
 
 # --- seeds ----------------------------------------------------------------------------------

@@ -12,13 +12,12 @@ from __future__ import annotations
 import csv
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 from evaluation import tasks as task_eval
-from evaluation.compare import (POSITION_FILE, Cell, Runs, find_result_files, heatmap_rows, label_rows, make_cells,
-                                newest_series, not_learned_marks, ppl_points, streaming_points, task_points)
+from evaluation.compare import (POSITION_FILE, Cell, Runs, find_result_files, heatmap_rows, label_rows, label_task_rows,
+                                make_cells, newest_series, not_learned_marks, ppl_points, streaming_points, task_points)
 from evaluation.extrapolation import markdown_table, plot_rows, write_csv
 from evaluation.plots import length_axis
 
@@ -74,8 +73,7 @@ def task_accuracy(runs: Runs, out: Path) -> list[str]:
     if not runs.task_pairs:
         return []
     if not runs.multi_seed:
-        # the label carries the evaluation-time scaling (scheme+ntk): the rows' own field is not added again
-        rows = [replace(r, rope_scaling="none") for r in label_rows(runs.task_pairs, runs.groups)]
+        rows = label_task_rows(runs.task_pairs, runs.groups)
         task_eval.write_csv(rows, out / "comparison_tasks.csv")
         save(task_eval.plot_rows(task_eval.mean_over_depths(rows), title="Task accuracy vs evaluation length"),
              out / "comparison_tasks.png")

@@ -94,6 +94,11 @@ def why_not_scaled(pe, kind: str) -> str | None:
     return None
 
 
+def scaled_name(scheme: str, kind: str) -> str:
+    """A line's name: the scheme, + its evaluation-time scaling when it has one (``rope+ntk``)."""
+    return scheme if kind == "none" else f"{scheme}+{kind}"
+
+
 def scaling_at(kind: str, factor: float | None, eval_length: int, train_length: int) -> RopeScaling | None:
     """The RopeScaling of one row ("none": None); ``factor`` None: the kind's default for the
     length (eval length / train length; 1 for dynamic_ntk, which follows the length itself)."""

@@ -31,7 +31,7 @@ from evaluation.plots import length_axis
 from evaluation.probe import Probe
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows, rope_scalings,
-                              scaling_at, why_not_randomized, why_not_scaled, write_rows)
+                              scaled_name, scaling_at, why_not_randomized, why_not_scaled, write_rows)
 from model.config import require
 from model.gpt import GPT, Pass, uncompiled
 from model.pe.scaling import scaled
@@ -188,14 +188,14 @@ def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed:
     batch = max(1, config.tokens_per_batch // row.eval_length)
     exact, right, total = 0, 0, 0
     scaling = scaling_at(row.rope_scaling, config.rope_scaling_factor, row.eval_length, row.train_length)
-    for start in range(0, config.samples, batch):
-        indices = range(start, min(config.samples, start + batch))
-        inputs, targets = task_batch(task, row.eval_length, indices, seed, depth)
-        where = eval_positions(config.positions, indices, row.eval_length, randomize_to, config.positions_seed,
-                               next(gpt.parameters()).device)
-        with scaled(gpt.pe, scaling):
+    with scaled(gpt.pe, scaling):  # on for this row only
+        for start in range(0, config.samples, batch):
+            indices = range(start, min(config.samples, start + batch))
+            inputs, targets = task_batch(task, row.eval_length, indices, seed, depth)
+            where = eval_positions(config.positions, indices, row.eval_length, randomize_to, config.positions_seed,
+                                   next(gpt.parameters()).device)
             ok, r, n = score_batch(gpt, inputs, targets, config.q_chunk, config.precision, where)
-        exact, right, total = exact + int(ok.sum()), right + r, total + n
+            exact, right, total = exact + int(ok.sum()), right + r, total + n
     row.seconds = time.perf_counter() - t0
     row.samples, row.accuracy, row.token_accuracy = config.samples, exact / config.samples, right / total
 
@@ -254,8 +254,7 @@ LEARNED_NOTE = (f"[not learned at L]: exact match below {100 * LEARNED_THRESHOLD
 def scheme_label(r: TaskRow) -> str:
     """The scheme (+ its evaluation-time scaling), marked when its run did not learn the task at
     the training length."""
-    return (r.scheme + ("" if r.rope_scaling == "none" else f"+{r.rope_scaling}")
-            + (NOT_LEARNED if r.not_learned else ""))
+    return scaled_name(r.scheme, r.rope_scaling) + (NOT_LEARNED if r.not_learned else "")
 
 
 def _series(rows: Sequence[TaskRow]) -> dict[str, list[TaskRow]]:
@@ -374,8 +373,7 @@ def _by_run(rows: Sequence[TaskRow]) -> dict[tuple[str, str], list[TaskRow]]:
     out: dict[tuple[str, str], list[TaskRow]] = {}
     for r in rows:
         if not math.isnan(r.depth):
-            scheme = r.scheme if r.rope_scaling == "none" else f"{r.scheme}+{r.rope_scaling}"
-            out.setdefault((r.task, scheme), []).append(r)
+            out.setdefault((r.task, scaled_name(r.scheme, r.rope_scaling)), []).append(r)
     return out
 
 

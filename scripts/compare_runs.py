@@ -93,7 +93,7 @@ def log_wandb(runs: compare.Runs, out: Path, project: str, group: str | None) ->
         log_to_new_wandb_run(loggable(rows, out / "comparison.png", prefix="comparison", series_by=("scheme", "mode")),
                              out, project=project, group=group, job_type="compare", name="comparison")
     if runs.task_pairs:
-        log_to_new_wandb_run(task_eval.loggable(compare.label_rows(runs.task_pairs), out / "comparison_tasks.png"),
+        log_to_new_wandb_run(task_eval.loggable(compare.label_task_rows(runs.task_pairs), out / "comparison_tasks.png"),
                              out, project=project, group=group, job_type="compare", name="comparison-tasks")
 
 

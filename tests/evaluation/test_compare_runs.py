@@ -310,3 +310,16 @@ def test_streaming_tables_are_grouped_by_seed_per_cache_rule(tmp_path):
         "| alibi (3) | **6.10 ± 0.00** | **5.50 ± 1.24** |\n" in md
     assert "### streaming, reindexed, S=0 W=64" in md and "| rope (1) | **7.00** | **8.00** |" in md
     assert (out / "comparison_streaming.csv").is_file()
+
+
+def test_task_lines_under_a_scaling_name_it_once():
+    """A task row scored under NTK is the line ``rope+ntk`` in compare's tables, plots and W&B
+    charts: the label carries the scaling, and the tasks' own labels do not add it again."""
+    from evaluation.compare import label_task_rows
+    from evaluation.tasks import TaskRow, _series, markdown_table
+
+    rows = [TaskRow("passkey", "rope", 64, n, math.nan, 10, 0.5, 0.5, 0.0, learned="yes", rope_scaling=kind)
+            for kind in ("none", "ntk") for n in (64, 128)]
+    labelled = label_task_rows([("runs/a", r) for r in rows])
+    assert sorted(_series(labelled)) == ["rope", "rope+ntk"]
+    assert "| passkey | rope+ntk | — | 50.0 | 50.0 |" in markdown_table(labelled)
