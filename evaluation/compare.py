@@ -137,8 +137,6 @@ def label_rows(pairs: list[tuple[str, object]], groups: dict | None = None) -> l
             label = group.label
         elif len(runs_per_scheme[row.scheme]) > 1:
             label += f" ({Path(run).name})"
-        if getattr(row, "not_learned", False):  # a task run below the learned-at-L criterion
-            label += task_eval.NOT_LEARNED
         labelled.append(type(row)(**{**asdict(row), "scheme": label}))
     labelled.sort(key=lambda r: (*scheme_order(r.scheme), getattr(r, "mode", getattr(r, "task", "")), r.eval_length))
     return labelled
@@ -146,7 +144,8 @@ def label_rows(pairs: list[tuple[str, object]], groups: dict | None = None) -> l
 
 def label_task_rows(pairs: list[tuple[str, task_eval.TaskRow]], groups: dict | None = None) -> list[task_eval.TaskRow]:
     """``label_rows`` for task rows: their label already carries the evaluation-time scaling
-    (``rope+ntk``), so the field is cleared, else the tasks' own labels add it a second time."""
+    (``rope+ntk``), so the field is cleared, else the tasks' own labels add it a second time. The
+    not-learned mark is left to those labels (``tasks.scheme_label``), which add it once."""
     return [replace(r, rope_scaling="none") for r in label_rows(pairs, groups)]
 
 

@@ -175,7 +175,7 @@ def single_seed_task_table(rows: list[task_eval.TaskRow], task: str) -> str:
     train = {r.train_length for r in merged}
     table: dict[str, dict[int, str]] = {}
     for r in merged:
-        table.setdefault(r.scheme, {})[r.eval_length] = task_eval._cell(r)
+        table.setdefault(task_eval.scheme_label(r), {})[r.eval_length] = task_eval._cell(r)
     header = "| scheme | " + " | ".join(f"{n}" + (" (train)" if n in train else "") for n in lengths) + " |"
     lines = [header, "|" + "---|" * (len(lengths) + 1)]
     lines += [f"| {label} | " + " | ".join(cells.get(n, "") for n in lengths) + " |" for label, cells in table.items()]

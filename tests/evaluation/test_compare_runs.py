@@ -323,3 +323,19 @@ def test_task_lines_under_a_scaling_name_it_once():
     labelled = label_task_rows([("runs/a", r) for r in rows])
     assert sorted(_series(labelled)) == ["rope", "rope+ntk"]
     assert "| passkey | rope+ntk | — | 50.0 | 50.0 |" in markdown_table(labelled)
+
+
+def test_a_run_that_did_not_learn_is_marked_once_in_every_task_output():
+    """compare's single-seed table, the plot series and the W&B chart lines (all built from
+    ``label_task_rows``) say "[not learned at L]" once, after the scheme and its scaling."""
+    from evaluation.compare import label_task_rows
+    from evaluation.compare_report import single_seed_task_table
+    from evaluation.tasks import TaskRow, _series, markdown_table
+
+    rows = [TaskRow("passkey", "rope", 64, n, math.nan, 10, 0.5, 0.5, 0.0, learned="no", rope_scaling=kind)
+            for kind in ("none", "ntk") for n in (64, 128)]
+    labelled = label_task_rows([("runs/a", r) for r in rows])
+    assert sorted(_series(labelled)) == ["rope [not learned at L]", "rope+ntk [not learned at L]"]
+    assert "| passkey | rope+ntk [not learned at L] | — | 50.0 | 50.0 |" in markdown_table(labelled)
+    table = single_seed_task_table(labelled, "passkey")
+    assert "| rope [not learned at L] | 50.0 | 50.0 |" in table and table.count("not learned") == 2
