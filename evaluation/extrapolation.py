@@ -30,7 +30,7 @@ from evaluation import position_loss
 from evaluation.position_loss import PositionLossRow, PositionSums, bin_rows
 from evaluation.probe import Probe, Report
 from evaluation.plots import length_axis
-from evaluation.results import LineSeries, Logged, table
+from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, distributed_sum, eval_positions,
                               read_rows, rope_scalings, scaling_at, shard_of, why_not_randomized, why_not_scaled,
                               write_rows)
@@ -369,12 +369,8 @@ def loggable(rows: Sequence[ExtrapolationRow], png: Path | None = None, prefix: 
         if r.ok:
             series.setdefault(series_label(r, series_by), []).append(r)
     if series:
-        lengths = sorted({r.eval_length for points in series.values() for r in points})
-        ys = [[next((r.ppl for r in points if r.eval_length == n), float("nan")) for n in lengths]
-              for points in series.values()]
-        logged.charts[f"{prefix}/ppl_vs_length"] = LineSeries(
-            xs=[math.log2(n) for n in lengths], ys=ys, keys=list(series),
-            title="perplexity vs eval length", xname="log2(eval length)")
+        logged.charts[f"{prefix}/ppl_vs_length"] = log2_chart(series, "eval_length", "ppl", "perplexity vs eval length",
+                                                              "log2(eval length)")
     logged.add_image(f"{prefix}/plot", png)
     logged.summary = {f"{prefix}/{r.mode}/{r.rope_scaling}/ppl@{r.eval_length}": r.ppl for r in rows if r.ok}
     return logged

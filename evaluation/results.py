@@ -5,6 +5,7 @@ log_to_wandb``); nothing here imports a logger.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,3 +41,12 @@ class Logged:
 def table(rows: Sequence, columns: Sequence[str]) -> tuple[list[str], list[list]]:
     """(columns, one list of values per row)."""
     return list(columns), [[getattr(r, c) for c in columns] for r in rows]
+
+
+def log2_chart(series: dict[str, Sequence], x: str, y: str, title: str, xname: str) -> LineSeries:
+    """One line per series (rows with fields ``x`` and ``y``) over every x any series has, on a
+    log2 axis; a series without a point at some x is NaN there."""
+    xs = sorted({getattr(r, x) for points in series.values() for r in points})
+    ys = [[next((getattr(r, y) for r in points if getattr(r, x) == n), math.nan) for n in xs]
+          for points in series.values()]
+    return LineSeries(xs=[math.log2(n) for n in xs], ys=ys, keys=list(series), title=title, xname=xname)

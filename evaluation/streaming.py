@@ -38,7 +38,7 @@ from evaluation.attention_maps import eval_mode
 from evaluation.attention_probe import probe_windows
 from evaluation.plots import length_axis
 from evaluation.probe import Probe, Subject
-from evaluation.results import LineSeries, Logged, table
+from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import LengthSweepOptions, autocast, read_rows, write_rows
 from model.config import require
 from model.generate import KVCache
@@ -309,15 +309,13 @@ def metrics(rows: Sequence[StreamingRow], prefix: str = "streaming") -> dict[str
 def loggable(rows: Sequence[StreamingRow], png: Path | None = None, prefix: str = "streaming") -> Logged:
     """The table, a perplexity-vs-log2(position) chart per cache rule, the PNG."""
     logged = Logged(tables={f"{prefix}/table": table(rows, COLUMNS)})
-    ok = [r for r in rows if r.ok]
-    labels = list(dict.fromkeys(series_label(r) for r in ok))
-    if ok:
-        ends = sorted({r.end for r in ok})
-        ys = [[next((r.ppl for r in ok if series_label(r) == label and r.end == e), math.nan) for e in ends]
-              for label in labels]
-        logged.charts[f"{prefix}/ppl_vs_position"] = LineSeries(
-            xs=[math.log2(e) for e in ends], ys=ys, keys=labels, title="streaming perplexity vs position",
-            xname="log2(bucket end)")
+    series: dict[str, list[StreamingRow]] = {}
+    for r in rows:
+        if r.ok:
+            series.setdefault(series_label(r), []).append(r)
+    if series:
+        logged.charts[f"{prefix}/ppl_vs_position"] = log2_chart(series, "end", "ppl", "streaming perplexity vs position",
+                                                                "log2(bucket end)")
     logged.add_image(f"{prefix}/plot", png)
     return logged
 

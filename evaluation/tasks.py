@@ -29,7 +29,7 @@ import torch
 from data.synthetic import Task
 from evaluation.plots import length_axis
 from evaluation.probe import Probe
-from evaluation.results import LineSeries, Logged, table
+from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows, rope_scalings,
                               scaled_name, scaling_at, why_not_randomized, why_not_scaled, write_rows)
 from model.config import require
@@ -439,12 +439,8 @@ def loggable(rows: Sequence[TaskRow], png: Path | None = None, prefix: str = "ta
     logged = Logged(tables={f"{prefix}/table": table(rows, COLUMNS)})
     series = _series(rows)
     if series:
-        lengths = sorted({r.eval_length for points in series.values() for r in points})
-        ys = [[next((r.accuracy for r in points if r.eval_length == n), float("nan")) for n in lengths]
-              for points in series.values()]
-        logged.charts[f"{prefix}/accuracy_vs_length"] = LineSeries(
-            xs=[math.log2(n) for n in lengths], ys=ys, keys=list(series),
-            title="exact-match accuracy vs eval length", xname="log2(eval length)")
+        logged.charts[f"{prefix}/accuracy_vs_length"] = log2_chart(
+            series, "eval_length", "accuracy", "exact-match accuracy vs eval length", "log2(eval length)")
     if png is not None and Path(png).exists():
         logged.add_image(f"{prefix}/plot", png)
         logged.add_image(f"{prefix}/heatmap", Path(png).with_name("heatmap.png"))

@@ -212,3 +212,16 @@ def test_alibi_linear_at_evaluation_scores_as_the_model_trained_with_it(tokens):
     assert linear.ok and linear.loss == reference.loss
     assert ntk.status == "not applicable: rope_scaling=ntk does not apply to pe=alibi (it takes linear)"
     assert gpt.pe.slopes is slopes and gpt.pe.scaling is None
+
+
+def test_a_length_chart_has_one_line_per_series_and_nan_where_a_series_has_no_point():
+    """W&B line charts have no log axis: x is log2(length) over every length any line has."""
+    from types import SimpleNamespace as Point
+
+    from evaluation.results import log2_chart
+
+    chart = log2_chart({"a": [Point(n=64, ppl=1.0), Point(n=256, ppl=3.0)], "b": [Point(n=128, ppl=2.0)]},
+                       "n", "ppl", "title", "log2(n)")
+    assert chart.keys == ["a", "b"] and chart.xs == [6.0, 7.0, 8.0]
+    assert chart.ys[0][0] == 1.0 and math.isnan(chart.ys[0][1]) and chart.ys[0][2] == 3.0
+    assert math.isnan(chart.ys[1][0]) and chart.ys[1][1] == 2.0 and math.isnan(chart.ys[1][2])

@@ -6,6 +6,7 @@ the probe's rows, files and refusals."""
 from __future__ import annotations
 
 import csv
+import math
 
 import numpy as np
 import pytest
@@ -126,6 +127,9 @@ def test_the_probe_writes_its_table_and_refuses_what_it_cannot_score(tmp_path):
     assert "| rope / reindexed, S=2 W=6 |" in paths["md"].read_text() and paths["png"].exists()
     [(logged, metrics)] = PROBE.reports(rows, paths)
     assert "streaming/table" in logged.tables and metrics["streaming/absolute/ppl@31"] == rows[-1].ppl
+    chart = logged.charts["streaming/ppl_vs_position"]  # one line per rule over log2(bucket end)
+    assert chart.keys == ["reindexed, S=2 W=6", "absolute, S=2 W=6"] and chart.xs == [3.0, 4.0, math.log2(31)]
+    assert chart.ys == [[r.ppl for r in rows[:3]], [r.ppl for r in rows[3:]]]
     learned = evaluate_streaming(tiny("learned", block_size=16), probe_windows(tokens), 8, config,
                                  log=lambda _: None)
     assert all(r.status == "not applicable: pe=learned has 16 positions" for r in learned)
