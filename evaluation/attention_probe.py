@@ -1,7 +1,8 @@
-"""The attention probe against length: per layer and head, the attention entropy and mean
-distance at L ... 16 L (``eval.probe``, its own math-backend pass when training ends, on held-out
+"""The attention probe against length: per layer and head, the attention entropy, mean
+distance, the weight on the first token and the weight on no token at L ... 16 L (``eval.probe``, its own math-backend pass when training ends, on held-out
 windows or task samples). Entropy rising with length towards ln(keys) is the attention-dilution
-signature.
+signature; weight piling up on the first token is StreamingLLM's "attention sink" (Xiao et al.
+2024), and weight on no token is what a learned sink (``model.sinks``) takes.
 
 Cost per length: ``samples`` math-backend forwards of T tokens (O(layers · H · T²) float32 work,
 the probabilities held ``q_chunk`` rows at a time: H · q_chunk · T floats), statistics over
@@ -34,8 +35,9 @@ from model.positions import Pass, resolve_positions
 class ProbeRecorder(AttentionRecorder):
     """Reduces the ``math`` backend's probabilities chunk by chunk to per-head sums over sampled
     query rows, so no (T, T) matrix is kept: {layer: [entropy sum (H,), distance sum (H,),
-    uniform-entropy sum, rows]}. Distance of a row i: Σ_j p_ij (pos_i − pos_j); entropy:
-    −Σ_j p_ij ln p_ij; the uniform reference: ln(keys row i sees)."""
+    uniform-entropy sum, rows, first-token sum (H,), no-token sum (H,)]}. Distance of a row i:
+    Σ_j p_ij (pos_i − pos_j); entropy: −Σ_j p_ij ln p_ij; the uniform reference: ln(keys row i
+    sees); first token: p_i0; no token: 1 − Σ_j p_ij (a sink's share; 0 for a plain softmax)."""
 
     def __init__(self, rows: Tensor, positions: Tensor) -> None:
         super().__init__(None)
@@ -52,11 +54,13 @@ class ProbeRecorder(AttentionRecorder):
         rel = pos[..., rows, None] - pos[..., None, :seen]  # (R, seen) or (B, R, seen)
         distance = (p * (rel[:, None] if rel.dim() == 3 else rel)).sum(-1)  # (B, H, R)
         entropy = -torch.special.xlogy(p, p).sum(-1)
-        acc = self.sums.setdefault(self.calls, [0.0, 0.0, 0.0, 0])
+        acc = self.sums.setdefault(self.calls, [0.0, 0.0, 0.0, 0, 0.0, 0.0])
         acc[0] = acc[0] + entropy.sum(dim=(0, 2)).cpu()
         acc[1] = acc[1] + distance.sum(dim=(0, 2)).cpu()
         acc[2] += p.shape[0] * float((rows + 1 + keys - self.positions.shape[-1]).double().log().sum())  # ln(keys seen)
         acc[3] += p.shape[0] * len(rows)
+        acc[4] = acc[4] + p[..., 0].sum(dim=(0, 2)).cpu()
+        acc[5] = acc[5] + (1 - p.sum(-1)).sum(dim=(0, 2)).cpu()
 
     def end_layer(self) -> None:
         self.calls += 1
@@ -72,7 +76,8 @@ def probe_rows_of(length: int, rows: int) -> Tensor:
 @torch.no_grad()
 def probe_attention(gpt: nn.Module, windows: Tensor, rows: int = 256, q_chunk: int | None = 256,
                     positions: Tensor | None = None) -> dict[int, dict[str, Tensor | float]]:
-    """{layer: {"entropy": (H,), "distance": (H,), "uniform_entropy": float, "rows": int}}: means
+    """{layer: {"entropy": (H,), "distance": (H,), "uniform_entropy": float, "rows": int,
+    "first_weight": (H,), "null_weight": (H,)}}: means
     over the sampled query rows of every window (S, T), one window per forward (math backend,
     query chunks of ``q_chunk``: the probabilities held at once are (H, q_chunk, T))."""
     module = uncompiled(gpt)
@@ -84,8 +89,9 @@ def probe_attention(gpt: nn.Module, windows: Tensor, rows: int = 256, q_chunk: i
         for window in windows:
             module.hidden(window[None], where, how=Pass(q_chunk=q_chunk, attention="math", record=recorder))
             recorder.calls = 0  # the next window's layers start again at 0
-    return {layer: {"entropy": (e / n).float(), "distance": (d / n).float(), "uniform_entropy": u / n, "rows": n}
-            for layer, (e, d, u, n) in sorted(recorder.sums.items())}
+    return {layer: {"entropy": (e / n).float(), "distance": (d / n).float(), "uniform_entropy": u / n, "rows": n,
+                    "first_weight": (f / n).float(), "null_weight": (z / n).float()}
+            for layer, (e, d, u, n, f, z) in sorted(recorder.sums.items())}
 
 
 @dataclass
@@ -124,6 +130,8 @@ class ProbeRow:
     distance: float  # mean attention distance (positions)
     seconds: float
     status: str = "ok"
+    first_weight: float = math.nan  # mean attention weight on the window's first token (position 0)
+    null_weight: float = math.nan  # mean weight on no token: a learned sink's share, 0 for a softmax
 
     @property
     def ok(self) -> bool:
@@ -158,43 +166,53 @@ def evaluate_probe(gpt: nn.Module, windows_of: Callable[[int, int], Tensor | str
             for head in range(n_head):
                 rows.append(ProbeRow(module.pe.name, train_length, length, layer, head, len(windows), s["rows"],
                                      float(s["entropy"][head]), s["uniform_entropy"], float(s["distance"][head]),
-                                     seconds))
-        mean_entropy = sum(float(s["entropy"].mean()) for s in stats.values()) / len(stats)
-        log(f"[probe] pe={module.pe.name} eval={length}: entropy {mean_entropy:.3f} nats (uniform "
-            f"{next(iter(stats.values()))['uniform_entropy']:.3f}) over {len(windows)} x "
+                                     seconds, first_weight=float(s["first_weight"][head]),
+                                     null_weight=float(s["null_weight"][head])))
+        mean_of = {key: sum(float(s[key].mean()) for s in stats.values()) / len(stats)
+                   for key in ("entropy", "first_weight", "null_weight")}
+        log(f"[probe] pe={module.pe.name} eval={length}: entropy {mean_of['entropy']:.3f} nats (uniform "
+            f"{next(iter(stats.values()))['uniform_entropy']:.3f}), weight on the first token "
+            f"{mean_of['first_weight']:.3f}, on no token {mean_of['null_weight']:.3f}, over {len(windows)} x "
             f"{min(config.rows, length)} rows in {seconds:.1f}s")
     return rows
 
 
 def plot_probe(rows: Sequence[ProbeRow], title: str = "Attention against length"):
-    """Entropy (with the uniform-attention reference, dashed) and mean distance against length,
-    one line per layer (mean over heads), heads as thin lines; the training length dotted."""
+    """Entropy (with the uniform-attention reference, dashed), mean distance and the weight on the
+    first token (on no token, dashed, where a sink takes some) against length, one line per layer
+    (mean over heads), heads as thin lines; the training length dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.ok]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 4), dpi=120)
+    panels = ((left, "entropy"), (middle, "distance"), (right, "first_weight"))
     for layer in sorted({r.layer for r in ok}):
         mine = [r for r in ok if r.layer == layer]
         lengths = sorted({r.eval_length for r in mine})
-        for ax, field in ((left, "entropy"), (right, "distance")):
+        for ax, field in panels:
             mean = [np.mean([getattr(r, field) for r in mine if r.eval_length == n]) for n in lengths]
             line, = ax.plot(lengths, mean, marker="o", label=f"layer {layer}")
             for head in sorted({r.head for r in mine}):
                 ax.plot(lengths, [next(getattr(r, field) for r in mine if r.eval_length == n and r.head == head)
                                   for n in lengths], color=line.get_color(), alpha=0.25, linewidth=0.7)
+        null = [np.mean([r.null_weight for r in mine if r.eval_length == n]) for n in lengths]
+        if max(null, default=0.0) > 1e-6:
+            right.plot(lengths, null, "--", color=line.get_color(), label=f"layer {layer}: on no token (sink)")
     lengths = sorted({r.eval_length for r in ok})
     if lengths:
         left.plot(lengths, [next(r.uniform_entropy for r in ok if r.eval_length == n) for n in lengths], "k--",
                   linewidth=1, label="uniform attention")
-    for ax, label in ((left, "attention entropy (nats)"), (right, "mean attention distance (positions)")):
+    for ax, label in ((left, "attention entropy (nats)"), (middle, "mean attention distance (positions)"),
+                      (right, "attention weight on the first token")):
         length_axis(ax, (r.train_length for r in rows))
         ax.set_ylabel(label)
     if ok:
-        right.set_yscale("log")
+        middle.set_yscale("log")
         left.legend(fontsize=7)
+        right.legend(fontsize=6)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
@@ -212,29 +230,29 @@ def save_probe(rows: Sequence[ProbeRow], out_dir: Path, title: str) -> dict[str,
     return paths
 
 
+CHARTED = ("entropy", "distance", "first_weight", "null_weight")
+
+
 def probe_metrics(rows: Sequence[ProbeRow], prefix: str = "probe") -> dict[str, float]:
-    """``probe/L{l}H{h}/entropy@{length}`` and ``.../distance@{length}``."""
-    metrics = {}
-    for r in rows:
-        if r.ok:
-            metrics[f"{prefix}/L{r.layer}H{r.head}/entropy@{r.eval_length}"] = r.entropy
-            metrics[f"{prefix}/L{r.layer}H{r.head}/distance@{r.eval_length}"] = r.distance
-    return metrics
+    """``probe/L{l}H{h}/{field}@{length}`` for entropy, distance, first_weight and null_weight."""
+    return {f"{prefix}/L{r.layer}H{r.head}/{field}@{r.eval_length}": getattr(r, field)
+            for r in rows if r.ok for field in CHARTED}
 
 
 def probe_loggable(rows: Sequence[ProbeRow], png: Path | None = None, prefix: str = "probe") -> Logged:
-    """A table, entropy- and distance-vs-log2(length) charts (one line per layer, mean over heads), the PNG."""
+    """A table, a chart per ``CHARTED`` field against log2(length) (one line per layer, mean over
+    heads), the PNG."""
     logged = Logged(tables={f"{prefix}/table": table(rows, [f.name for f in fields(ProbeRow)])})
     ok = [r for r in rows if r.ok]
     layers = sorted({r.layer for r in ok})
     lengths = sorted({r.eval_length for r in ok})
     if ok:
-        for field in ("entropy", "distance"):
+        for field in CHARTED:
             ys = [[float(np.mean([getattr(r, field) for r in ok if r.layer == layer and r.eval_length == n]))
                    for n in lengths] for layer in layers]
             logged.charts[f"{prefix}/{field}_vs_length"] = LineSeries(
                 xs=[math.log2(n) for n in lengths], ys=ys, keys=[f"layer {layer}" for layer in layers],
-                title=f"attention {field} vs eval length", xname="log2(eval length)")
+                title=f"attention {field.replace('_', ' ')} vs eval length", xname="log2(eval length)")
     logged.add_image(f"{prefix}/plot", png)
     return logged
 
