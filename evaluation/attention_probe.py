@@ -60,7 +60,7 @@ class ProbeRecorder(AttentionRecorder):
         acc[2] += p.shape[0] * float((rows + 1 + keys - self.positions.shape[-1]).double().log().sum())  # ln(keys seen)
         acc[3] += p.shape[0] * len(rows)
         acc[4] = acc[4] + p[..., 0].sum(dim=(0, 2)).cpu()
-        acc[5] = acc[5] + (1 - p.sum(-1)).sum(dim=(0, 2)).cpu()
+        acc[5] = acc[5] + (1 - p.sum(-1)).clamp_min(0).sum(dim=(0, 2)).cpu()  # rounding: a softmax row sums to 1 ± eps
 
     def end_layer(self) -> None:
         self.calls += 1
