@@ -1,6 +1,7 @@
 """The attention probe against length: per layer and head, the attention entropy, mean
-distance, the weight on the first token and the weight on no token at L ... 16 L (``eval.probe``, its own math-backend pass when training ends, on held-out
-windows or task samples). Entropy rising with length towards ln(keys) is the attention-dilution
+distance, the weight on the first token and the weight on no token at L ... 16 L
+(``eval.probe``, its own math-backend pass when training ends, on held-out windows or task
+samples). Entropy rising with length towards ln(keys) is the attention-dilution
 signature; weight piling up on the first token is StreamingLLM's "attention sink" (Xiao et al.
 2024), and weight on no token is what a learned sink (``model.sinks``) takes.
 
