@@ -38,7 +38,7 @@ def model_config(config: str, block_size: int | None) -> dict:
     if vocab not in VOCABS or not (ROOT / "conf" / "model" / f"{size}.yaml").is_file():
         raise SystemExit(f"config {config!r}: expected VOCAB-SIZE with VOCAB in {sorted(VOCABS)} and SIZE a "
                          f"file of conf/model/")
-    model = _load("model", f"{size}.yaml")
+    model = _composed("model", size)  # its defaults list pulls in conf/model/common
     model["vocab_size"], model["pad_vocab_multiple"] = VOCABS[vocab]
     if block_size:
         model["block_size"] = block_size

@@ -12,7 +12,7 @@ from pathlib import Path
 from gpucheck.steps import ROOT
 
 DEVICE = "cuda"
-MODEL = ROOT / "conf" / "model" / "gpt2.yaml"
+MODEL = "gpt2"  # conf/model/gpt2.yaml, composed as train.py does (its defaults pull in conf/model/common)
 SWEEP_MULTIPLIERS = (1, 2, 4, 8, 16)
 SAMPLED_TOKENS = 100
 PROMPT = 512
@@ -38,7 +38,8 @@ def t5_timing(out: Path) -> dict:
     cache after a 512-token prompt, cold then warm. Graphs dynamo compiled are counted per phase."""
     import numpy as np
     import torch
-    import yaml
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
     from torch._dynamo.utils import counters
 
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation
@@ -50,7 +51,9 @@ def t5_timing(out: Path) -> dict:
     device = torch.device(DEVICE)
     counted = _Count()
     logging.getLogger("torch._dynamo").addHandler(counted)
-    cfg = GPTConfig(vocab_size=50257, **yaml.safe_load(MODEL.read_text()))
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        options = OmegaConf.to_container(compose("config", overrides=[f"model={MODEL}"]).model, resolve=True)
+    cfg = GPTConfig(vocab_size=50257, **options)
     torch.manual_seed(0)
     model = GPT(cfg, SCHEMES["t5"](cfg)).to(device).eval()
     L = cfg.block_size
