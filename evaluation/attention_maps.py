@@ -18,14 +18,14 @@ evaluation/attention_probe.py.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from evaluation.sweep import eval_mode
 from model.attention import AttentionRecorder
 from model.gpt import uncompiled
 from model.positions import Pass, resolve_positions
@@ -43,18 +43,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 # the eager pass
 # --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
-    """Put every submodule in eval mode; restore each one's own ``training`` flag after."""
-    flags = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield module
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def _layer_set(layers: Iterable[int] | None, n_layer: int) -> set[int]:

@@ -22,11 +22,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from evaluation.attention_maps import eval_mode
 from evaluation.plots import length_axis
 from evaluation.probe import Probe, Subject
 from evaluation.results import LineSeries, Logged, table
-from evaluation.sweep import LengthSweepOptions, write_rows
+from evaluation.sweep import LengthSweepOptions, eval_mode, probe_windows, write_rows
 from model.attention import AttentionRecorder
 from model.config import require
 from model.gpt import uncompiled
@@ -256,26 +255,6 @@ def probe_loggable(rows: Sequence[ProbeRow], png: Path | None = None, prefix: st
                 title=f"attention {field.replace('_', ' ')} vs eval length", xname="log2(eval length)")
     logged.add_image(f"{prefix}/plot", png)
     return logged
-
-
-def probe_windows(tokens: np.ndarray | None = None, task=None, seed: int = 0) -> Callable[[int, int], Tensor | str]:
-    """``windows_of`` for ``evaluate_probe``: evenly spread windows of held-out ``tokens``, or the
-    ``task``'s test samples (depth 0.5 for retrieval tasks)."""
-
-    def of(length: int, samples: int) -> Tensor | str:
-        if task is not None:
-            if length < task.min_length:
-                return f"skipped: a {task.name} sample needs at least {task.min_length} tokens"
-            depth = 0.5 if task.has_depth else None
-            return torch.stack([torch.from_numpy(task.sample(length, i, seed, "test", 0, depth)[0])
-                                for i in range(samples)])
-        if len(tokens) < length:
-            return f"skipped: held-out text has {len(tokens)} tokens, fewer than one window of {length}"
-        last = len(tokens) - length
-        starts = [last * i // max(samples - 1, 1) for i in range(samples)] if samples > 1 else [0]
-        return torch.from_numpy(np.stack([tokens[s : s + length] for s in starts]).astype(np.int64))
-
-    return of
 
 
 def evaluate(subject: Subject, config: ProbeConfig) -> list[ProbeRow]:

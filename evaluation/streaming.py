@@ -34,12 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from evaluation.attention_maps import eval_mode
-from evaluation.attention_probe import probe_windows
 from evaluation.plots import length_axis
 from evaluation.probe import Probe, Subject
 from evaluation.results import Logged, log2_chart, table
-from evaluation.sweep import LengthSweepOptions, autocast, read_rows, write_rows
+from evaluation.sweep import LengthSweepOptions, autocast, eval_mode, probe_windows, read_rows, write_rows
 from model.config import require
 from model.generate import KVCache
 from model.gpt import uncompiled

@@ -1,7 +1,8 @@
-"""What the length-sweep probes share (extrapolation, tasks, the attention probe): lengths as
+"""What the probes share (extrapolation, tasks, the attention probe, streaming): lengths as
 multiples of the training length, the positions a model sees at evaluation, the autocast
-context of an evaluation precision, sharding over ranks, why a row is not measured, and the
-rows' CSV I/O. Plain Python and PyTorch: nothing here knows the harness.
+context of an evaluation precision, eval mode, windows of held-out text or task samples,
+sharding over ranks, why a row is not measured, and the rows' CSV I/O. Plain Python and
+PyTorch: nothing here knows the harness.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import csv
 import math
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
+import numpy as np
 import torch
+from torch import Tensor, nn
 
 from model.config import require
 from model.pe.rope_scaling import ROPE_SCALINGS, RopeScaling, default_factor
@@ -114,6 +117,38 @@ def autocast(precision: str, device: torch.device):
     if str(precision).startswith("16"):
         return torch.autocast(device.type, dtype=torch.float16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """Put every submodule in eval mode; restore each one's own ``training`` flag after."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def probe_windows(tokens: np.ndarray | None = None, task=None, seed: int = 0) -> Callable[[int, int], Tensor | str]:
+    """``windows_of(length, samples)`` of a probe: evenly spread windows of held-out ``tokens``, or
+    the ``task``'s test samples (depth 0.5 for retrieval tasks); a string says why there are none."""
+
+    def of(length: int, samples: int) -> Tensor | str:
+        if task is not None:
+            if length < task.min_length:
+                return f"skipped: a {task.name} sample needs at least {task.min_length} tokens"
+            depth = 0.5 if task.has_depth else None
+            return torch.stack([torch.from_numpy(task.sample(length, i, seed, "test", 0, depth)[0])
+                                for i in range(samples)])
+        if len(tokens) < length:
+            return f"skipped: held-out text has {len(tokens)} tokens, fewer than one window of {length}"
+        last = len(tokens) - length
+        starts = [last * i // max(samples - 1, 1) for i in range(samples)] if samples > 1 else [0]
+        return torch.from_numpy(np.stack([tokens[s : s + length] for s in starts]).astype(np.int64))
+
+    return of
 
 
 def shard_of(distributed: bool) -> tuple[int, int]:

@@ -81,8 +81,8 @@ def test_a_learned_sink_takes_the_weight_no_token_gets():
 def test_evaluate_probe_rows_files_and_statuses(tmp_path):
     import numpy as np
 
-    from evaluation.attention_probe import ProbeConfig, ProbeRow, evaluate_probe, probe_windows, save_probe
-    from evaluation.sweep import read_rows
+    from evaluation.attention_probe import ProbeConfig, ProbeRow, evaluate_probe, save_probe
+    from evaluation.sweep import probe_windows, read_rows
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(0)
