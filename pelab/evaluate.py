@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from data.stream import load_tokens
 from evaluation.probe import Probe, Report, Subject
 from evaluation.registry import PROBES, enabled_probes
@@ -47,7 +49,12 @@ def run_evaluations(subject: Subject, options: dict[str, Any], output_dir: Path 
     ``output_dir(probe)``); ``note(config)`` (e.g. the precision that ran) joins the plots' title
     and heads the markdown table."""
     outcomes: dict[str, Outcome] = {}
-    for name, block in enabled_probes(options, subject.held_out_text).items():
+    enabled = enabled_probes(options, subject.held_out_text)
+    if enabled and rank_zero:  # where the scoring runs: the device of the weights it is given
+        device = next(subject.gpt.parameters()).device
+        ranks = f", sharded over {torch.distributed.get_world_size()} ranks" if subject.distributed else ""
+        print(f"[pelab] evaluation on {device}{ranks}: {', '.join(enabled)}", flush=True)
+    for name, block in enabled.items():
         probe = PROBES[name]
         if not (probe.every_rank or rank_zero):
             continue

@@ -14,7 +14,8 @@ Outputs go under ``trainer.default_root_dir`` (the run dir) and to the trainer's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,19 @@ def sharded_parameters(trainer: L.Trainer) -> bool:
     return isinstance(getattr(trainer, "strategy", None), (FSDPStrategy, ModelParallelStrategy))
 
 
+@contextmanager
+def on_training_device(trainer: L.Trainer, pl_module: L.LightningModule) -> Iterator[None]:
+    """The module on the device it trained on, for the length of the block, then back where it
+    was. Lightning's teardown, which runs before ``on_fit_end``, parks the module on the CPU to
+    free the accelerator; the probes score on the device of the parameters they are given."""
+    parked = next(pl_module.parameters()).device
+    trainer.strategy.model_to_device()  # the strategy's own move to its root device
+    try:
+        yield
+    finally:
+        pl_module.to(parked)  # as teardown left it: the accelerator's memory free again
+
+
 class EndOfTrainingEvaluation(L.Callback):
     """When fit ends: the probes ``eval.extrapolation`` / ``eval.tasks`` / ``eval.probe``
     (conf/eval/default.yaml) enable, through the one runner (pelab/evaluate.py), then the
@@ -52,10 +66,11 @@ class EndOfTrainingEvaluation(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
         if not sharded_parameters(trainer):
-            subject = subject_of(pl_module, datamodule, distributed=trainer.world_size > 1,
-                                 rank_zero=trainer.is_global_zero)
-            run_evaluations(subject, self.options, Path(trainer.default_root_dir), trainer.global_step,
-                            trainer.loggers, rank_zero=trainer.is_global_zero)
+            with on_training_device(trainer, pl_module):
+                subject = subject_of(pl_module, datamodule, distributed=trainer.world_size > 1,
+                                     rank_zero=trainer.is_global_zero)
+                run_evaluations(subject, self.options, Path(trainer.default_root_dir), trainer.global_step,
+                                trainer.loggers, rank_zero=trainer.is_global_zero)
         elif enabled_probes(self.options, getattr(datamodule, "held_out_text", True)):
             ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "RUN_DIR/checkpoints/last.ckpt"
             rank_zero_warn(f"end-of-training evaluation skipped under {type(trainer.strategy).__name__} (each rank holds "
