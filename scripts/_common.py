@@ -1,4 +1,4 @@
-"""Helpers shared by the scripts: import path, key=value arguments, run configs."""
+"""Helpers shared by the scripts: import path, option values, checkpoints and run configs."""
 
 from __future__ import annotations
 
@@ -30,36 +30,26 @@ def join_torchrun_group(device) -> bool:
     return True
 
 
-def describe_options(allowed: dict[str, str]) -> str:
-    return "\n".join(f"  {k:20s} {help}" for k, help in allowed.items())
-
-
-def parse_key_values(argv: list[str], allowed: dict[str, str]) -> dict[str, str]:
-    """``key=value`` arguments (Hydra style); unknown keys fail with the list of valid ones."""
-    values = {}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise SystemExit(f"expected key=value, got {arg!r}; keys: {', '.join(allowed)}")
-        if key not in allowed:
-            raise SystemExit(f"unknown option {key!r}; valid options:\n{describe_options(allowed)}")
-        values[key] = value
-    return values
-
-
-def checkpoint_arg(args: dict[str, str], allowed: dict[str, str]) -> Path:
-    """The required ``ckpt=PATH``, checked to be a readable pelab checkpoint (not truncated, not a
-    foreign file) before any data is read; load it with ``pelab.checkpoint.load_lit_gpt``."""
-    if "ckpt" not in args:
-        raise SystemExit(f"ckpt=PATH is required; options:\n{describe_options(allowed)}")
+def checked_checkpoint(path) -> Path:
+    """``ckpt=PATH`` checked to be a readable pelab checkpoint (not truncated, not a foreign file)
+    before any data is read; load it with ``pelab.checkpoint.load_lit_gpt``."""
     from pelab.checkpoint import CheckpointError, read_checkpoint
 
-    ckpt = Path(args["ckpt"])
+    ckpt = Path(str(path))
     try:
         read_checkpoint(ckpt, key="ckpt")
     except CheckpointError as e:
         raise SystemExit(str(e)) from None
     return ckpt
+
+
+def required(cfg, key: str, what: str):
+    """``cfg[key]``, or one line saying it is required (its value in conf/scripts is ``???``)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_missing(cfg, key):
+        raise SystemExit(f"{key}={what} is required (--help lists the options)")
+    return cfg[key]
 
 
 def load_run_config(ckpt: Path, needed_for: str):
@@ -161,116 +151,122 @@ def evaluate_checkpoint(ckpt: Path, cfg, options: dict, device, out: str | None 
     return outcomes
 
 
-def split_list(value: str) -> list[str]:
-    return [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-
-
 # --- option values -------------------------------------------------------------------------------
-# Every script parses its key=value options with these, before any checkpoint or data is read:
-# a bad value ends in one line naming the option, the value given and what is allowed.
+# Every script checks its options (as Hydra read them, scripts/_cli.py) with these, before any
+# checkpoint or data is read: a bad value ends in one line naming the option, the value as typed
+# and what is allowed.
 
-def bad_value(key: str, value: str, allowed: str):
-    raise SystemExit(f"{key}={value!r} is not valid: expected {allowed}")
+def shown(value) -> str:
+    """``value`` as it was typed: ``1,0`` for the list [1, 0], ``null`` for None."""
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return ",".join(shown(v) for v in value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def is_null(value: str) -> bool:
-    return value.strip().lower() in ("null", "none")
+def bad_value(key: str, value, allowed: str):
+    raise SystemExit(f"{key}={shown(value)!r} is not valid: expected {allowed}")
 
 
-def integer(key: str, value: str, minimum: int | None = None, allowed: str | None = None) -> int:
+def given(cfg, key: str) -> bool:
+    """Whether ``key`` was given: the evaluation scripts' keys default to ``???`` (the run's value)."""
+    from omegaconf import OmegaConf
+
+    return key in cfg and not OmegaConf.is_missing(cfg, key)
+
+
+def items(value) -> list:
+    """A list option's items; one value is a list of one (``mode=sliding``)."""
+    return list(value) if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig" else [value]
+
+
+def is_null(value) -> bool:
+    return value is None or isinstance(value, str) and value.strip().lower() in ("null", "none")
+
+
+def integer(key: str, value, minimum: int | None = None, allowed: str | None = None) -> int:
     """``value`` as an int (>= ``minimum``)."""
     allowed = allowed or ("an integer" if minimum is None else f"an integer >= {minimum}")
-    try:
-        number = int(value)
-    except ValueError:
+    if not isinstance(value, int) or isinstance(value, bool) or minimum is not None and value < minimum:
         bad_value(key, value, allowed)
-    if minimum is not None and number < minimum:
-        bad_value(key, value, allowed)
-    return number
+    return value
 
 
-def number(key: str, value: str, minimum: float | None = None, maximum: float | None = None,
+def number(key: str, value, minimum: float | None = None, maximum: float | None = None,
            above: float | None = None, allowed: str | None = None) -> float:
     """``value`` as a finite float, >= ``minimum``, <= ``maximum``, > ``above`` where given."""
     bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else "",
               f"<= {maximum:g}" if maximum is not None else ""]
     allowed = allowed or " and ".join(["a finite number", *filter(None, bounds)]).replace(" and ", " ", 1)
-    try:
-        x = float(value)
-    except ValueError:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         bad_value(key, value, allowed)
+    x = float(value)
     if not (math.isfinite(x) and (minimum is None or x >= minimum) and (maximum is None or x <= maximum)
             and (above is None or x > above)):
         bad_value(key, value, allowed)
     return x
 
 
-def numbers(key: str, value: str, parse, allowed: str) -> list:
-    """A comma-separated list (``1,2,4`` or ``[1,2,4]``), each item ``parse(key, item)`` (``integer``
-    or ``number`` with their bounds); a bad item names the whole value and ``allowed``."""
+def numbers(key: str, value, parse, allowed: str) -> list:
+    """A list (``1,2,4`` or ``[1,2,4]``), each item ``parse(key, item)`` (``integer`` or ``number``
+    with their bounds); a bad item names the whole value and ``allowed``."""
     try:
-        return [parse(key, item) for item in split_list(value)]
+        return [parse(key, item) for item in items(value)]
     except SystemExit:
         bad_value(key, value, allowed)
 
 
-def eval_lengths(args: dict[str, str], example_multipliers: str) -> dict:
-    """``multipliers=`` and ``lengths=`` given together replace the run's eval lengths: both parsed,
+def eval_lengths(cfg, example_multipliers: str) -> dict:
+    """``multipliers=`` and ``lengths=`` given together replace the run's eval lengths: both checked,
     at least one length in all (an empty dict when neither is given)."""
-    if "multipliers" not in args and "lengths" not in args:
+    if not given(cfg, "multipliers") and not given(cfg, "lengths"):
         return {}
-    options = {"multipliers": numbers("multipliers", args.get("multipliers", ""), lambda k, v: number(k, v, above=0),
+    options = {"multipliers": numbers("multipliers", cfg.multipliers if given(cfg, "multipliers") else [],
+                                      lambda k, v: number(k, v, above=0),
                                       f"positive numbers, e.g. {example_multipliers}"),
-               "lengths": numbers("lengths", args.get("lengths", ""), lambda k, v: integer(k, v, minimum=1),
-                                  "positive integers, e.g. 300,1000")}
+               "lengths": numbers("lengths", cfg.lengths if given(cfg, "lengths") else [],
+                                  lambda k, v: integer(k, v, minimum=1), "positive integers, e.g. 300,1000")}
     if not options["multipliers"] + options["lengths"]:
-        bad_value("multipliers", args.get("multipliers", ""), "at least one eval length (or lengths=...)")
+        bad_value("multipliers", cfg.get("multipliers"), "at least one eval length (or lengths=...)")
     return options
 
 
-ROPE_SCALING_HELP = {
-    "rope_scaling": "linear, ntk, dynamic_ntk, yarn and/or llama3 (rotary schemes take all, alibi linear; evaluated "
-                    "next to the plain model; refused for a model trained with pe.scaling)",
-    "rope_scaling_factor": "fixed scaling factor (default: eval length / training length)",
-}
-
-
-def rope_scaling_options(args: dict[str, str]) -> dict:
+def rope_scaling_options(cfg) -> dict:
     """``rope_scaling=`` (the plain model always scored beside them) and ``rope_scaling_factor=``."""
     from model.pe.rope_scaling import ROPE_SCALINGS
 
     options: dict = {}
-    if "rope_scaling" in args:
+    if given(cfg, "rope_scaling"):
         options["rope_scaling"] = [None] + [choice("rope_scaling", s, ROPE_SCALINGS)
-                                            for s in split_list(args["rope_scaling"]) if s.lower() != "none"]
-    if "rope_scaling_factor" in args:
-        value = args["rope_scaling_factor"]
+                                            for s in items(cfg.rope_scaling) if not is_null(s)]
+    if given(cfg, "rope_scaling_factor"):
+        value = cfg.rope_scaling_factor
         options["rope_scaling_factor"] = None if is_null(value) else number(
             "rope_scaling_factor", value, minimum=1, allowed="a finite number >= 1, or null (eval length / training "
                                                             "length)")
     return options
 
 
-def flag(key: str, value: str) -> bool:
-    word = value.strip().lower()
+def flag(key: str, value) -> bool:
+    """true or false (also as text: bench's comma-separated ``compile=false,true``)."""
+    word = str(value).strip().lower()
     if word not in ("true", "false", "1", "0", "yes", "no"):
         bad_value(key, value, "true or false")
     return word in ("true", "1", "yes")
 
 
-def choice(key: str, value: str, choices) -> str:
-    if value not in choices:
+def choice(key: str, value, choices) -> str:
+    if str(value) not in choices:
         bad_value(key, value, "one of " + ", ".join(choices))
-    return value
+    return str(value)
 
 
-def device_arg(value: str | None):
+def device_arg(value):
     """``device=``: cpu, cuda or cuda:N (a GPU this machine has); None: cuda when available."""
     import torch
 
     if value is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    allowed = "cpu, cuda or cuda:N"
+    value, allowed = str(value), "cpu, cuda or cuda:N"
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError):

@@ -17,51 +17,11 @@ import os
 import sys
 import time
 
-from _common import integer, parse_key_values, split_list
+from _cli import command_line
+from _common import choice, flag, integer, items, split_list
 
-OPTIONS = {
-    "configs": "comma-separated VOCAB-SIZE[:scheme+scheme...], VOCAB byte|gpt2, SIZE a conf/model file "
-               "(default: byte-tiny:all,byte-small:learned+alibi,gpt2-tiny:learned)",
-    "schemes": "comma-separated schemes, or all, for configs without their own list (default all)",
-    "precision": "comma-separated bf16-mixed and/or 32 (default bf16-mixed)",
-    "compile": "comma-separated false and/or true (default false)",
-    "rounds": "timed rounds (default 10)",
-    "steps": "timed consecutive steps per path per round, after one untimed (default 4)",
-    "warmup": "untimed steps per path first (default 2)",
-    "batch_size": "sequences per step (default 16)",
-    "block_size": "training length (default: the conf/model file's, 256)",
-    "eval": "evaluation time and memory at eval_factor x the training length (default true)",
-    "eval_factor": "comma-separated multiples of the training length (default 16); with several, every "
-                   "evaluation runs one sequence and each row gets eval_curve and eval_mem_exponent",
-    "memory": "peak training memory in a child process (default true)",
-    "loop": "also time pelab's GPT (learned) in the reference's plain loop, path pelab-loop: splits "
-            "pelab vs the reference into the model and the Lightning loop (default true)",
-    "documents": "none (default), mask or both: each scheme also timed on packed documents, document_mask "
-                 "(both: and document_positions); its row has step_ratio_vs_same_scheme",
-    "doc_length": "mean document length of those packed windows in tokens (default: a quarter of block_size)",
-    "documents_schemes": "comma-separated schemes that get the documents rows (default: every scheme of the config)",
-    "variants": "comma-separated sets of model options, KEY=VALUE;KEY=VALUE each (YAML values; commas inside "
-                "[] stay): each scheme is also timed with each set, against itself without "
-                "(e.g. variants=sinks=learned,window_pattern=[128,null])",
-    "variant_schemes": "comma-separated schemes that get the variants rows (default: every scheme of the config)",
-    "warmup_parallel": "paths warmed up (compiled) at once, never timed; the timed rounds stay one path at a time "
-                       "(default 1)",
-    "device": "cpu or cuda (default: cuda when available)",
-    "out": "also write the JSON lines to this file",
-    "smoke": "true: byte-tiny, learned+alibi, float32, 2 steps, 1 round, eager, batch 4, eval at 2x (the test suite's "
-             "run; float32: bf16 matmuls are emulated on CPUs without native bf16)",
-}
-SMOKE = {"configs": "byte-tiny", "schemes": "learned,alibi", "precision": "32", "compile": "false",
-         "rounds": "1", "steps": "2", "warmup": "1", "batch_size": "4", "eval_factor": "2"}
-DEFAULT_CONFIGS = "byte-tiny:all,byte-small:learned+alibi,gpt2-tiny:learned"
-
-
-def truthy(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise SystemExit(f"expected true or false, got {value!r}")
+SMOKE = ["configs=byte-tiny", "schemes=learned,alibi", "precision=32", "compile=false", "rounds=1", "steps=2",
+         "warmup=1", "batch_size=4", "eval_factor=2"]
 
 
 def schemes_of(spec: str) -> list[str]:
@@ -106,13 +66,13 @@ def variants_of(spec: str) -> list[str]:
     return found
 
 
-def configs_of(args: dict) -> list[tuple[str, list[str]]]:
+def configs_of(spec: str, schemes: str) -> list[tuple[str, list[str]]]:
     """(config, schemes) pairs; a config's own ``:a+b`` list wins unless ``schemes=`` is given."""
-    default_schemes = args.get("schemes", "all")
+    default_schemes = schemes or "all"
     configs = []
-    for item in split_list(args.get("configs", DEFAULT_CONFIGS)):
+    for item in split_list(spec):
         cfg, _, own = item.partition(":")
-        if own and "schemes" not in args:
+        if own and not schemes:
             configs.append((cfg, schemes_of(own)))
         else:
             configs.append((cfg, schemes_of(",".join(split_list(default_schemes))) if default_schemes != "all"
@@ -151,17 +111,19 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[boo
 
 
 def main(argv: list[str]) -> int:
-    args = parse_key_values(argv, OPTIONS)
-    if truthy(args.get("smoke", "false")):
-        args = SMOKE | args
-    configs = configs_of(args)
-    documents_schemes = schemes_of(args["documents_schemes"]) if "documents_schemes" in args else None
-    variants = variants_of(args["variants"]) if "variants" in args else []
-    variant_schemes = schemes_of(args["variant_schemes"]) if "variant_schemes" in args else None
+    args = command_line("bench", argv, __doc__)
+    if args is None:
+        return 0
+    if flag("smoke", args.smoke):  # its settings, under the keys given
+        args = command_line("bench", [*SMOKE, *argv], __doc__)
+    configs = configs_of(args.configs, args.schemes)
+    documents_schemes = schemes_of(args.documents_schemes) if args.documents_schemes else None
+    variants = variants_of(args.variants) if args.variants else []
+    variant_schemes = schemes_of(args.variant_schemes) if args.variant_schemes else None
     if variant_schemes and not variants:
         raise SystemExit("variant_schemes= needs variants=")
     if documents_schemes:  # checked before anything is built
-        if args.get("documents", "none") == "none":
+        if args.documents == "none":
             raise SystemExit("documents_schemes= needs documents=mask or documents=both")
         for cfg, schemes in configs:
             if extra := sorted(set(documents_schemes) - set(schemes)):
@@ -173,33 +135,28 @@ def main(argv: list[str]) -> int:
     from benchkit.report import print_table, print_targets
 
     quiet()
-    precisions = [{"bf16": "bf16-mixed", "32-true": "32", "fp32": "32"}.get(p, p)
-                  for p in split_list(args.get("precision", "bf16-mixed"))]
+    precisions = [{"bf16": "bf16-mixed", "32-true": "32", "fp32": "32"}.get(p, p) for p in split_list(args.precision)]
     for p in precisions:
-        if p not in ("bf16-mixed", "32"):
-            raise SystemExit(f"precision {p!r}: expected bf16-mixed or 32")
-    compiles = sorted({truthy(c) for c in split_list(args.get("compile", "false"))})  # eager first
-    opts = {"rounds": int(args.get("rounds", 10)), "steps": int(args.get("steps", 4)),
-            "warmup": int(args.get("warmup", 2)), "batch_size": int(args.get("batch_size", 16)),
-            "block_size": int(args["block_size"]) if "block_size" in args else None,
-            "eval": truthy(args.get("eval", "true")),
-            "eval_factors": [int(f) for f in split_list(str(args.get("eval_factor", 16)))],
-            "memory": truthy(args.get("memory", "true")),
-            "loop": truthy(args.get("loop", "true")),
-            "documents": args.get("documents", "none"),
-            "doc_length_arg": int(args["doc_length"]) if "doc_length" in args else None,
+        choice("precision", p, ("bf16-mixed", "32"))
+    compiles = sorted({flag("compile", c) for c in split_list(args.compile)})  # eager first
+    opts = {"rounds": integer("rounds", args.rounds, minimum=1), "steps": integer("steps", args.steps, minimum=1),
+            "warmup": integer("warmup", args.warmup, minimum=1),
+            "batch_size": integer("batch_size", args.batch_size, minimum=1),
+            "block_size": None if args.block_size is None else integer("block_size", args.block_size, minimum=1),
+            "eval": flag("eval", args.eval),
+            "eval_factors": [integer("eval_factor", f, minimum=1) for f in items(args.eval_factor)],
+            "memory": flag("memory", args.memory),
+            "loop": flag("loop", args.loop),
+            "documents": choice("documents", args.documents, ("none", "mask", "both")),
+            "doc_length_arg": None if args.doc_length is None else integer("doc_length", args.doc_length, minimum=1),
             "documents_schemes": documents_schemes,
             "variants": variants, "variant_schemes": variant_schemes,
-            "warmup_parallel": integer("warmup_parallel", args.get("warmup_parallel", "1"), minimum=1),
-            "device": args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), "eval_cache": {}}
-    if opts["documents"] not in ("none", "mask", "both"):
-        raise SystemExit(f"documents={opts['documents']!r}: expected none, mask or both")
-    if opts["rounds"] < 1 or opts["steps"] < 1 or opts["warmup"] < 1:
-        raise SystemExit("rounds, steps and warmup must be >= 1")
+            "warmup_parallel": integer("warmup_parallel", args.warmup_parallel, minimum=1),
+            "device": str(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), "eval_cache": {}}
     # the matmul peak is measured first, on a machine the bench has not loaded yet
     opts["peaks"] = {p: peak_flops(opts["device"], p) for p in precisions}
     children = Children()
-    out = open(args["out"], "w") if "out" in args else None  # noqa: SIM115
+    out = open(str(args.out), "w") if args.out is not None else None  # noqa: SIM115
     print(f"[bench] device={opts['device']} threads={torch.get_num_threads()} batch={opts['batch_size']} "
           f"rounds={opts['rounds']} steps={opts['steps']} warmup={opts['warmup']} load={os.getloadavg()}",
           flush=True)

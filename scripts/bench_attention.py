@@ -13,36 +13,25 @@ from __future__ import annotations
 import json
 import sys
 
-from _common import integer, parse_key_values
+from _cli import command_line
+from _common import choice, integer
 
-OPTIONS = {
-    "device": "cpu or cuda (default cpu)",
-    "T": "sequence length (default 2048)",
-    "W": "window (default 256 on CPU, T/8 on CUDA)",
-    "batch": "sequences (default 4)",
-    "precision": "bf16-mixed or 32 (default: 32 on CPU, where bf16 is often emulated; bf16-mixed on CUDA)",
-    "rounds": "interleaved timed rounds (default 5)",
-    "calls": "forward + backward calls per case and round (default 5)",
-    "out": "also write the JSON to this file",
-    "smoke": "true: T=256, W=32, batch 1, 1 round of 1 call",
-}
+SMOKE = ["T=256", "W=32", "batch=1", "rounds=1", "calls=1"]
 
 
 def main(argv: list[str]) -> int:
-    args = parse_key_values(argv, OPTIONS)
-    if args.get("smoke", "false").lower() in ("1", "true", "yes"):
-        args = {"T": "256", "W": "32", "batch": "1", "rounds": "1", "calls": "1"} | args
-    device = args.get("device", "cpu")
-    if device not in ("cpu", "cuda"):
-        raise SystemExit(f"device={device!r} is not valid: expected cpu or cuda")
-    T = integer("T", args.get("T", "2048"), minimum=2)
-    W = integer("W", args.get("W", str(256 if device == "cpu" else T // 8)), minimum=1)
-    batch = integer("batch", args.get("batch", "4"), minimum=1)
-    rounds = integer("rounds", args.get("rounds", "5"), minimum=1)
-    calls = integer("calls", args.get("calls", "5"), minimum=1)
-    precision = args.get("precision", "32" if device == "cpu" else "bf16-mixed")
-    if precision not in ("bf16-mixed", "32"):
-        raise SystemExit(f"precision={precision!r} is not valid: expected bf16-mixed or 32")
+    cfg = command_line("bench_attention", argv, __doc__)
+    if cfg is None:
+        return 0
+    if cfg.smoke is True:  # its sizes, under the keys given
+        cfg = command_line("bench_attention", [*SMOKE, *argv], __doc__)
+    device = choice("device", cfg.device, ("cpu", "cuda"))
+    T = integer("T", cfg.T, minimum=2)
+    W = integer("W", (256 if device == "cpu" else T // 8) if cfg.W is None else cfg.W, minimum=1)
+    batch = integer("batch", cfg.batch, minimum=1)
+    rounds = integer("rounds", cfg.rounds, minimum=1)
+    calls = integer("calls", cfg.calls, minimum=1)
+    precision = choice("precision", cfg.precision or ("32" if device == "cpu" else "bf16-mixed"), ("bf16-mixed", "32"))
     from benchkit.attention import CPU_CASES, CPU_RATIOS, GPU_CASES, GPU_RATIOS, time_attention
 
     cases, ratios = (GPU_CASES, GPU_RATIOS) if device == "cuda" else (CPU_CASES, CPU_RATIOS)
@@ -50,8 +39,8 @@ def main(argv: list[str]) -> int:
                              bf16=precision == "bf16-mixed")
     line = json.dumps(numbers)
     print("ATTENTION_JSON " + line, flush=True)
-    if "out" in args:
-        with open(args["out"], "w") as f:
+    if cfg.out is not None:
+        with open(str(cfg.out), "w") as f:
             f.write(line + "\n")
     for shape, found in numbers["shapes"].items():
         print(f"\n{shape} ({device}, {precision}), ms per forward + backward: "

@@ -18,17 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-from _common import (ROOT, bad_value, checkpoint_arg, describe_options, device_arg, integer, is_null,
-                     load_run_config, parse_key_values)
+from _cli import command_line
+from _common import (ROOT, bad_value, checked_checkpoint, device_arg, integer, load_run_config, required)
 
 DATA = ROOT / "lm_eval_tasks" / "pelab_gutenberg" / "gutenberg_val.jsonl"
-OPTIONS = {
-    "ckpt": "path to a checkpoint written by train.py (required; its config.yaml names the tokenizer)",
-    "data": f"JSON lines, one document per line in a 'text' field (default {DATA.relative_to(ROOT)})",
-    "max_length": "window length in tokens (default: what lm-eval reads from the export: the learned "
-                  "table's size, else model.block_size; lm-eval's model_args max_length=N overrides it there)",
-    "device": "cpu, cuda or cuda:N (default: cuda when available)",
-}
 
 
 def read_documents(path: Path) -> list[str]:
@@ -46,15 +39,13 @@ def read_documents(path: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> dict:
-    if any(arg in ("-h", "--help", "help") for arg in argv):
-        print(f"{__doc__}\noptions:\n{describe_options(OPTIONS)}")
+    cfg = command_line("eval_rolling", argv, __doc__)
+    if cfg is None:
         return {}
-    args = parse_key_values(argv, OPTIONS)
-    given_length = args.get("max_length", "null")
-    max_length = None if is_null(given_length) else integer("max_length", given_length, minimum=1)
-    device = device_arg(args.get("device"))
-    texts = read_documents(Path(args.get("data", DATA)))
-    ckpt = checkpoint_arg(args, OPTIONS)
+    max_length = None if cfg.max_length is None else integer("max_length", cfg.max_length, minimum=1)
+    device = device_arg(cfg.device)
+    texts = read_documents(Path(str(cfg.data)) if cfg.data is not None else DATA)
+    ckpt = checked_checkpoint(required(cfg, "ckpt", "PATH"))
     run = load_run_config(ckpt, "which tokenizer the documents are read with")
 
     from data.tokenizers import get_tokenizer

@@ -5,28 +5,30 @@
     python scripts/evaluate.py ckpt=... eval.extrapolation.enabled=false eval.probe.enabled=true wandb=true
     torchrun --nproc_per_node=8 scripts/evaluate.py ckpt=...   # extrapolation windows sharded over 8 GPUs
 
-A Hydra app on the training config tree (conf/evaluate.yaml): the run's own ``eval`` section
-(RUN_DIR/checkpoints/config.yaml) with the command line's ``eval.*`` overrides on top, checked
-by the rules train.py checks it with, before the checkpoint is read. Results go to
+Composes conf/scripts/evaluate.yaml (the training tree's conf/eval beside its own keys): the run's
+own ``eval`` section (RUN_DIR/checkpoints/config.yaml) with the command line's ``eval.*``
+overrides on top, checked by the rules train.py checks it with, before the checkpoint is read. Results go to
 RUN_DIR/<probe>/eval-<ckpt>-<time>/ (or ``out=``): the files the end of training writes.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from _common import (ROOT, bad_value, checkpoint_arg, device_arg, evaluate_checkpoint, load_run_config,
+from _cli import as_override, command_line
+from _common import (ROOT, bad_value, checked_checkpoint, device_arg, evaluate_checkpoint, given, load_run_config,
                      run_eval_block)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
-def main(cfg: DictConfig) -> None:
-    evaluate(cfg, list(HydraConfig.get().overrides.task))
+def main(argv: list[str]) -> int:
+    cfg = command_line("evaluate", argv, __doc__)
+    if cfg is not None:
+        evaluate(cfg, argv)
+    return 0
 
 
 def evaluate(cfg: DictConfig, overrides: list[str]) -> dict:
@@ -34,11 +36,11 @@ def evaluate(cfg: DictConfig, overrides: list[str]) -> dict:
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise SystemExit("ckpt=PATH is required: a checkpoint written by train.py, e.g. "
                          "ckpt=RUN_DIR/checkpoints/last.ckpt")
-    device = device_arg(None if cfg.device is None else str(cfg.device))
+    device = device_arg(cfg.device)
     if not isinstance(cfg.wandb, bool):
-        bad_value("wandb", str(cfg.wandb), "true or false")
+        bad_value("wandb", cfg.wandb, "true or false")
     if cfg.seed is not None and not (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and cfg.seed >= 0):
-        bad_value("seed", str(cfg.seed), "an integer >= 0, or null (the run's data.seed)")
+        bad_value("seed", cfg.seed, "an integer >= 0, or null (the run's data.seed)")
     ckpt = Path(str(cfg.ckpt))
     if not ckpt.is_file():
         raise SystemExit(f"ckpt={ckpt} is not a file: give a checkpoint written by train.py "
@@ -46,8 +48,26 @@ def evaluate(cfg: DictConfig, overrides: list[str]) -> dict:
     run = load_run_config(ckpt, "which data, training length and evaluation options to use")
     options = eval_section(run, cfg, overrides)
     checked(run, options)
-    checkpoint_arg({"ckpt": str(ckpt)}, {})  # readable, a pelab checkpoint
+    checked_checkpoint(ckpt)  # readable, a pelab checkpoint
     return evaluate_checkpoint(ckpt, run, options, device, cfg.out, cfg.wandb, cfg.seed)
+
+
+def probe_alone(probe: str, cfg: DictConfig, options: dict) -> int:
+    """What eval_extrapolation.py and eval_tasks.py run: this script with ``probe`` alone, ``options``
+    (their keys, checked) on the run's ``eval.<probe>``, their other keys (ckpt, device, out, wandb,
+    seed) as given. A message names the key the way the caller's command line spells it."""
+    from evaluation.registry import PROBES
+
+    overrides = [as_override(key, cfg[key]) for key in ("ckpt", "device", "out", "wandb", "seed") if given(cfg, key)]
+    overrides += [as_override(f"eval.{name}.enabled", name == probe) for name in PROBES]
+    overrides += [as_override(f"eval.{probe}.{key}", value) for key, value in options.items()]
+    try:
+        return main(overrides)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        theirs = "|".join(key for key in cfg if key not in ("ckpt", "device", "out", "wandb", "seed"))
+        raise SystemExit(re.sub(rf"\beval\.{probe}\.({theirs})\b", r"\1", str(e.code))) from None
 
 
 def eval_section(run: DictConfig, cfg: DictConfig, overrides: list[str]) -> dict:
@@ -133,24 +153,5 @@ def checked(run: DictConfig, options: dict) -> None:
         raise SystemExit(str(err)) from None
 
 
-def refuse_unknown_keys(argv: list[str]) -> None:
-    """A key conf/evaluate.yaml does not have, in one line with the valid ones (Hydra's own
-    message spans five), before anything runs."""
-    tree = OmegaConf.load(ROOT / "conf" / "evaluate.yaml")
-    tree.eval = OmegaConf.load(ROOT / "conf" / "eval" / "default.yaml")
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key.startswith(("+", "~", "hydra", "-")):
-            continue
-        parent = key.rpartition(".")[0]
-        while parent and not OmegaConf.is_dict(OmegaConf.select(tree, parent)):
-            parent = parent.rpartition(".")[0]
-        node = OmegaConf.select(tree, parent) if parent else tree
-        if key.removeprefix(f"{parent}.") not in list(node.keys()):  # `in` misses ??? values
-            valid = ", ".join(k for k in node if k not in ("defaults", "hydra"))
-            raise SystemExit(f"{key}={value} is not an option{f' of {parent}' if parent else ''}; valid options: {valid}")
-
-
 if __name__ == "__main__":
-    refuse_unknown_keys(sys.argv[1:])
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

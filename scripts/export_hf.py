@@ -14,29 +14,22 @@ from __future__ import annotations
 
 import sys
 
-from _common import checkpoint_arg, describe_options, flag, parse_key_values
-
-OPTIONS = {
-    "ckpt": "path to a checkpoint written by train.py (required)",
-    "out": "the folder to write (required; must not exist or be empty unless overwrite=true)",
-    "overwrite": "true: replace an existing out folder (default false)",
-}
+from _cli import command_line
+from _common import checked_checkpoint, flag, required
 
 
 def main(argv: list[str]) -> int:
-    if any(arg in ("-h", "--help", "help") for arg in argv):
-        print(f"{__doc__}\noptions:\n{describe_options(OPTIONS)}")
+    cfg = command_line("export_hf", argv, __doc__)
+    if cfg is None:
         return 0
-    args = parse_key_values(argv, OPTIONS)
-    overwrite = flag("overwrite", args.get("overwrite", "false"))
-    if not args.get("out"):
-        raise SystemExit(f"out=DIR is required; options:\n{describe_options(OPTIONS)}")
+    overwrite = flag("overwrite", cfg.overwrite)
+    out = str(required(cfg, "out", "DIR"))
     from pelab.export import ExportError, check_out, export_hf
 
     try:
-        check_out(args["out"], overwrite)  # before the checkpoint is read
-        ckpt = checkpoint_arg(args, OPTIONS)
-        exported = export_hf(ckpt, args["out"], overwrite=overwrite)
+        check_out(out, overwrite)  # before the checkpoint is read
+        ckpt = checked_checkpoint(required(cfg, "ckpt", "PATH"))
+        exported = export_hf(ckpt, out, overwrite=overwrite)
     except ExportError as e:
         raise SystemExit(str(e)) from None
     for note in exported.notes:

@@ -21,21 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, describe_options, integer, number, parse_key_values
+from _cli import command_line, compose
+from _common import ROOT, flag, integer, number
 
-OPTIONS = {
-    "part": "1, 2 or 3: one part of the acceptance (plan=true lists them); default: the steps of steps= one after another",
-    "plan": "true: print the plan and exit, also on a GPU machine (default false)",
-    "steps": "comma-separated step names or groups to run (default: all, or all of the part); preflight always runs",
-    "out": "report folder: at most 8 files, no subfolders (default outputs/gpu_check/DATE_TIME)",
-    "work": "folder for the steps' own files: logs, train runs, token cache (default: a new folder in the temp dir)",
-    "budget_s": "wall-clock budget in seconds (default: the part's 540, else 1200); a step that no longer fits is "
-                "skipped",
-    "workers": "pytest-xdist workers of the cuda tests (default 4; 1: serial)",
-    "worker": "(internal) run one in-process step in this child: t5_timing or attention_timing",
-}
+OPTIONS = compose("gpu_check", [])  # its keys and defaults: conf/scripts/gpu_check.yaml
 BUDGET_S = 1200
-WORKERS = 4
+WORKERS = OPTIONS.workers
 
 
 def select(steps: list, spec: str | None) -> list:
@@ -136,19 +127,14 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", text).group(0).split("."))
 
 
-def usage() -> str:
-    return f"{__doc__.strip()}\n\noptions (key=value):\n{describe_options(OPTIONS)}"
-
-
 def main(argv: list[str]) -> int:
-    if any(arg in ("-h", "--help", "help") for arg in argv):
-        print(usage())
+    args = command_line("gpu_check", argv, __doc__)
+    if args is None:
         return 0
-    args = parse_key_values(argv, OPTIONS)
-    if "worker" in args:
+    if args.worker is not None:
         from gpucheck.workers import run
 
-        return run(args["worker"], Path(args.get("out", ".")))
+        return run(str(args.worker), Path(str(args.out or ".")))
     import torch
 
     from gpucheck.steps import all_steps, parts
@@ -156,23 +142,23 @@ def main(argv: list[str]) -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    out = Path(args.get("out") or ROOT / "outputs" / "gpu_check" / stamp).resolve()
-    work = Path(args.get("work") or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}").resolve()
-    workers = integer("workers", args.get("workers", str(WORKERS)), minimum=1)
+    out = Path(str(args.out or ROOT / "outputs" / "gpu_check" / stamp)).resolve()
+    work = Path(str(args.work or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}")).resolve()
+    workers = integer("workers", args.workers, minimum=1)
     every = all_steps(work, sorted(SCHEMES), gpus, workers)
-    part = args.get("part")
-    plan_only = args.get("plan", "false").lower() in ("1", "true", "yes")
+    part = None if args.part is None else str(args.part)
+    plan_only = flag("plan", args.plan)
     by_part = parts(work, sorted(SCHEMES), gpus, workers) if part or plan_only or not gpus else {}
     if part is not None and part not in by_part:
         raise SystemExit(f"part={part!r}: expected one of {', '.join(by_part)} (plan=true lists them)")
     if part:
-        chosen = {s.name for s in select(by_part[part].steps(), args.get("steps"))}
+        chosen = {s.name for s in select(by_part[part].steps(), args.steps)}
         lanes = [[s for s in lane if s.name in chosen] for lane in by_part[part].lanes]
         lanes = [lane for lane in lanes if lane]
-        budget_s = number("budget_s", args.get("budget_s", str(by_part[part].budget_s)), above=0)
+        budget_s = number("budget_s", by_part[part].budget_s if args.budget_s is None else args.budget_s, above=0)
     else:
-        lanes = [select(every, args.get("steps"))]
-        budget_s = number("budget_s", args.get("budget_s", str(BUDGET_S)), above=0)
+        lanes = [select(every, args.steps)]
+        budget_s = number("budget_s", BUDGET_S if args.budget_s is None else args.budget_s, above=0)
     if plan_only or not gpus:
         if not gpus:
             print("[gpu_check] no CUDA device here: nothing is run. On a GPU machine this command runs the plan "

@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import model.loss as loss_mod  # noqa: E402
+import _common  # noqa: F401 - the checkout on sys.path: model/ is not installed
+import model.loss as loss_mod
 
 ATEN = torch.ops.aten
 HOST_READS = {ATEN.is_nonzero.default, ATEN.equal.default}
@@ -79,12 +77,13 @@ def lm_head(route: str, B: int, T: int, C: int, V: int, Vp: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    opts = {"B": 16, "T": 1024, "C": 768, "V": 50257, "Vp": 50304}
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key not in opts:
-            raise SystemExit(f"unknown key {key!r}: expected key=value with key in {', '.join(opts)}")
-        opts[key] = int(value)
+    from _cli import command_line
+    from _common import integer
+
+    cfg = command_line("loss_syncs", argv, __doc__)
+    if cfg is None:
+        return
+    opts = {key: integer(key, cfg[key], minimum=1) for key in ("B", "T", "C", "V", "Vp")}
     print(json.dumps(opts))
     for route in loss_mod.LOSS_ROUTES:
         print(json.dumps(lm_head(route, opts["B"], opts["T"], opts["C"], opts["V"], opts["Vp"])))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from _cli import HELP, usage
 from _common import ROOT
 
 REFERENCE_TOKENS = 2_000_000
@@ -48,8 +49,8 @@ def human_bytes(n: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+    if any(a in HELP for a in argv):
+        print(usage(__doc__))
         return 0
     if any(a in ("-m", "--multirun") or a.startswith("hydra/") for a in argv):
         print("prepare_data.py takes train.py's overrides for one data config, not a sweep (-m): give the "

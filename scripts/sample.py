@@ -12,43 +12,34 @@ from __future__ import annotations
 
 import sys
 
-from _common import bad_value, checkpoint_arg, device_arg, flag, integer, number, parse_key_values
-
-OPTIONS = {
-    "ckpt": "path to a checkpoint written by train.py (required)",
-    "prompt": "text to continue (default: a newline)",
-    "tokens": "number of new tokens (default 200)",
-    "temperature": "softmax temperature >= 0 (default 0.8; 0 = greedy)",
-    "top_k": "sample among the k most likely tokens (default 50; 0 = all)",
-    "top_p": "sample from the smallest set of tokens with this probability mass, in (0, 1] (default 1.0 = all)",
-    "cache": "true: decode with a KV cache (default); false: recompute the whole sequence each step",
-    "seed": "random seed (default 1337)",
-    "device": "cpu, cuda or cuda:N (default: cuda when available)",
-}
+from _cli import command_line
+from _common import bad_value, checked_checkpoint, device_arg, flag, integer, number, required
 
 
-def parse_options(args: dict[str, str]) -> dict:
+def parse_options(cfg) -> dict:
     """Every sampling option checked (one line naming it) before the checkpoint is read."""
-    prompt = args.get("prompt", "\n")
+    prompt = str(cfg.prompt)
     if not prompt:
         bad_value("prompt", prompt, "text to continue (leave prompt out to start from a newline)")
     return {
         "prompt": prompt,
-        "tokens": integer("tokens", args.get("tokens", "200"), minimum=1),
-        "temperature": number("temperature", args.get("temperature", "0.8"), minimum=0,
+        "tokens": integer("tokens", cfg.tokens, minimum=1),
+        "temperature": number("temperature", cfg.temperature, minimum=0,
                               allowed="a finite number >= 0 (0 = greedy: the most likely token each step)"),
-        "top_k": integer("top_k", args.get("top_k", "50"), minimum=0, allowed="an integer >= 0 (0 = all tokens)"),
-        "top_p": number("top_p", args.get("top_p", "1.0"), above=0, maximum=1),
-        "cache": flag("cache", args.get("cache", "true")),
-        "seed": integer("seed", args.get("seed", "1337"), minimum=0),
-        "device": device_arg(args.get("device")),
+        "top_k": integer("top_k", cfg.top_k, minimum=0, allowed="an integer >= 0 (0 = all tokens)"),
+        "top_p": number("top_p", cfg.top_p, above=0, maximum=1),
+        "cache": flag("cache", cfg.cache),
+        "seed": integer("seed", cfg.seed, minimum=0),
+        "device": device_arg(cfg.device),
     }
 
 
 def main(argv: list[str]) -> int:
-    args = parse_key_values(argv, OPTIONS)
-    options = parse_options(args)
-    ckpt = checkpoint_arg(args, OPTIONS)
+    cfg = command_line("sample", argv, __doc__)
+    if cfg is None:
+        return 0
+    options = parse_options(cfg)
+    ckpt = checked_checkpoint(required(cfg, "ckpt", "PATH"))
     import torch
     from omegaconf import OmegaConf
 

@@ -88,14 +88,16 @@ def test_device_cuda_without_a_gpu_says_so(no_checkpoint_read):
 
 def test_good_options_parse_to_the_values_given():
     """The other side: what a user may give is taken as given (0 = greedy, top_k 0 = all, null stride)."""
-    sample = script("sample").parse_options({"temperature": "0", "top_k": "0", "tokens": "7", "prompt": " ",
-                                             "cache": "false", "top_p": "1"})
+    from _cli import command_line
+
+    sample = script("sample").parse_options(command_line("sample", [
+        "ckpt=x", "temperature=0", "top_k=0", "tokens=7", "prompt= ", "cache=false", "top_p=1"], ""))
     assert (sample["temperature"], sample["top_k"], sample["tokens"], sample["prompt"], sample["cache"],
             sample["top_p"]) == (0.0, 0, 7, " ", False, 1.0)
     assert sample["device"].type in ("cpu", "cuda")
-    given = script("eval_extrapolation").parse_options(
-        {"multipliers": "[1,2.5]", "lengths": "300", "mode": "sliding", "stride": "null", "precision": "32",
-         "documents": "none,train", "rope_scaling": "none,yarn", "rope_scaling_factor": "2"})
+    given = script("eval_extrapolation").parse_options(command_line("eval_extrapolation", [
+        "ckpt=x", "multipliers=[1,2.5]", "lengths=300", "mode=sliding", "stride=null", "precision=32",
+        "documents=none,train", "rope_scaling=none,yarn", "rope_scaling_factor=2"], ""))
     assert given == {"multipliers": [1.0, 2.5], "lengths": [300], "modes": ["sliding"], "stride": None,
                      "precision": "32", "documents": ["none", None], "rope_scaling": [None, "yarn"],
                      "rope_scaling_factor": 2.0}
@@ -199,7 +201,7 @@ def compose_evaluate(*overrides):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        return compose("evaluate", overrides=list(overrides))
+        return compose("scripts/evaluate", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("override,message", [
@@ -233,6 +235,7 @@ def test_evaluate_command_line_refuses_an_unknown_key_in_one_line(tmp_path):
     proc = run_python([str(ROOT / "scripts" / "evaluate.py"), "ckpt=x.ckpt", "eval.extrapolation.multiplierz=[1]"],
                       cwd=tmp_path, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("eval.extrapolation.multiplierz=[1] is not an option of eval.extrapolation; "
-                                  "valid options: enabled, multipliers, lengths,"), proc.stderr
+    assert proc.stderr.startswith("unknown option 'eval.extrapolation.multiplierz' "
+                                  "(eval.extrapolation.multiplierz=[1]); valid options of eval.extrapolation: "
+                                  "enabled, multipliers, lengths,"), proc.stderr
     assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())  # nothing written, no outputs/
