@@ -174,6 +174,11 @@ def given(cfg, key: str) -> bool:
     return key in cfg and not OmegaConf.is_missing(cfg, key)
 
 
+def split_list(text: str) -> list[str]:
+    """A comma-separated text key's items (bench's ``configs``, ``schemes``): ``a,b`` or ``[a,b]``."""
+    return [v.strip() for v in str(text).strip("[]").split(",") if v.strip()]
+
+
 def items(value) -> list:
     """A list option's items; one value is a list of one (``mode=sliding``)."""
     return list(value) if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig" else [value]

@@ -66,7 +66,7 @@ def variants_of(spec: str) -> list[str]:
     return found
 
 
-def configs_of(spec: str, schemes: str) -> list[tuple[str, list[str]]]:
+def configs_of(spec: str, schemes: str = "") -> list[tuple[str, list[str]]]:
     """(config, schemes) pairs; a config's own ``:a+b`` list wins unless ``schemes=`` is given."""
     default_schemes = schemes or "all"
     configs = []

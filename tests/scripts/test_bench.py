@@ -91,9 +91,8 @@ def test_scheme_lists_come_from_the_registry() -> None:
     every = schemes_of("all")
     assert sorted(every) == sorted(SCHEMES) and every[0] == "learned"
     assert schemes_of("rope+learned") == schemes_of("learned,rope") == ["learned", "rope"]
-    assert configs_of({"configs": "byte-tiny:alibi+nope,gpt2-tiny"}) == [("byte-tiny", ["alibi", "nope"]),
-                                                                        ("gpt2-tiny", every)]
-    assert configs_of({"configs": "byte-tiny:alibi", "schemes": "rope"}) == [("byte-tiny", ["rope"])]
+    assert configs_of("byte-tiny:alibi+nope,gpt2-tiny") == [("byte-tiny", ["alibi", "nope"]), ("gpt2-tiny", every)]
+    assert configs_of("byte-tiny:alibi", schemes="rope") == [("byte-tiny", ["rope"])]
 
 
 def test_documents_schemes_must_be_benched_schemes_with_documents() -> None:
