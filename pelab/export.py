@@ -13,9 +13,9 @@ The classes, their configs and their weight layouts are pelab/hf_classes.py's, r
 here to export, by pelab/hf_import.py to start a run from a folder (``init_from=hf:DIR``).
 
 Every other scheme and option (another scheme, NoPE layers, other RoPE scalings, p-RoPE,
-learned frequencies, temperatures, windows, other blocks) is written as remote code
-(pelab/hf_remote/: ``trust_remote_code=True``); what that cannot compute either is refused
-before anything is written. The folder is written beside ``out`` under a temporary name and
+learned frequencies, temperatures, windows, other blocks) is written as remote code: the model's
+own files and a thin wrapper (pelab/hf_remote/: ``trust_remote_code=True``); a scheme whose
+module cannot travel with it is refused before anything is written. The folder is written beside ``out`` under a temporary name and
 renamed into place, so a failed export leaves nothing half-written. transformers is imported
 only when exporting or importing.
 """
@@ -36,10 +36,9 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe.schedule import split_schedule
 from model.pe import SCHEMES
-from pelab.checkpoint import load_lit_gpt, read_checkpoint, replace_dir
+from pelab.checkpoint import load_lit_gpt, replace_dir
 from pelab.hf_classes import EXPORTERS, LATER, Exporter, ExportError, to_hf_state
-from pelab.hf_remote import ARCHITECTURE, AUTO_MAP, REMOTE_SCHEMES, copy_templates, missing_scheme, remote_model, \
-    remote_refusal
+from pelab.hf_remote import ARCHITECTURE, remote_refusal, save_remote
 
 # GPTConfig fields every exporter maps (attention backends all compute the same function);
 # any other field must be at its default.
@@ -70,10 +69,6 @@ def export_hf(ckpt_path, out_dir, overwrite: bool = False) -> Exported:
     folder at ``out_dir``."""
     out = check_out(out_dir, overwrite)
     require_transformers()
-    pe_config = read_checkpoint(ckpt_path, key="ckpt")["hyper_parameters"]["pe"]  # tensors not read (mmap)
-    name = scheme_name(pe_config)
-    if scheme_refusal(name) and name not in REMOTE_SCHEMES:  # before the weights load
-        raise ExportError(missing_scheme(name))
     lit = load_lit_gpt(ckpt_path, map_location="cpu")
     return export_model(lit.model.eval(), out, pe_config=dict(lit.hparams["pe"]),
                         tokenizer=run_tokenizer(Path(ckpt_path)), overwrite=overwrite)
@@ -81,9 +76,9 @@ def export_hf(ckpt_path, out_dir, overwrite: bool = False) -> Exported:
 
 def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: Any = None,
                  overwrite: bool = False) -> Exported:
-    """``gpt`` (built from the ``pe`` config ``pe_config``) with ``tokenizer``'s files (a pelab
-    tokenizer of data/tokenizers.py, or None) written to ``out_dir``: as a native class where one
-    is exact, else as remote code."""
+    """``gpt`` (built from the ``pe`` config ``pe_config``: the scheme's options, which remote code
+    rebuilds it from) with ``tokenizer``'s files (a pelab tokenizer of data/tokenizers.py, or None)
+    written to ``out_dir``: as a native class where one is exact, else as remote code."""
     out = check_out(out_dir, overwrite)
     pe_config = pe_config or {}
     native_refusal = unexportable(gpt, pe_config)
@@ -94,25 +89,25 @@ def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: An
     transformers = require_transformers()
     notes: list[str] = []
     if native_refusal is None:
-        (hf_model, extra_config), generation = native_model(transformers, gpt), {}
+        (hf_model, extra_config), architecture = native_model(transformers, gpt), exporter_for(gpt).architecture
     else:
-        hf_model, extra_config = remote_model(gpt), {"auto_map": AUTO_MAP}
-        generation = {"use_cache": False}  # the remote code keeps no KV cache
+        architecture = ARCHITECTURE
         notes.append(f"{native_refusal}: written as remote code ({ARCHITECTURE}); load it with "
                      f"trust_remote_code=True")
     eot = getattr(tokenizer, "eot_token", None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        save_model(hf_model, tmp, extra_config, eot, generation)
-        if native_refusal is not None:
-            copy_templates(tmp)
+        if native_refusal is None:
+            save_model(hf_model, tmp, extra_config, eot)
+        else:
+            save_remote(gpt, pe_config, tmp, eot)
         notes += save_tokenizer(tokenizer, gpt.config.vocab_size, tmp)
         replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return Exported(out, type(hf_model).__name__, notes)
+    return Exported(out, architecture, notes)
 
 
 def native_model(transformers, gpt: GPT) -> tuple[nn.Module, dict]:
@@ -197,15 +192,14 @@ def scheme_name(pe_config: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 # files
 
-def save_model(hf_model: nn.Module, folder: Path, extra_config: dict, eot: int | None,
-               generation: dict | None = None) -> None:
+def save_model(hf_model: nn.Module, folder: Path, extra_config: dict, eot: int | None) -> None:
     """safetensors weights (tied head written once), config.json with ``extra_config`` added,
-    generation_config.json (with ``generation``'s settings)."""
+    generation_config.json."""
     from transformers import GenerationConfig
 
     hf_model.config.bos_token_id = hf_model.config.eos_token_id = eot
     hf_model.save_pretrained(folder, safe_serialization=True)
-    GenerationConfig(bos_token_id=eot, eos_token_id=eot, **(generation or {})).save_pretrained(folder)
+    GenerationConfig(bos_token_id=eot, eos_token_id=eot).save_pretrained(folder)
     path = folder / "config.json"
     config = json.loads(path.read_text())
     config.update(extra_config)

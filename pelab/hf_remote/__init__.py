@@ -1,164 +1,215 @@
-"""Export as transformers remote code: every scheme and option no native class holds exactly.
+"""Export as transformers remote code: the model's own files and a thin wrapper.
 
-The folder gets this package's ``modeling_pelab.py`` and ``configuration_pelab.py`` copied
-verbatim (they import only torch and transformers), ``auto_map`` in config.json, and pelab's
-weights under their own names (``model.`` + GPT.state_dict's key, the tied head stored once).
-``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads it.
+The folder holds
+- a flat copy of the ``model/`` package, one file per module (model/pe/rope.py ->
+  pelab_model_pe_rope.py), its ``from model.x import`` lines made ``from .pelab_model_x import``:
+  the only imports transformers' remote-code loader follows to sibling files
+  (``dynamic_module_utils.get_relative_imports``);
+- the module defining the scheme when it lives outside model/ (a user's scheme), rewritten alike;
+- ``pelab_schemes.py`` (generated): imports the scheme's module, so that it registers;
+- this package's ``modeling_pelab.py``, verbatim: the wrapper (configuration and model) that builds
+  pelab's GPT from config.json and maps transformers' inputs and cache onto ``GPT.hidden``.
 
-config.json describes the model in the remote code's terms (configuration_pelab.py): the block
-options, each layer's window, NoPE layers and RoPE base, the attention temperature and the
-scheme as its parts (``embed``, ``rotate``, ``bias``), built by the scheme's entry in
-``REMOTE_SCHEMES``. A new scheme is one entry there (the options it reads and its parts) and
-its formula in modeling_pelab.py; a new model option is one name in ``FIELDS`` once the remote
-code computes it. Anything else is refused naming the key.
+config.json carries GPTConfig's fields (``gpt``), the scheme (``pe``: its registered name, its
+constructor's options, its RoPE scaling) and the per-layer plan (``nope_layers``, ``layer_bases``);
+the weights are GPT's own under ``model.`` (the tied head stored once). A shipped module that
+imports anything but torch, the standard library and model/ is refused naming it.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import json
+import re
 import shutil
-from collections.abc import Callable
+import sys
 from pathlib import Path
-from typing import Any, NamedTuple
 
-from torch import Tensor, nn
+import torch
 
-from model.config import GPTConfig
+import model as model_package
 from model.gpt import GPT
+from model.pe.scaling import split_scaling
 from model.pe.schedule import split_schedule
 from pelab.hf_classes import ExportError
 
 ARCHITECTURE = "PelabForCausalLM"
-TEMPLATES = ("configuration_pelab.py", "modeling_pelab.py")
-AUTO_MAP = {"AutoConfig": "configuration_pelab.PelabConfig", "AutoModelForCausalLM": "modeling_pelab.PelabForCausalLM"}
-NOT_REMOTE = "is not exportable (not even as remote code)"
-
-# GPTConfig fields the remote code computes at any value (attention backends and dropout change nothing at inference)
-FIELDS = frozenset({
-    "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "pad_vocab_multiple", "attention",
-    "attn_temperature", "attn_temperature_length", "attn_temperature_floor", "attn_temperature_scale",
-    "norm", "mlp", "qk_norm", "n_kv_head", "window", "window_pattern", "sinks", "normaliser",
-})
-# pe schedule keys: the per-layer plan is read off the model; randomize_to moves training positions only
-SCHEDULE = frozenset({"nope_every", "nope_layers", "global_base", "randomize_to"})
+TEMPLATES = ("modeling_pelab.py",)
+AUTO_MAP = {"AutoConfig": "modeling_pelab.PelabConfig", "AutoModelForCausalLM": "modeling_pelab.PelabForCausalLM"}
+REGISTRY = "pelab_schemes.py"
+FORMAT = 2  # config.json's pelab_format: the model's own code (folders of the restated model have none)
+NOT_REMOTE = "is not exportable as remote code"
+MODEL_DIR = Path(model_package.__file__).parent
+SHIPPABLE = frozenset({"torch", *sys.stdlib_module_names})  # what a shipped module may import besides model/
 
 
-class RemoteScheme(NamedTuple):
-    options: tuple[str, ...]  # the pe options its parts hold (another one is refused)
-    parts: Callable[[Any], dict]  # the scheme instance -> {"embed"|"rotate"|"bias": options}
+def flat_name(module: str) -> str:
+    """The folder's file (without .py) of a dotted module: model.pe.rope -> pelab_model_pe_rope; a module
+    outside model/ -> pelab_user_<module>."""
+    inside = module == "model" or module.startswith("model.")
+    return ("pelab_" if inside else "pelab_user_") + module.replace(".", "_")
 
 
-def rotation(pe) -> dict:
-    """RoPE and its subclasses: base, rotated dims, kept pairs (p-RoPE, HoPE), learned frequencies, scaling."""
-    return {"kind": "rope", "base": float(pe.base), "rotary_dim": pe.rotary_dim, "kept_pairs": pe.kept_pairs,
-            "learnable_freq": pe.log_freq_scale is not None, "xpos": None,
-            "scaling": None if pe.scaling is None else dataclasses.asdict(pe.scaling)}
+def model_modules() -> dict[str, Path]:
+    """{dotted name: file} of every module of the model/ package."""
+    modules = {}
+    for path in sorted(MODEL_DIR.rglob("*.py")):
+        parts = list(path.relative_to(MODEL_DIR.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
 
 
-def slopes(pe) -> dict:
-    # the slopes as the scheme holds them: alibi_slopes, bias_heads, slope_multiplier and a linear scaling applied
-    return {"kind": "slopes", "slopes": pe.slopes.tolist()}
+def flat_source(source: str, where: str) -> str:
+    """``source`` with its model/ imports made flat relative ones; refuses any other import but
+    torch's and the standard library's."""
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "model":  # the loader follows `from .x import` only
+                    raise ExportError(f"{where} line {node.lineno}: `import {alias.name}` {NOT_REMOTE}; write "
+                                      f"`from {alias.name} import ...`")
+                check_shippable(alias.name, where, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level or module.split(".")[0] != "model":
+                check_shippable("." * node.level + module, where, node.lineno)
+                continue
+            line = lines[node.lineno - 1]
+            flat = re.sub(rf"\bfrom\s+{re.escape(module)}\s+import\b", f"from .{flat_name(module)} import", line, 1)
+            if flat == line:
+                raise ExportError(f"{where} line {node.lineno}: write `from {module} import` on one line")
+            lines[node.lineno - 1] = flat
+    return "".join(lines)
 
 
-REMOTE_SCHEMES: dict[str, RemoteScheme] = {
-    "learned": RemoteScheme(("max_positions", "extend"),
-                            lambda pe: {"embed": {"kind": "learned", "positions": pe.table_size}}),
-    "sinusoidal": RemoteScheme(("base", "scale"),
-                               lambda pe: {"embed": {"kind": "sinusoidal", "base": pe.base, "scale": pe.scale}}),
-    "rope": RemoteScheme(("base", "rotary_fraction", "keep_fraction", "learnable_freq", "max_period", "min_frequency",
-                          "scaling"), lambda pe: {"rotate": rotation(pe)}),
-    "alibi": RemoteScheme(("scaling",), lambda pe: {"bias": slopes(pe)}),
-    "xpos": RemoteScheme(("base", "gamma", "scale_base", "rotary_fraction", "scaling"),
-                         lambda pe: {"rotate": {**rotation(pe), "xpos": {"gamma": pe.gamma,
-                                                                         "scale_base": pe.scale_base}}}),
-    "rope_alibi": RemoteScheme(("base", "rotary_fraction", "bias_heads", "slope_multiplier", "scaling"),
-                               lambda pe: {"rotate": rotation(pe), "bias": slopes(pe)}),
-    "fire": RemoteScheme(("mlp_width", "init_c", "init_threshold", "eps"),
-                         lambda pe: {"bias": {"kind": "fire", "mlp_width": pe.mlp[0].out_features, "eps": pe.eps}}),
-    "kerple_log": RemoteScheme(("eps",), lambda pe: {"bias": {"kind": "kerple_log", "eps": pe.eps, "r2_max": None}}),
-    "kerple_power": RemoteScheme(("eps",), lambda pe: {"bias": {"kind": "kerple_power", "eps": pe.eps,
-                                                                "r2_max": pe.r2_max}}),
-    "nope": RemoteScheme((), lambda pe: {}),
-    "t5": RemoteScheme(("num_buckets", "max_distance"),
-                       lambda pe: {"bias": {"kind": "t5", "num_buckets": pe.num_buckets,
-                                            "max_distance": pe.max_distance}}),
-    "pope": RemoteScheme(("base", "delta_init"), lambda pe: {"rotate": {"kind": "pope", "base": float(pe.base)}}),
-    "fox": RemoteScheme((), lambda pe: {"gates": {"kind": "fox"}}),
-    "cope": RemoteScheme(("npos_max",), lambda pe: {"scores": {"kind": "cope", "npos": pe.npos}}),
-}
+@functools.lru_cache(maxsize=256)
+def flat_file(path: str, stamp: int, shippable: frozenset) -> str:
+    """``flat_source`` of a file, once per version of it (``stamp``: its mtime) and of SHIPPABLE."""
+    return flat_source(Path(path).read_text(encoding="utf-8"), path)
 
 
-def missing_scheme(name: str) -> str:
-    return (f"pe={name} {NOT_REMOTE}: add its entry to REMOTE_SCHEMES in pelab/hf_remote/__init__.py (the options it "
-            f"reads and its embed/rotate/bias parts) and its formula to pelab/hf_remote/modeling_pelab.py")
+def check_shippable(module: str, where: str, line: int) -> None:
+    if module.split(".")[0] not in SHIPPABLE:
+        raise ExportError(f"{where} line {line} imports {module}: {NOT_REMOTE} (a shipped module may import only "
+                          f"torch, the standard library and model/)")
+
+
+def scheme_module(gpt: GPT) -> tuple[str, Path]:
+    """(dotted name, file) of the module defining ``gpt``'s scheme class."""
+    cls = type(gpt.pe)
+    if "<locals>" in cls.__qualname__:
+        raise ExportError(f"pe={gpt.pe.name} {NOT_REMOTE}: its class {cls.__qualname__} is defined inside a "
+                          f"function; define it at the top level of its module")
+    path = Path(inspect.getsourcefile(cls))
+    module = cls.__module__ if cls.__module__ != "__main__" else path.stem
+    return module, path
+
+
+def remote_files(gpt: GPT) -> dict[str, str]:
+    """{file name: text} of the code the folder carries besides the wrapper (ExportError if a
+    module cannot travel)."""
+    modules = model_modules()
+    module, path = scheme_module(gpt)
+    modules.setdefault(module, path)  # a scheme outside model/ travels with it
+    files = {f"{flat_name(m)}.py": flat_file(str(p), p.stat().st_mtime_ns, SHIPPABLE) for m, p in modules.items()}
+    if len(files) != len(modules):
+        raise ExportError(f"two modules share a flat file name in {sorted(modules)}: rename one")
+    lines = ['"""Written by pelab\'s exporter: importing this registers every position scheme the model may use."""',
+             "", "from .pelab_model_pe import SCHEMES  # noqa: F401  (model/pe/: the built-in schemes)"]
+    package = ast.parse((MODEL_DIR / "pe" / "__init__.py").read_text(encoding="utf-8"))
+    if module not in {node.module for node in ast.walk(package) if isinstance(node, ast.ImportFrom)}:
+        # a scheme the model/pe package does not import (a user's) registers when its module is imported
+        lines.append(f"from .{flat_name(module)} import {type(gpt.pe).__name__}  # noqa: F401  (pe={gpt.pe.name})")
+    files[REGISTRY] = "\n".join(lines) + "\n"
+    return files
 
 
 def remote_refusal(gpt: GPT, pe_config: dict) -> str | None:
     """Why ``gpt`` (built from the ``pe`` config ``pe_config``) cannot be written as remote code (one line), or None."""
-    scheme = REMOTE_SCHEMES.get(gpt.pe.name)
-    if scheme is None:
-        return missing_scheme(gpt.pe.name)
-    for field in dataclasses.fields(GPTConfig):
-        value = getattr(gpt.config, field.name)
-        if field.name not in FIELDS and field.default is not dataclasses.MISSING and value != field.default:
-            return f"model.{field.name}={value!r} {NOT_REMOTE}: only its default {field.default!r} is"
-    options, schedule = split_schedule(pe_config)
-    for key, value in schedule.items():
-        if key not in SCHEDULE and value is not None:
-            return f"pe.{key}={value!r} {NOT_REMOTE}"
-    unknown = sorted(set(options) - {"_target_", "scaling", *scheme.options})
-    if unknown:
-        return f"pe.{unknown[0]}={options[unknown[0]]!r} {NOT_REMOTE} for pe={gpt.pe.name}"
-    if gpt.pe.scaling is not None and "scaling" not in scheme.options:  # every pe config has a (kind none) block
-        return f"pe.scaling.kind={gpt.pe.scaling.kind} {NOT_REMOTE} for pe={gpt.pe.name}"
+    options = remote_config(gpt, pe_config)["pe"]["options"]
+    takes = inspect.signature(type(gpt.pe)).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            return (f"pe.{unknown[0]}={options[unknown[0]]!r} {NOT_REMOTE}: pe={gpt.pe.name} takes "
+                    f"{', '.join(k for k in takes if k != 'config')}")
+    try:
+        remote_files(gpt)
+        json.dumps(options)
+    except ExportError as err:
+        return str(err)
+    except TypeError as err:
+        return f"pe={gpt.pe.name} {NOT_REMOTE}: its options are not plain values for config.json ({err})"
     return None
 
 
-def remote_config(gpt: GPT) -> dict:
-    """The PelabConfig keyword arguments of ``gpt`` (configuration_pelab.py)."""
+def remote_config(gpt: GPT, pe_config: dict) -> dict:
+    """config.json's model description: GPTConfig's fields, the scheme's name, constructor options
+    and scaling, the per-layer plan."""
+    options, _ = split_schedule(pe_config)  # the per-layer plan is read off the model below
+    options, _ = split_scaling(options)  # the scaling is read off the scheme: it may be applied after building
+    options = {k: v for k, v in options.items() if k != "_target_"}
+    scaling = gpt.pe.scaling
     c = gpt.config
-    bases = list(getattr(gpt, "layer_bases", ()))  # pe.global_base: layer i's own RoPE base
-    return dict(
-        vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_kv_head=c.kv_heads,
-        bias=c.bias, norm=c.norm, mlp=c.mlp, mlp_hidden=gpt.blocks[0].mlp.c_proj.in_features, qk_norm=c.qk_norm,
-        max_position_embeddings=gpt.pe.max_positions or c.block_size, layer_windows=list(c.layer_windows),
-        nope_layers=sorted(gpt.nope_layers), layer_bases=bases + [None] * (c.n_layer - len(bases)),
-        attn_temperature=temperature(gpt), pe=REMOTE_SCHEMES[gpt.pe.name].parts(gpt.pe), pelab_scheme=gpt.pe.name,
-        sinks=c.sinks, normaliser=c.normaliser)
+    return {
+        "gpt": {**dataclasses.asdict(c), "attention": "auto"},  # any backend computes the same function
+        "pe": {"scheme": gpt.pe.name, "options": options,
+               "scaling": None if scaling is None else dataclasses.asdict(scaling)},
+        "nope_layers": sorted(gpt.nope_layers), "layer_bases": list(gpt.layer_bases),
+        "vocab_size": c.vocab_size, "max_position_embeddings": gpt.pe.max_positions or c.block_size,
+        "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+        "pelab_format": FORMAT,
+    }
 
 
-def temperature(gpt: GPT) -> dict | None:
-    """The attention temperature and the layers whose queries it scales (llama4: those without position information)."""
-    c = gpt.config
-    if c.attn_temperature == "none":
-        return None
-    positional = gpt.pe.uses_rotate or gpt.pe.uses_bias
-    layers = [i for i in range(c.n_layer) if c.attn_temperature != "llama4" or i in gpt.nope_layers or not positional]
-    return {"kind": c.attn_temperature, "layers": layers, "length": c.attn_temperature_length or c.block_size,
-            "floor": c.attn_temperature_floor, "scale": c.attn_temperature_scale}
+def rebuilt(config: dict) -> GPT:
+    """pelab's GPT built from config.json's description (``remote_config``), as the wrapper builds it
+    from the folder's copy of model/."""
+    from model.config import GPTConfig
+    from model.pe import SCHEMES
+    from model.pe.rope_scaling import RopeScaling
+
+    gpt_config = GPTConfig(**config["gpt"])
+    scheme = SCHEMES[config["pe"]["scheme"]](gpt_config, **config["pe"]["options"])
+    if config["pe"]["scaling"] is not None:
+        scheme.scale(RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
+                                    for k, v in config["pe"]["scaling"].items()}))
+    return GPT(gpt_config, scheme, frozenset(config["nope_layers"]), tuple(config["layer_bases"]))
 
 
-def remote_state(gpt: GPT) -> dict[str, Tensor]:
-    """pelab's weights under the remote model's names: the padded vocabulary rows dropped, the tied head left out."""
-    state = {f"model.{key}": value for key, value in gpt.state_dict().items() if key != "lm_head.weight"}
-    state["model.wte.weight"] = state["model.wte.weight"][: gpt.config.vocab_size]
-    return state
+def check_rebuilds(gpt: GPT, config: dict) -> None:
+    """The model config.json describes computes ``gpt``'s logits: its options are all there."""
+    copy = rebuilt(json.loads(json.dumps(config))).to(gpt.lm_head.weight.device).eval()
+    copy.load_state_dict(gpt.state_dict())
+    T = min(16, gpt.pe.max_positions or 16)
+    ids = torch.arange(T, device=copy.lm_head.weight.device)[None] % gpt.config.vocab_size
+    with torch.no_grad():
+        diff = (copy(ids)[0] - gpt(ids)[0]).abs().max().item()
+    if not diff <= 1e-5:
+        raise ExportError(f"pe={gpt.pe.name} built from the pe options {config['pe']['options']} computes other "
+                          f"logits (max diff {diff:.3g}): export it with the pe config it was built from")
 
 
-def remote_model(gpt: GPT) -> nn.Module:
-    """The remote code's model holding ``gpt``'s weights; every tensor of either side has its match."""
-    from pelab.hf_remote.configuration_pelab import PelabConfig
-    from pelab.hf_remote.modeling_pelab import PelabForCausalLM
+def save_remote(gpt: GPT, pe_config: dict, folder: Path, eot: int | None) -> None:
+    """The folder's code, config.json, generation_config.json and weights (safetensors)."""
+    import transformers
+    from safetensors.torch import save_file
 
-    model = PelabForCausalLM(PelabConfig(**remote_config(gpt))).eval()
-    result = model.load_state_dict(remote_state(gpt), strict=False)
-    missing = sorted(set(result.missing_keys) - {"lm_head.weight"})
-    if missing or result.unexpected_keys:  # a bug of the remote code, never a random weight
-        raise ExportError(f"{ARCHITECTURE}: the remote code has no place for {result.unexpected_keys} "
-                          f"or no pelab weight for {missing}")
-    return model
-
-
-def copy_templates(folder: Path) -> None:
+    files = remote_files(gpt)
+    config = remote_config(gpt, pe_config)
+    check_rebuilds(gpt, config)
+    folder.mkdir(parents=True, exist_ok=True)
     for name in TEMPLATES:
         shutil.copyfile(Path(__file__).with_name(name), folder / name)
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    config.update(model_type="pelab", architectures=[ARCHITECTURE], auto_map=AUTO_MAP, tie_word_embeddings=True,
+                  bos_token_id=eot, eos_token_id=eot, transformers_version=transformers.__version__)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot).save_pretrained(folder)
+    state = {f"model.{k}": v.detach().contiguous().cpu() for k, v in gpt.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})

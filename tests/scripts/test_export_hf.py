@@ -25,7 +25,7 @@ from model.pe import SCHEMES  # noqa: E402
 from model.pe.scaling import apply_scaling  # noqa: E402
 from pelab.export import unexportable  # noqa: E402
 from pelab.hf_classes import EXPORTERS  # noqa: E402
-from pelab.hf_remote import REMOTE_SCHEMES, remote_refusal  # noqa: E402
+from pelab.hf_remote import SHIPPABLE, remote_refusal  # noqa: E402
 from pelab.lit import LitGPT  # noqa: E402
 from tests.tiny import tiny_gpt  # noqa: E402
 
@@ -256,9 +256,11 @@ def test_script_refuses_a_missing_checkpoint_and_a_missing_out(tmp_path):
 
 
 def test_script_refuses_an_unexportable_checkpoint_and_writes_nothing(tmp_path, monkeypatch):
+    import pelab.hf_remote
+
     ckpt = write_checkpoint(tmp_path / "run", "alibi", {}, {}, "bytes")
-    monkeypatch.delitem(REMOTE_SCHEMES, "alibi")  # a scheme nothing exports
-    with pytest.raises(SystemExit, match=r"pe=alibi is not exportable \(not even as remote code\)"):
+    monkeypatch.setattr(pelab.hf_remote, "SHIPPABLE", SHIPPABLE - {"torch"})  # a model whose code cannot travel
+    with pytest.raises(SystemExit, match=r"line \d+ imports torch: is not exportable as remote code"):
         script().main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"])
     assert not (tmp_path / "hf").exists()
 

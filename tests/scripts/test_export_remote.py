@@ -1,12 +1,15 @@
-"""Remote-code export (pelab/hf_remote/): every registered scheme, and the options no native class
-holds, written as modeling_pelab.py + configuration_pelab.py with ``auto_map``, loads with
-``trust_remote_code=True`` and computes pelab's logits (float32, max abs diff <= 1e-4) and pelab's
-greedy text (model/generate.py with its KV cache, temperature 0). The reference is pelab's own
-model on the same weights and ids, its scheme parameters moved off their initialisation."""
+"""Remote-code export (pelab/hf_remote/): the model exported as itself, a flat copy of model/ and a
+thin wrapper, loads with ``trust_remote_code=True`` and computes pelab's logits (float32, max abs
+diff <= 1e-4) and pelab's greedy text (model/generate.py with its KV cache, temperature 0);
+transformers' ``generate`` with its cache (pelab's KVCache) gives the text it gives without. The
+cases come from the registry (every scheme, plain and with every attention option it allows), plus
+the options no native class holds; a scheme written in this file exports with no other edit. The
+reference is pelab's own model on the same weights and ids, its scheme parameters off their init."""
 
 import ast
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +20,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from model.pe import SCHEMES  # noqa: E402
 from model.pe.schedule import SCHEDULE_KEYS  # noqa: E402
-from pelab.export import ExportError, export_model  # noqa: E402
-from pelab.hf_classes import EXPORTERS  # noqa: E402
-from pelab.hf_remote import AUTO_MAP, REMOTE_SCHEMES, TEMPLATES  # noqa: E402
+from pelab.config import ConfigError  # noqa: E402
+from pelab.export import ExportError, export_model, exporter_for, unexportable  # noqa: E402
+from pelab.hf_remote import AUTO_MAP, REGISTRY, TEMPLATES, flat_name, model_modules  # noqa: E402
 from pelab.lit import LitGPT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,11 +32,13 @@ YARN = {"kind": "yarn", "factor": 2.0, "original_length": 16}
 LLAMA3 = {"kind": "llama3", "factor": 4.0, "original_length": 16, "low_freq_factor": 1.5, "high_freq_factor": 6.0}
 LONGROPE = {"kind": "longrope", "factor": 2.0, "short_factor": [1.0 + k / 8 for k in range(PAIRS)],
             "long_factor": [1.0 + k for k in range(PAIRS)]}
+# every attention option at once: a window pattern, learned sinks, GQA and QK-norm
+ATTENTION = dict(window_pattern=[8, None], sinks="learned", n_kv_head=2, qk_norm=True)
+SKIPPED: dict[str, list[str]] = {}  # scheme -> the ATTENTION options its model refuses (none today)
 
-# name: (pe scheme, its options, model options); every registered scheme and each option no native class holds
-CASES = {
+# name: (pe scheme, its options, model options): the options no native class holds
+OPTION_CASES = {
     "learned_window_bias": ("learned", {}, dict(window=8, bias=True, pad_vocab_multiple=16)),
-    "sinusoidal": ("sinusoidal", {}, {}),
     "rope_p_learned_freq_yarn": ("rope", {"keep_fraction": 0.5, "learnable_freq": True, "scaling": YARN}, {}),
     "rope_hope_half_dynamic_ntk": ("rope", {"max_period": 40.0, "rotary_fraction": 0.5,
                                             "scaling": {"kind": "dynamic_ntk", "factor": 2.0}}, {}),
@@ -46,24 +51,16 @@ CASES = {
     "xpos_half_llama3_pattern": ("xpos", {"rotary_fraction": 0.5, "scaling": LLAMA3}, dict(window_pattern=[8, None])),
     "rope_alibi_ssmax": ("rope_alibi", {"bias_heads": 2, "slope_multiplier": 0.5}, dict(attn_temperature="ssmax")),
     "fire": ("fire", {"mlp_width": 8}, {}),
-    "kerple_log": ("kerple_log", {}, {}),
     "kerple_power_swiglu": ("kerple_power", {}, dict(mlp="swiglu")),
     "nope_llama4": ("nope", {}, dict(attn_temperature="llama4", attn_temperature_floor=4,
                                      attn_temperature_scale=0.5)),
     "t5_rmsnorm": ("t5", {"num_buckets": 8, "max_distance": 20}, dict(norm="rmsnorm")),
+    "cope_clamped_window_gqa": ("cope", {"npos_max": 6}, dict(window_pattern=[8, None], n_kv_head=2)),
+    "alibi_zero_sinks_gqa": ("alibi", {}, dict(sinks="zero", n_kv_head=2)),
+    "rope_stick_breaking_window": ("rope", {}, dict(normaliser="stick_breaking", window=8)),
+    "rope_global_base": ("rope", {"base": 100.0, "global_base": 10000.0}, dict(window_pattern=[8, None])),
 }
-if "pope" in SCHEMES:
-    CASES["pope"] = ("pope", {}, {})
-if "fox" in SCHEMES:  # per-layer gates of the attention input; a window masks
-    CASES["fox_window_gqa"] = ("fox", {}, dict(window_pattern=[8, None], n_kv_head=2))
-if "cope" in SCHEMES:  # gates of the scores over the visible keys; a small table clamps the positions
-    CASES["cope_clamped_window_gqa"] = ("cope", {"npos_max": 6}, dict(window_pattern=[8, None], n_kv_head=2))
-# attention sinks (learned: gpt-oss's per-head logit; zero: off-by-one) and stick-breaking attention
-CASES["t5_learned_sinks_pattern"] = ("t5", {"num_buckets": 8}, dict(sinks="learned", window_pattern=[8, None]))
-CASES["alibi_zero_sinks_gqa"] = ("alibi", {}, dict(sinks="zero", n_kv_head=2))
-CASES["rope_stick_breaking_window"] = ("rope", {}, dict(normaliser="stick_breaking", window=8))
-if "global_base" in SCHEDULE_KEYS:  # per-layer RoPE bases (Gemma 3's local and global theta)
-    CASES["rope_global_base"] = ("rope", {"base": 100.0, "global_base": 10000.0}, dict(window_pattern=[8, None]))
+assert "global_base" in SCHEDULE_KEYS
 
 
 def target(scheme: str) -> str:
@@ -73,7 +70,7 @@ def target(scheme: str) -> str:
 
 def spread_weights(model: torch.nn.Module, seed: int) -> None:
     """Every weight off its init (the scheme's too: T5's table, KERPLE's r, FIRE's MLP, c and threshold,
-    learned frequencies, ssmax's s_h), so logits are spread and a misplaced term shows."""
+    learned frequencies, ssmax's s_h, the sinks), so logits are spread and a misplaced term shows."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -81,14 +78,41 @@ def spread_weights(model: torch.nn.Module, seed: int) -> None:
             p.add_(noise * 0.1) if p.dim() == 1 else p.copy_(noise / math.sqrt(p.shape[-1]))
 
 
-def build(scheme: str, pe_options: dict, model_options: dict):
+def build(scheme: str, pe_options: dict, model_options: dict, spread: bool = True):
     """(pelab's GPT, its pe config), built as train.py builds a run."""
     torch.manual_seed(0)
     model = dict(vocab_size=VOCAB, block_size=LENGTH, n_layer=2, n_head=4, n_embd=64, **model_options)
     pe = {"_target_": target(scheme), **pe_options}
     gpt = LitGPT(model=model, pe=pe).model.eval()
-    spread_weights(gpt, seed=1)
+    if spread:
+        spread_weights(gpt, seed=1)
     return gpt, pe
+
+
+def allowed_attention(scheme: str) -> tuple[dict, list[str]]:
+    """ATTENTION less the options the scheme's model refuses (asked by building it), and those."""
+    refused = []
+    for key, value in ATTENTION.items():
+        try:
+            build(scheme, {}, {key: value}, spread=False)
+        except (ConfigError, ValueError):
+            refused.append(key)
+    return {k: v for k, v in ATTENTION.items() if k not in refused}, refused
+
+
+def registry_cases() -> tuple[dict, dict]:
+    cases, skipped = {}, {}
+    for scheme in SCHEMES:
+        options, refused = allowed_attention(scheme)
+        cases[f"{scheme}-plain"] = (scheme, {}, {})
+        cases[f"{scheme}-attention"] = (scheme, {}, options)
+        if refused:
+            skipped[scheme] = refused
+    return cases, skipped
+
+
+REGISTRY_CASES, REFUSED = registry_cases()
+CASES = {**REGISTRY_CASES, **OPTION_CASES}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,34 +124,42 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def export_case(root: Path, name: str, case) -> tuple:
+    gpt, pe = build(*case)
+    # every folder named hf: transformers imports one copy of the (identical) code for all of them
+    result = export_model(gpt, root / name / "hf", pe_config=pe)
+    native = unexportable(gpt, pe) is None  # a plain learned or rope model keeps its native class
+    assert result.architecture == (exporter_for(gpt).architecture if native else "PelabForCausalLM"), result
+    return gpt, result.path
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """name -> (pelab's GPT, the folder it was exported to), each built and written once."""
     root = tmp_path_factory.mktemp("remote")
-    models = {}
-    for name, case in CASES.items():
-        gpt, pe = build(*case)
-        result = export_model(gpt, root / name, pe_config=pe)
-        assert result.architecture == "PelabForCausalLM", result
-        models[name] = (gpt, result.path)
-    return models
+    return {name: export_case(root, name, case) for name, case in CASES.items()}
 
 
-def test_every_registered_scheme_exports_and_has_a_case():
-    native = {e.scheme for e in EXPORTERS.values()}
-    for name in SCHEMES:
-        assert name in REMOTE_SCHEMES or name in native, (
-            f"pe={name} has no export: add its entry to REMOTE_SCHEMES in pelab/hf_remote/__init__.py and its "
-            f"formula to pelab/hf_remote/modeling_pelab.py")
+def load(out: Path):
+    return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def greedy(hf, prompt, new=NEW, **kwargs):
+    return hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new,
+                       eos_token_id=None, **kwargs)
+
+
+def test_every_registered_scheme_has_its_cases_and_refusals_are_named():
+    assert {scheme for scheme, _, _ in REGISTRY_CASES.values()} == set(SCHEMES)
+    assert REFUSED == SKIPPED  # a scheme that newly refuses an attention option is named in SKIPPED
     untested = sorted(set(SCHEMES) - {scheme for scheme, _, _ in CASES.values()})
-    assert not untested, f"add a case for pe={untested[0]} to CASES in tests/scripts/test_export_remote.py"
+    assert not untested
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_remote_code_gives_pelab_logits_and_greedy_text(exported, name):
+def test_remote_code_gives_pelab_logits_and_greedy_text_with_and_without_the_cache(exported, name):
     gpt, out = exported[name]
-    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "PelabForCausalLM"
+    hf = load(out)
     T = LENGTH if gpt.pe.max_positions else LENGTH + 8  # past the training length where the scheme can go
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -137,61 +169,83 @@ def test_remote_code_gives_pelab_logits_and_greedy_text(exported, name):
     assert want.std() > 0.5  # spread logits: the comparison is not of near-constants
 
     prompt = ids[:1, :PROMPT]
-    text = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW,
-                       eos_token_id=None)
+    text = greedy(hf, prompt)
     assert text.tolist() == gpt.generate(prompt, NEW, temperature=0).tolist()
+    assert greedy(hf, prompt, use_cache=False).tolist() == text.tolist()
 
 
-def test_left_padded_batch_generates_each_prompt_as_alone(exported):
+def test_generate_with_the_cache_feeds_one_token_a_step(exported):
+    gpt, out = exported["xpos_half_llama3_pattern"]  # a span-dependent scheme (xPos's reference point)
+    hf = load(out)
+    fed, hidden = [], hf.model.hidden
+
+    def counting(idx, *args, **kwargs):
+        fed.append(idx.shape[1])
+        return hidden(idx, *args, **kwargs)
+
+    hf.model.hidden = counting
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(6))
+    assert greedy(hf, prompt, new=6).tolist() == gpt.generate(prompt, 6, temperature=0).tolist()
+    assert fed == [PROMPT] + [1] * 5
+    fed.clear()
+    greedy(hf, prompt, new=6, use_cache=False)
+    assert fed == list(range(PROMPT, PROMPT + 6))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_left_padded_batch_generates_each_prompt_as_alone(exported, use_cache):
     gpt, out = exported["alibi_linear_log_length"]
-    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    hf = load(out)
     prompts = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(4))
     padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), prompts[1:, 3:]), dim=1)
     batch = torch.cat((prompts[:1], padded))
     mask = torch.ones_like(batch)
     mask[1, :3] = 0
-    text = hf.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=None)
+    text = hf.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=None,
+                       use_cache=use_cache)
     assert text[0].tolist() == gpt.generate(prompts[:1], 8, temperature=0)[0].tolist()
     assert text[1, 3:].tolist() == gpt.generate(prompts[1:, 3:], 8, temperature=0)[0].tolist()
 
 
 def test_labels_give_pelab_next_token_loss(exported):
     gpt, out = exported["rope_alibi_ssmax"]
-    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    hf = load(out)
     ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert hf(ids, labels=ids).loss.item() == pytest.approx(gpt(ids[:, :-1], targets=ids[:, 1:])[1].item(),
                                                                 abs=1e-5)
 
 
-def test_folder_holds_the_templates_verbatim_and_auto_map(exported):
-    _, out = exported["t5_rmsnorm"]
+def test_folder_holds_the_model_itself_the_wrapper_verbatim_and_auto_map(exported):
+    gpt, out = exported["t5_rmsnorm"]
     for name in TEMPLATES:
         assert (out / name).read_bytes() == (ROOT / "pelab" / "hf_remote" / name).read_bytes()
+    for module, path in model_modules().items():  # model/ itself, only its imports made flat
+        flat = (out / f"{flat_name(module)}.py").read_text()
+        for other in sorted(model_modules(), key=len, reverse=True):
+            flat = flat.replace(f"from .{flat_name(other)} import", f"from {other} import")
+        assert flat == path.read_text(), module
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["PelabForCausalLM"]
-    assert config["pe"]["bias"] == {"kind": "t5", "num_buckets": 8, "max_distance": 20}
-    assert json.loads((out / "generation_config.json").read_text())["use_cache"] is False
+    assert config["pe"] == {"scheme": "t5", "options": {"num_buckets": 8, "max_distance": 20}, "scaling": None}
+    assert config["gpt"]["norm"] == "rmsnorm" and config["gpt"]["n_layer"] == 2 and config["gpt"]["attention"] == "auto"
+    assert (out / REGISTRY).is_file()
+    assert json.loads((out / "generation_config.json").read_text()).get("use_cache", True) is True
 
 
-def test_remote_code_imports_only_torch_and_transformers():
-    for name in TEMPLATES:
-        tree = ast.parse((ROOT / "pelab" / "hf_remote" / name).read_text())
+def test_remote_code_imports_only_torch_the_standard_library_transformers_and_its_own_files(exported):
+    _, out = exported["cope_clamped_window_gqa"]
+    shipped = {path.stem for path in out.glob("*.py")}
+    for path in out.glob("*.py"):
+        tree = ast.parse(path.read_text())
         imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                     for alias in node.names}
         imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                      if isinstance(node, ast.ImportFrom) and node.level == 0}
         relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
-        assert imported <= {"math", "torch", "transformers"}, (name, imported)
-        assert relative <= {"configuration_pelab"}, (name, relative)
-
-
-def test_remote_code_refuses_a_part_it_does_not_compute():
-    from pelab.hf_remote.configuration_pelab import PelabConfig
-    from pelab.hf_remote.modeling_pelab import PelabForCausalLM
-
-    with pytest.raises(ValueError, match=r"config.json pe.bias.kind='newer' is not one of slopes, t5, "):
-        PelabForCausalLM(PelabConfig(vocab_size=VOCAB, n_embd=32, pe={"bias": {"kind": "newer"}}))
+        wrapper = {"transformers"} if path.name in TEMPLATES else set()
+        assert imported <= {"torch", *wrapper} | set(sys.stdlib_module_names), (path.name, imported)
+        assert relative <= shipped, (path.name, relative - shipped)
 
 
 def test_installed_pelab_ships_the_templates():
@@ -201,37 +255,91 @@ def test_installed_pelab_ships_the_templates():
     assert "pelab.hf_remote" in setuptools["packages"]
 
 
-def test_a_scheme_without_an_entry_is_refused_naming_what_to_add(tmp_path, monkeypatch):
-    gpt, pe = build("t5", {}, {})
-    monkeypatch.delitem(REMOTE_SCHEMES, "t5")
-    with pytest.raises(ExportError) as err:
-        export_model(gpt, tmp_path / "hf", pe_config=pe)
-    assert str(err.value).startswith("pe=t5 is not exportable (not even as remote code): add its entry to "
-                                     "REMOTE_SCHEMES in pelab/hf_remote/__init__.py")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_an_option_the_remote_code_does_not_read_is_refused_naming_it(tmp_path, monkeypatch):
-    import model.pe.schedule
-    import pelab.hf_remote
-
+def test_an_option_the_scheme_does_not_take_is_refused_naming_it(tmp_path):
     gpt, pe = build("rope", {"keep_fraction": 0.5}, dict(window=8))
-    with pytest.raises(ExportError, match=r"^pe.new_option=3 is not exportable \(not even as remote code\)"):
+    with pytest.raises(ExportError, match=r"^pe.new_option=3 is not exportable as remote code: pe=rope takes base, "):
         export_model(gpt, tmp_path / "hf", pe_config={**pe, "new_option": 3})
-    monkeypatch.setattr(model.pe.schedule, "SCHEDULE_KEYS", (*SCHEDULE_KEYS, "new_layer_option"))
-    with pytest.raises(ExportError, match=r"^pe.new_layer_option=1 is not exportable \(not even as remote code\)"):
-        export_model(gpt, tmp_path / "hf", pe_config={**pe, "new_layer_option": 1})
-    monkeypatch.setattr(pelab.hf_remote, "FIELDS", pelab.hf_remote.FIELDS - {"window"})
-    with pytest.raises(ExportError, match=r"^model.window=8 is not exportable \(not even as remote code\): only its "
-                                          r"default None is"):
-        export_model(gpt, tmp_path / "hf", pe_config=pe)
+    with pytest.raises(ExportError, match=r"^pe=rope built from the pe options \{\} computes other logits"):
+        export_model(gpt, tmp_path / "hf", pe_config={})  # its keep_fraction unsaid
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_sink_kind_the_remote_code_does_not_compute_is_refused_naming_it(exported):
-    from pelab.hf_remote.configuration_pelab import PelabConfig
-    from pelab.hf_remote.modeling_pelab import PelabForCausalLM
+# ---------------------------------------------------------------------------------------------
+# a scheme written outside the project: its file, registered by import, nothing else edited
 
-    for key, value in (("sinks", "per_token"), ("normaliser", "sparsemax")):
-        with pytest.raises(ValueError, match=rf"^config.json {key}='{value}' is not one of"):
-            PelabForCausalLM(PelabConfig(**{key: value}))
+THROWAWAY = '''"""A throwaway bias scheme: a learned per-head slope times log(1 + distance)."""
+
+import torch
+from torch import nn
+
+from model.pe.base import PositionEncoding, relative_distance
+
+
+class ThrowawayBias(PositionEncoding, name="test_throwaway_bias"):
+    def __init__(self, config, init: float = 0.5) -> None:
+        super().__init__(config)
+        self.slopes = nn.Parameter(torch.full((config.n_head,), init))
+
+    def bias(self, q_positions, k_positions):
+        distance = relative_distance(q_positions, k_positions).clamp(min=0)
+        return -self.slopes[:, None, None] * torch.log1p(distance).unsqueeze(-3)
+'''
+
+
+@pytest.fixture
+def user_scheme(tmp_path, monkeypatch):
+    """Writes a scheme module (name -> source) where Python finds it; unregisters its schemes after."""
+    names = []
+
+    def write(module: str, source: str) -> str:
+        (tmp_path / f"{module}.py").write_text(source)
+        names.append(module)
+        return f"{module}.{source.split('class ')[1].split('(')[0]}"
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield write
+    for name, cls in list(SCHEMES.items()):  # SCHEMES is global: leave it as it was
+        if cls.__module__ in names:
+            del SCHEMES[name]
+    for module in names:
+        sys.modules.pop(module, None)
+
+
+def test_a_scheme_defined_here_trains_samples_and_exports_with_no_other_edit(user_scheme, tmp_path):
+    pe = {"_target_": user_scheme("pelab_throwaway_scheme", THROWAWAY), "init": 0.3}
+    torch.manual_seed(0)
+    gpt = LitGPT(model=dict(vocab_size=VOCAB, block_size=LENGTH, n_layer=2, n_head=4, n_embd=64), pe=pe).model
+    assert gpt.pe.name == "test_throwaway_bias" and SCHEMES["test_throwaway_bias"] is type(gpt.pe)
+    ids = torch.randint(0, VOCAB, (4, LENGTH + 1), generator=torch.Generator().manual_seed(7))
+    optimizer = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(4):
+        loss = gpt(ids[:, :-1], targets=ids[:, 1:])[1]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and not torch.allclose(gpt.pe.slopes, torch.full((4,), 0.3))
+    gpt.eval()
+    prompt = ids[:1, :PROMPT]
+    text = gpt.generate(prompt, NEW, temperature=0)
+    assert text.tolist() == gpt.generate(prompt, NEW, temperature=0, cache=False).tolist()
+
+    out = export_model(gpt, tmp_path / "hf", pe_config=pe).path
+    assert (out / f"{flat_name('pelab_throwaway_scheme')}.py").is_file()
+    hf = load(out)
+    with torch.no_grad():
+        assert (hf(ids).logits - gpt(ids)[0]).abs().max().item() <= 1e-4
+    assert greedy(hf, prompt).tolist() == text.tolist()
+
+
+def test_a_scheme_module_importing_another_library_is_refused_naming_it(user_scheme, tmp_path):
+    source = THROWAWAY.replace("import torch\n", "import numpy\nimport torch\n").replace(
+        "test_throwaway_bias", "test_throwaway_numpy").replace("ThrowawayBias", "ThrowawayNumpy")
+    pe = {"_target_": user_scheme("pelab_throwaway_numpy", source)}
+    gpt = LitGPT(model=dict(vocab_size=VOCAB, block_size=LENGTH, n_layer=2, n_head=4, n_embd=64), pe=pe).model
+    with pytest.raises(ExportError, match=r"pelab_throwaway_numpy.py line 3 imports numpy: is not exportable as "
+                                          r"remote code \(a shipped module may import only torch, the standard "
+                                          r"library and model/\)$"):
+        export_model(gpt, tmp_path / "hf", pe_config=pe)
+    assert not (tmp_path / "hf").exists()
