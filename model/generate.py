@@ -1,4 +1,4 @@
-"""Generation: a KV cache for incremental decoding, top-k/top-p sampling, ``generate``."""
+"""Generation: top-k/top-p sampling and ``generate``, decoding against the KV cache (model/cache.py)."""
 
 from __future__ import annotations
 
@@ -7,46 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from model.cache import KVCache, LayerCache, Sinks, Windows  # re-exported: the cache's old home
 from model.positions import Pass
-
-
-class LayerCache:
-    """One layer's cached keys (rotated once, at their own positions) and values, n_kv_head heads
-    each: GQA's query heads share them when attending (model/gpt.py), the cache never repeats them.
-    A layer with a sliding window W keeps only the last W - 1 keys: with the next token's own,
-    the W keys it sees (memory flat however long the generation)."""
-
-    def __init__(self, window: int | None = None) -> None:
-        self.window = window
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.key_terms: Tensor | None = None  # a data-dependent scheme's c of the kept keys (model/gpt.py)
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """The kept keys and values followed by these (what the new tokens attend); keeps the
-        last W - 1 of them with a window, all without."""
-        k = k if self.k is None else torch.cat((self.k, k), dim=2)
-        v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        start = 0 if self.window is None else max(0, k.shape[2] - self.window + 1)
-        self.k, self.v = k[:, :, start:], v[:, :, start:]
-        return k, v
-
-
-class KVCache:
-    """Keys and values of every layer for incremental decoding. ``span`` is every position
-    the generation will cover, fixed up front: schemes whose tables depend on the context
-    (xPos's reference point, dynamic NTK's length) read it, so cached keys stay valid and
-    decoding equals one full forward over the final sequence. ``windows``: each layer's sliding
-    window (None: full; absent: every layer full), as ``GPTConfig.layer_windows``."""
-
-    def __init__(self, n_layer: int, span: Tensor, windows: tuple[int | None, ...] = ()) -> None:
-        self.span = span
-        self.positions = span[:0]
-        self.layers = [LayerCache(windows[i] if i < len(windows) else None) for i in range(n_layer)]
-
-    @property
-    def length(self) -> int:
-        return self.positions.shape[-1]
 
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -95,3 +57,6 @@ def generate(model: Any, idx: Tensor, max_new_tokens: int, temperature: float = 
         new = sample_next(model.logits(h[:, -1]), temperature, top_k, top_p, generator)
         idx = torch.cat((idx, new), dim=1)
     return idx
+
+
+__all__ = ["KVCache", "LayerCache", "Sinks", "Windows", "generate", "sample_next"]

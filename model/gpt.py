@@ -83,11 +83,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x, ctx)
-        if cache is not None:  # the cache keeps only the n_kv_head heads
-            k, v = cache.append(k, v)
+        c = self.layer_terms(x, ctx, cache)
+        key_c = c
+        if cache is not None:  # the cache keeps only the n_kv_head heads, and the keys' c (model/cache.py)
+            k, v, key_c = cache.append(k, v, c)
             keys = ctx.terms.k_positions.shape[-1]  # a windowed layer attends its window's keys only
             k, v = k[:, :, -keys:], v[:, :, -keys:]
-        layer_terms = self.layer_terms(x, ctx, cache)
+        layer_terms = None if c is None else (c, key_c[..., -ctx.terms.k_positions.shape[-1]:])
         if self.n_kv_head != self.n_head:  # query head h reads key/value head h // group (HF's repeat_kv)
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -96,17 +98,12 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def layer_terms(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None) -> tuple[Tensor, Tensor] | None:
-        """A data-dependent scheme's c of this layer's queries and keys (model/pe/fox.py), or None;
-        with a cache, c continues the cached keys' and the cache keeps those of its kept keys."""
+    def layer_terms(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None) -> Tensor | None:
+        """A data-dependent scheme's c of these tokens (model/pe/fox.py), or None; with a cache, c
+        continues the newest cached key's (the cache keeps and evicts the keys' c with the keys)."""
         if not ctx.terms.with_layer_terms:
             return None
-        past = None if cache is None else cache.key_terms
-        c = ctx.pe.layer_terms(x, self.layer, None if past is None or not past.shape[-1] else past[..., -1:])
-        keys = c if past is None else torch.cat((past, c), dim=-1)
-        if cache is not None:
-            cache.key_terms = keys[..., keys.shape[-1] - cache.k.shape[2]:]
-        return c, keys[..., -ctx.terms.k_positions.shape[-1]:]
+        return ctx.pe.layer_terms(x, self.layer, None if cache is None else cache.last_terms())
 
 
 class MLP(nn.Module):

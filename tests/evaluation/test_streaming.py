@@ -89,9 +89,9 @@ def test_fox_streams_the_cache_as_one_contiguous_text_when_reindexed():
 
 def test_the_cache_stays_within_sinks_plus_window_in_every_layer():
     model = tiny("rope")
-    from evaluation.streaming import StreamingCache
+    from model.cache import KVCache, Sinks
 
-    cache = StreamingCache(2, torch.arange(20), sinks=3, window=4)
+    cache = KVCache(2, torch.arange(20), policy=Sinks(sinks=3, window=4))
     seen = []
     with torch.no_grad():
         for t, token in enumerate(text(20, batch=1)[0]):
