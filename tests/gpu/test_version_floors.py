@@ -18,7 +18,7 @@ FACTS = [
     ("torch", "torch.nn.utils.get_total_norm", "2.6", "pelab/callbacks.py", "torch.nn.utils.get_total_norm"),
     ("torch", "flex_attention backward into captured tensors that require grad", "2.6", "model/pe/t5.py",
      "self.relative_attention_bias.weight"),  # the learned table flex's score_mod captures
-    ("lightning", "LightningModule.load_from_checkpoint(weights_only=)", "2.6", "pelab/checkpoint.py",
+    ("lightning", "LightningModule.load_from_checkpoint(weights_only=)", "2.6", "pelab/checkpoint/load.py",
      "load_from_checkpoint(path, map_location=map_location, weights_only=True)"),
     ("lightning", "ModelCheckpoint(save_on_exception=)", "2.5.3", "conf/callbacks/default.yaml",
      "save_on_exception:"),

@@ -191,7 +191,7 @@ def test_resume_auto_finds_the_newest_complete_sharded_checkpoint(fsdp, tmp_path
 
     from omegaconf import OmegaConf
 
-    from pelab.checkpoint import newest_checkpoint, read_checkpoint, resume_from_run_dir
+    from pelab.checkpoint import checkpoints_newest_first, read_checkpoint, resume_from_run_dir
 
     sharded(fsdp)
     run = tmp_path / "run"
@@ -199,7 +199,7 @@ def test_resume_auto_finds_the_newest_complete_sharded_checkpoint(fsdp, tmp_path
     half = run / "checkpoints" / "step6.ckpt"  # the newest, but its save never finished (no .metadata)
     shutil.copytree(run / "checkpoints" / "step4.ckpt", half)
     (half / ".metadata").unlink()
-    assert newest_checkpoint(run) == run / "checkpoints" / "step4.ckpt"
+    assert checkpoints_newest_first(run)[0] == run / "checkpoints" / "step4.ckpt"
     assert f"ignoring {half}: a half-written sharded checkpoint (no .metadata" in capsys.readouterr().out
     cfg = OmegaConf.create({"resume": "auto", "ckpt_path": None})
     assert resume_from_run_dir(cfg, run) and cfg.ckpt_path == str(run / "checkpoints" / "step4.ckpt")

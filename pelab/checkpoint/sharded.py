@@ -1,0 +1,144 @@
+"""FSDP's sharded checkpoint directories (conf/trainer/fsdp.yaml): written under a hidden name and
+renamed into place when complete, ``state_dict_type=auto``, and gathered whole on one process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
+
+from pelab.checkpoint.atomic import disk_full_error, fsync_dir
+from pelab.checkpoint.errors import CheckpointError
+
+# Lightning writes a sharded checkpoint as a directory: torch.distributed.checkpoint's shards and
+# ``.metadata`` (written last, by rank 0, once every rank's shards are on disk) and ``meta.pt``
+# (everything but the model and optimizer state: loops, schedule, callbacks, hyper-parameters).
+META_FILE = "meta.pt"  # lightning.fabric.strategies.fsdp._METADATA_FILENAME
+DCP_METADATA = ".metadata"
+BYTES_PER_PARAMETER = 12  # a full state: float32 weights and AdamW's two float32 moments
+SHARDED_ABOVE_BYTES = 2 * 2**30  # state_dict_type=auto: sharded above ~179M parameters (gpt2_medium and up)
+
+
+class FSDPStrategy(LightningFSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (conf/trainer/fsdp.yaml) with sharded checkpoints that resume.
+
+    ``state_dict_type``: ``full`` (gathered on rank 0, one file, through the trainer's
+    CheckpointIO), ``sharded`` (each rank writes its own shards with torch.distributed.checkpoint:
+    no gather, no rank holding the whole state, on save or on resume) or ``auto``: sharded when
+    the full state (12 bytes a parameter) exceeds ``SHARDED_ABOVE_BYTES``, decided once the model
+    is built. Lightning writes a sharded checkpoint straight into its final directory, so a kill
+    mid-save leaves a half-written one under the real name; here it is written under a hidden
+    name beside it (``.NAME.<id>.partial``) and renamed into place once every rank's shards and
+    ``meta.pt`` are on disk.
+    """
+
+    # Lightning refuses FSDP without a GPU only for its own class (an exact type check in its
+    # accelerator connector); this subclass keeps that refusal, at the same point (building the
+    # Trainer). tests/harness/fsdp_worker.py lifts it to run FSDP on gloo CPU processes.
+    cpu_for_tests = False
+
+    @property
+    def accelerator(self):
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator) -> None:
+        from lightning.pytorch.accelerators import CUDAAccelerator
+
+        if accelerator is not None and not isinstance(accelerator, CUDAAccelerator) and not self.cpu_for_tests:
+            raise ValueError(f"trainer.accelerator: trainer=fsdp (FSDP) needs GPUs, got {type(accelerator).__name__}; "
+                             "set trainer.accelerator=gpu, or use trainer=default / trainer=ddp on this machine")
+        self._accelerator = accelerator
+
+    def __init__(self, *args: Any, state_dict_type: str = "auto", **kwargs: Any) -> None:
+        if state_dict_type not in ("auto", "full", "sharded"):
+            raise ValueError(f"trainer.strategy.state_dict_type must be auto, full or sharded, got "
+                             f"{state_dict_type!r}")
+        self.requested_state_dict_type = state_dict_type
+        super().__init__(*args, state_dict_type="full" if state_dict_type == "auto" else state_dict_type, **kwargs)
+
+    @property
+    def state_dict_type(self) -> str:
+        return self._state_dict_type
+
+    def setup(self, trainer) -> None:
+        if self.requested_state_dict_type == "auto":  # the model is built (configure_model) before setup
+            self._state_dict_type = auto_state_dict_type(sum(p.numel() for p in self.lightning_module.parameters()))
+        super().setup(trainer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(filepath))
+        if self._state_dict_type != "sharded" or storage_options is not None or not isinstance(
+                get_filesystem(path), LocalFileSystem):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        tmp = path.parent / self.broadcast(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")  # rank 0's name
+        error = None
+        try:
+            super().save_checkpoint(checkpoint, tmp)  # every rank's shards, .metadata, then rank 0's meta.pt
+            if self.is_global_zero:
+                with open(tmp / META_FILE, "rb+") as f:
+                    os.fsync(f.fileno())  # the shards are fsynced by torch.distributed.checkpoint
+                fsync_dir(tmp)
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank, once all have stopped writing
+            error = err
+        if not self.reduce_boolean_decision(error is None, all=True):  # a collective: all ranks are done
+            if self.is_global_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if error is None:
+                raise CheckpointError(f"saving {path} failed on another rank (see its error); the checkpoints "
+                                      "already there are intact")
+            raise disk_full_error(error, path) or error
+        if self.is_global_zero:
+            replace_dir(tmp, path)
+            for stale in path.parent.glob(f".{path.name}.*.partial"):  # left behind by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+        self.barrier("pelab.FSDPStrategy.save_checkpoint")
+
+
+def auto_state_dict_type(parameters: int) -> str:
+    """``state_dict_type=auto``: sharded when gathering the full state on one rank would be costly."""
+    return "sharded" if BYTES_PER_PARAMETER * parameters > SHARDED_ABOVE_BYTES else "full"
+
+
+def replace_dir(new: Path, path: Path) -> None:
+    """Put the directory ``new`` at ``path``, whatever is there (a file, a directory, a link).
+    A directory cannot be renamed over a non-empty one, so the old one is renamed aside first:
+    a kill between the two renames leaves it as ``.NAME.<id>.old``, complete."""
+    aside = None
+    if os.path.lexists(path):
+        aside = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.old"
+        os.rename(path, aside)
+    os.rename(new, path)
+    fsync_dir(path.parent)
+    if aside is not None:
+        shutil.rmtree(aside) if aside.is_dir() and not aside.is_symlink() else aside.unlink()
+
+
+def sharded_complete(path: Path) -> str | None:
+    """None for a complete sharded checkpoint directory, else what is missing."""
+    missing = [name for name in (DCP_METADATA, META_FILE) if not (path / name).is_file()]
+    if missing:
+        return (f"a half-written sharded checkpoint (no {' or '.join(missing)}: its save did not finish); "
+                "written by a save that was not atomic")
+    return None
+
+
+def sharded_state(path, keys=("model",)) -> dict[str, Any]:
+    """The tensors of a sharded checkpoint directory, gathered whole on this one process (no process
+    group): ``{"model": {name: tensor}}``, and ``optimizer_0`` too when asked. This is
+    torch.distributed.checkpoint's own ``format_utils.dcp_to_torch_save`` without the file it
+    writes (its public ``load`` fills only the keys a state dict already has)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=set(keys)),
+                     no_dist=True)
+    return state
