@@ -1,8 +1,10 @@
 """Many runs' results side by side: find their tables, name their lines, group their seeds and
-score every group at every length (the outputs: evaluation/compare_report.py).
+score every group at every length (the outputs: evaluation/compare_report.py, and each probe's
+``Comparison`` hooks beside the probe).
 
-- **Files.** Every ``extrapolation.csv`` and ``tasks.csv`` under the given directories (or the
-  CSV files given). When a run holds several, rows of the newer file win, a series at a time.
+- **Files.** Every table a registered probe compares (``Probe.compare``: extrapolation.csv,
+  tasks.csv, ...) under the given directories (or the CSV files given). When a run holds
+  several, rows of the newer file win, a series at a time.
 - **Labels.** A line is named by scheme (+ RoPE scaling, + packed documents); two runs of one
   scheme by the settings that differ, else by run directory. Schemes are listed in the order
   the registry (``model.pe.SCHEMES``) has them; unknown names last.
@@ -18,21 +20,14 @@ import csv
 import glob
 import math
 import sys
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
-from evaluation import streaming
-from evaluation import tasks as task_eval
-from evaluation.extrapolation import ExtrapolationRow, read_csv
-from evaluation.streaming import StreamingRow
+from evaluation.probe import Comparison, Probe
 from evaluation.stats import ALPHA, mean_ci, welch_test
-from evaluation.sweep import scaled_name
+from evaluation.sweep import read_rows, scaled_name
 from model.pe import SCHEMES
-
-RESULT_FILES = {"extrapolation": "extrapolation.csv", "tasks": "tasks.csv", "streaming": "streaming.csv"}
-POSITION_FILE = "position_loss.csv"  # written beside extrapolation.csv
-TABLE_OF = {task_eval.TaskRow: "tasks", StreamingRow: "streaming"}  # which RESULT_FILES a row type is read from
 
 
 class CompareError(ValueError):
@@ -41,24 +36,26 @@ class CompareError(ValueError):
 
 # --- files ----------------------------------------------------------------------------------
 
-def find_result_files(patterns: Sequence[str], name: str = "extrapolation.csv") -> list[Path]:
+def find_result_files(patterns: Sequence[str], name: str, others: Collection[str] | None = None) -> list[Path]:
+    """Every file called ``name`` under ``patterns`` (directories, globs or files); ``others``
+    given: any other CSV given by a name not among them is read as this table too."""
     files: set[Path] = set()
     for pattern in patterns:
         matches = [Path(p) for p in glob.glob(pattern)] or [Path(pattern)]
         for path in matches:
             if path.is_file() and path.name == name:
                 files.add(path.resolve())
-            elif (path.is_file() and path.suffix == ".csv" and name == "extrapolation.csv"
-                  and path.name not in ("tasks.csv", "streaming.csv", POSITION_FILE)):
-                files.add(path.resolve())  # any other CSV given by name is read as an extrapolation table
+            elif others is not None and path.is_file() and path.suffix == ".csv" and path.name not in others:
+                files.add(path.resolve())  # a CSV given by a name no probe writes
             elif path.is_dir():
                 files.update(p.resolve() for p in path.rglob(name))
     return sorted(files)
 
 
-def check_table(path: Path, row_type: type) -> None:
-    """``path`` has the columns of a ``row_type`` table (the CSV that train.py and scripts/eval_*.py
-    write), else a CompareError saying what it is and what is read, before anything is read."""
+def check_table(path: Path, row_type: type, name: str) -> None:
+    """``path`` has the columns of a ``row_type`` table (the CSV ``name`` that train.py and
+    scripts/eval_*.py write), else a CompareError saying what it is and what is read, before
+    anything is read."""
     with open(path, newline="") as f:
         header = next(csv.reader(f), [])
     needed = [f.name for f in fields(row_type) if f.default is MISSING and f.default_factory is MISSING]
@@ -68,20 +65,21 @@ def check_table(path: Path, row_type: type) -> None:
     what = " (a Lightning CSVLogger metrics file)" if {"step", "epoch"} <= set(header) else ""
     run = path.parent.parent if path.parent.name == "csv" else None  # logger=csv writes RUN/csv/metrics.csv
     raise CompareError(f"{path} is not a results table{what}: its columns are {', '.join(header) or '(none)'}, and "
-                       f"{RESULT_FILES[TABLE_OF.get(row_type, 'extrapolation')]} needs "
-                       f"{', '.join(needed)}; give the run or sweep directory" + (f" ({run})" if run else "")
+                       f"{name} needs {', '.join(needed)}; give the run or sweep directory"
+                       + (f" ({run})" if run else "")
                        + " or the extrapolation.csv / tasks.csv written by train.py and scripts/eval_*.py")
 
 
-def run_dir_of(csv_path: Path) -> Path:
-    """The run directory: the parent of the ``extrapolation`` (or ``tasks``) folder the CSV lives in."""
+def run_dir_of(csv_path: Path, folders: Collection[str]) -> Path:
+    """The run directory: the parent of the probe's output folder (one of ``folders``) the CSV lives in."""
     for parent in csv_path.parents:
-        if parent.name in RESULT_FILES:
+        if parent.name in folders:
             return parent.parent
     return csv_path.parent
 
 
-def newest_series(files: list[Path], read: Callable, series: Callable) -> list[tuple[str, object]]:
+def newest_series(files: list[Path], read: Callable, series: Callable, folders: Collection[str]
+                  ) -> list[tuple[str, object]]:
     """(run dir, row) pairs. A series of a run comes whole from the newest file that has it, so
     points measured with different settings are never mixed in one line."""
     newest: dict[tuple, tuple[float, Path]] = {}
@@ -90,18 +88,18 @@ def newest_series(files: list[Path], read: Callable, series: Callable) -> list[t
         rows_of[path] = read(path)
         mtime = path.stat().st_mtime
         for row in rows_of[path]:
-            key = (str(run_dir_of(path)), series(row))
+            key = (str(run_dir_of(path, folders)), series(row))
             if key not in newest or newest[key][0] < mtime:
                 newest[key] = (mtime, path)
     return [(run, r) for (run, key), (_, path) in newest.items() for r in rows_of[path] if series(r) == key]
 
 
-def run_group(files: list[Path]) -> str | None:
+def run_group(runs: Runs) -> str | None:
     """The ``group`` of the first run with a resolved config (a sweep's runs share it)."""
     import yaml
 
-    for path in files:
-        config = run_dir_of(path) / "checkpoints" / "config.yaml"
+    for path in runs.files:
+        config = run_dir_of(path, runs.folders) / "checkpoints" / "config.yaml"
         if config.is_file():
             return (yaml.safe_load(config.read_text()) or {}).get("group")
     return None
@@ -140,13 +138,6 @@ def label_rows(pairs: list[tuple[str, object]], groups: dict | None = None) -> l
         labelled.append(type(row)(**{**asdict(row), "scheme": label}))
     labelled.sort(key=lambda r: (*scheme_order(r.scheme), getattr(r, "mode", getattr(r, "task", "")), r.eval_length))
     return labelled
-
-
-def label_task_rows(pairs: list[tuple[str, task_eval.TaskRow]], groups: dict | None = None) -> list[task_eval.TaskRow]:
-    """``label_rows`` for task rows: their label already carries the evaluation-time scaling
-    (``rope+ntk``), so the field is cleared, else the tasks' own labels add it a second time. The
-    not-learned mark is left to those labels (``tasks.scheme_label``), which add it once."""
-    return [replace(r, rope_scaling="none") for r in label_rows(pairs, groups)]
 
 
 # --- seeds ----------------------------------------------------------------------------------
@@ -218,47 +209,56 @@ def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo]) ->
 # --- what is compared -----------------------------------------------------------------------
 
 @dataclass
-class Runs:
-    """The rows of every run, as (run dir, row), and each run's seed group by (base label, run)."""
+class Table:
+    """One probe table across runs: the files read and their rows as (run dir, row)."""
+    comparison: Comparison
     files: list[Path]
-    task_files: list[Path]
-    pairs: list[tuple[str, ExtrapolationRow]]
-    task_pairs: list[tuple[str, task_eval.TaskRow]]
+    pairs: list[tuple[str, Any]]
+
+
+@dataclass
+class Runs:
+    """Every compared table, each run's seed group by (base label, run), the caller's options."""
+    tables: list[Table]
     groups: dict[tuple[str, str], Group]
-    stream_pairs: list[tuple[str, StreamingRow]] = field(default_factory=list)
+    folders: frozenset[str] = frozenset()  # the probes' output folders: a run dir is their parent
+    options: dict[str, Any] = field(default_factory=dict)  # e.g. compare_runs' mode, position_length
+
+    @property
+    def files(self) -> list[Path]:
+        return [path for table in self.tables for path in table.files]
 
     @property
     def multi_seed(self) -> bool:
         return any(len(g.runs) > 1 for g in self.groups.values())
 
 
-def read_runs(paths: Sequence[str], mode: str | None, ignored: Sequence[str]) -> Runs:
-    """Every result table under ``paths`` (only rows of ``mode`` when given), every table checked
-    before any is read, runs grouped by seed (``ignored``: config keys that do not split a group)."""
-    files = find_result_files(paths)
-    task_files = find_result_files(paths, "tasks.csv")
-    stream_files = find_result_files(paths, "streaming.csv")
-    if not files and not task_files:
-        raise CompareError(f"no extrapolation.csv found (nor tasks.csv) under {list(paths)}")
-    for path in files:
-        check_table(path, ExtrapolationRow)
-    for path in task_files:
-        check_table(path, task_eval.TaskRow)
-    for path in stream_files:
-        check_table(path, StreamingRow)
-    pairs = newest_series(files, read_csv, lambda r: (r.scheme, r.mode, r.rope_scaling))
-    if mode:
-        pairs = [(run, r) for run, r in pairs if r.mode == mode]
-        if not pairs:
-            raise CompareError(f"no rows with mode={mode}")
-    task_pairs = newest_series(task_files, task_eval.read_csv, lambda r: (r.task, r.scheme, r.rope_scaling))
-    stream_pairs = newest_series(stream_files, streaming.read_csv,
-                                 lambda r: (r.scheme, r.cache_positions, r.sinks, r.window))
+def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[str],
+              options: dict[str, Any] | None = None) -> Runs:
+    """Every table the ``probes`` compare (``Probe.compare``) under ``paths``, every file checked
+    before any is read, each table's ``select`` applied with ``options``, runs grouped by seed
+    (``ignored``: config keys that do not split a group)."""
+    options = dict(options or {})
+    parts = [(probe.output, c) for probe in probes for c in probe.compare]
+    folders = frozenset(output for output, _ in parts)
+    names = {c.file for _, c in parts}
+    found = [(c, find_result_files(paths, c.file, names if c.any_csv else None)) for _, c in parts]
+    if not any(files for _, files in found):
+        first, *rest = [c.file for c, _ in found]
+        raise CompareError(f"no {first} found" + (f" (nor {', '.join(rest)})" if rest else "") + f" under {list(paths)}")
+    for c, files in found:
+        for path in files:
+            check_table(path, c.row, c.file)
+    tables = []
+    for c, files in found:
+        pairs = newest_series(files, lambda path, row=c.row: read_rows(path, row), c.series, folders)
+        tables.append(Table(c, files, c.select(pairs, options) if c.select else pairs))
     runs_by_label: dict[str, set[str]] = {}
-    for run, r in [*pairs, *task_pairs, *stream_pairs]:
-        runs_by_label.setdefault(base_label(r), set()).add(run)
+    for table in tables:
+        for run, r in table.pairs if table.comparison.grouped else ():
+            runs_by_label.setdefault(base_label(r), set()).add(run)
     info = {run: run_info(run, ignored) for runs in runs_by_label.values() for run in runs}
-    return Runs(files, task_files, pairs, task_pairs, seed_groups(runs_by_label, info), stream_pairs)
+    return Runs(tables, seed_groups(runs_by_label, info), folders, options)
 
 
 # --- cells: one group at one length ---------------------------------------------------------
@@ -304,69 +304,16 @@ def make_cells(points: dict[tuple, list[tuple]], lower_is_better: bool) -> list[
     return cells
 
 
-def ppl_points(runs: Runs) -> dict[tuple, list[tuple]]:
+def group_points(runs: Runs, pairs: Iterable[tuple[str, Any]], where: Callable[[Any], tuple],
+                 value: Callable[[Any], float]) -> dict[tuple, list[tuple]]:
+    """``make_cells``' points: each (run dir, row) of a seed group at (group label, *``where(row)``)
+    = (label, section, train length, length), as (seed, ``value(row)`` or None when the row is
+    not ok, status)."""
     points: dict[tuple, list[tuple]] = {}
-    for run, r in runs.pairs:
+    for run, r in pairs:
         group = runs.groups.get((base_label(r), run))
         if group is None:  # a repeated seed, left out
             continue
-        key = (group.label, r.mode, r.train_length, r.eval_length)
-        points.setdefault(key, []).append((group.seeds[group.runs.index(run)], r.ppl if r.ok else None, r.status))
+        points.setdefault((group.label, *where(r)), []).append(
+            (group.seeds[group.runs.index(run)], value(r) if r.ok else None, r.status))
     return points
-
-
-def task_points(runs: Runs) -> dict[tuple, list[tuple]]:
-    by_run: dict[str, list] = {}
-    for run, r in runs.task_pairs:
-        by_run.setdefault(run, []).append(r)
-    points: dict[tuple, list[tuple]] = {}
-    for run, rows in by_run.items():
-        for r in task_eval.mean_over_depths(rows):
-            group = runs.groups.get((base_label(r), run))
-            if group is None:  # a repeated seed, left out
-                continue
-            key = (group.label, r.task, r.train_length, r.eval_length)
-            accuracy = 100 * r.accuracy if r.ok else None  # percent in tables and plots
-            points.setdefault(key, []).append((group.seeds[group.runs.index(run)], accuracy, r.status))
-    return points
-
-
-def streaming_points(runs: Runs) -> dict[tuple, list[tuple]]:
-    """Streaming perplexity per position bucket: the section is the cache-position rule, the
-    "length" the bucket's end (positions [previous end, end))."""
-    points: dict[tuple, list[tuple]] = {}
-    for run, r in runs.stream_pairs:
-        group = runs.groups.get((base_label(r), run))
-        if group is None:  # a repeated seed, left out
-            continue
-        key = (group.label, f"{r.cache_positions}, S={r.sinks} W={r.window}", r.train_length, r.end)
-        points.setdefault(key, []).append((group.seeds[group.runs.index(run)], r.ppl if r.ok else None, r.status))
-    return points
-
-
-def not_learned_marks(runs: Runs) -> dict[str, str]:
-    """Group label -> " [k/n not learned at L]" for groups with runs below the learned criterion."""
-    learned: dict[str, dict[str, bool]] = {}
-    for run, r in runs.task_pairs:
-        group = runs.groups.get((base_label(r), run))
-        if group is not None:
-            learned.setdefault(group.label, {})[run] = learned.get(group.label, {}).get(run, False) or r.not_learned
-    return {label: f" [{sum(v.values())}/{len(v)} not learned at L]" for label, v in learned.items() if any(v.values())}
-
-
-def heatmap_rows(runs: Runs) -> list[task_eval.TaskRow]:
-    """Depth x length accuracy per group (the mean over its seeds), for the heatmap panels."""
-    marks = not_learned_marks(runs)
-    cells: dict[tuple, list] = {}
-    for run, r in runs.task_pairs:
-        group = runs.groups.get((base_label(r), run))
-        if group is not None and not math.isnan(r.depth):
-            cells.setdefault((r.task, group.label, r.train_length, r.eval_length, r.depth), []).append(r)
-    rows = []
-    for (task, label, train, length, depth), members in cells.items():
-        ok = [r for r in members if r.ok]
-        accuracy = sum(r.accuracy for r in ok) / len(ok) if ok else math.nan
-        rows.append(task_eval.TaskRow(task, label + marks.get(label, ""), train, length, depth,
-                                      sum(r.samples for r in ok), accuracy, math.nan, 0.0,
-                                      "ok" if ok else members[0].status))
-    return rows

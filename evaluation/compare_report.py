@@ -1,6 +1,7 @@
-"""The outputs of a comparison (evaluation/compare.py), one function per section: perplexity,
-task accuracy, depth x length heatmaps, and loss by position at one length. Each writes its
-CSV and PNG into ``out`` and returns its markdown.
+"""The outputs of a comparison (evaluation/compare.py): comparison.md, each compared table's
+sections in ``Comparison.place`` order (each probe's own hook writes its CSV and PNG into
+``out``), the W&B charts, and what those hooks share: the statistics table, its CSV and the
+plot with interval bands.
 
 One run per group: one line per run, the tables of the single-run scripts. Several seeds in a
 group: mean ± the 95% Student-t interval, the best mean bold, ``*`` where Welch's test differs
@@ -11,122 +12,30 @@ from __future__ import annotations
 
 import csv
 import math
-import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable
 
-from evaluation import tasks as task_eval
-from evaluation.compare import (POSITION_FILE, Cell, Runs, find_result_files, heatmap_rows, label_rows, label_task_rows,
-                                make_cells, newest_series, not_learned_marks, ppl_points, streaming_points, task_points)
-from evaluation.extrapolation import markdown_table, plot_rows, write_csv
+from evaluation.compare import Cell, Runs
 from evaluation.plots import length_axis
+from evaluation.results import Logged
 
 LEGEND = ("Mean over seeds ± half-width of the 95% confidence interval (Student t, n − 1 degrees of freedom); "
           "**bold**: best mean at that length; *: differs from the best by Welch's two-sided t-test, p < 0.05 "
           "(p in the CSV). One seed: no interval, no test.\n")
 STAT_COLUMNS = ["scheme", "section", "train_length", "eval_length", "n", "seeds", "mean", "ci95", "sd", "best",
                 "p_vs_best", "significant_vs_best", "status"]
-TASK_CAPTION = "Exact-match accuracy (%) by evaluation length (tokens), mean over depths."
 
 
-def perplexity(runs: Runs, out: Path) -> list[str]:
-    """comparison.{csv,png}; one markdown section per mode."""
-    if not runs.pairs:
-        return []
-    sections = []
-    if not runs.multi_seed:
-        rows = label_rows(runs.pairs, runs.groups)
-        write_csv(rows, out / "comparison.csv")
-        for mode in sorted({r.mode for r in rows}):
-            mode_rows = [r for r in rows if r.mode == mode]
-            strides = sorted({r.stride for r in mode_rows}) if mode == "sliding" else []
-            title = f"### {mode}" + (f" (stride {', '.join(map(str, strides))})" if strides else "")
-            sections.append(f"{title}\n\nPerplexity by evaluation length (tokens).\n\n{markdown_table(mode_rows)}")
-        save(plot_rows(rows, series_by=("scheme", "mode") if len({r.mode for r in rows}) > 1 else ("scheme",),
-                       title="Extrapolation: perplexity vs evaluation length"), out / "comparison.png")
-        return sections
-    cells = make_cells(ppl_points(runs), lower_is_better=True)
-    write_stats_csv(cells, out / "comparison.csv", "mode")
-    for mode in sorted({c.section for c in cells}):
-        sections.append(f"### {mode}\n\nPerplexity by evaluation length (tokens).\n\n"
-                        f"{stats_markdown(cells, mode, '{:.2f}')}\n{LEGEND}")
-    means = [c.summary.mean for c in cells if c.values]
-    save(plot_bands(cells, "perplexity", "Extrapolation: perplexity vs evaluation length",
-                    log_y=bool(means) and max(means) > 3 * min(means)), out / "comparison.png")
-    return sections
+def report(runs: Runs, out: Path) -> list[str]:
+    """comparison.md's sections: every compared table's, lowest ``place`` first (stable: registry order)."""
+    tables = sorted(runs.tables, key=lambda t: t.comparison.place)
+    return [section for t in tables for section in t.comparison.section(runs, t.pairs, out)]
 
 
-def streaming(runs: Runs, out: Path) -> list[str]:
-    """comparison_streaming.csv; one markdown section per cache rule: StreamingLLM perplexity by
-    position bucket (a column N holds the positions from the previous column's N up to N)."""
-    if not runs.stream_pairs:
-        return []
-    cells = make_cells(streaming_points(runs), lower_is_better=True)
-    write_stats_csv(cells, out / "comparison_streaming.csv", "cache")
-    return [f"### streaming, {cache}\n\nPerplexity by position bucket: each column holds the positions from the "
-            f"previous column's bound up to its own (docs/evaluation.md, section 7).\n\n"
-            f"{stats_markdown(cells, cache, '{:.2f}')}\n{LEGEND}" for cache in sorted({c.section for c in cells})]
-
-
-def task_accuracy(runs: Runs, out: Path) -> list[str]:
-    """comparison_tasks.{csv,png}; one markdown section per task."""
-    if not runs.task_pairs:
-        return []
-    if not runs.multi_seed:
-        rows = label_task_rows(runs.task_pairs, runs.groups)
-        task_eval.write_csv(rows, out / "comparison_tasks.csv")
-        save(task_eval.plot_rows(task_eval.mean_over_depths(rows), title="Task accuracy vs evaluation length"),
-             out / "comparison_tasks.png")
-        return [f"### {task}\n\n{TASK_CAPTION}\n\n{single_seed_task_table(rows, task)}"
-                for task in sorted({r.task for r in rows})]
-    cells = make_cells(task_points(runs), lower_is_better=False)
-    marks = not_learned_marks(runs)
-    for c in cells:
-        c.label += marks.get(c.label, "")
-    write_stats_csv(cells, out / "comparison_tasks.csv", "task")
-    save(plot_bands(cells, "exact-match accuracy (%)", "Task accuracy vs evaluation length"),
-         out / "comparison_tasks.png")
-    return [f"### {task}\n\n{TASK_CAPTION}\n\n{stats_markdown(cells, task, '{:.1f}')}\n{LEGEND}"
-            for task in sorted({c.section for c in cells})]
-
-
-def heatmaps(runs: Runs, out: Path) -> list[str]:
-    """comparison_heatmap.{csv,png} (depth x length, mean over seeds); the note on runs that did
-    not learn their task, when some did not."""
-    if not runs.task_pairs:
-        return []
-    grid = heatmap_rows(runs)
-    if grid:
-        task_eval.write_heatmap_csv(grid, out / "comparison_heatmap.csv")
-        save(task_eval.plot_heatmaps(grid, title="Exact match by depth and evaluation length (mean over seeds)"),
-             out / "comparison_heatmap.png")
-    return [task_eval.LEARNED_NOTE] if any(r.not_learned for _, r in runs.task_pairs) else []
-
-
-def position_overlay(paths: Sequence[str], out: Path, length: int | None) -> list[str]:
-    """comparison_position_loss.{csv,png}: every run's loss by position at one eval length (default
-    the longest that every run has); no section without position files."""
-    from evaluation import position_loss
-
-    files = find_result_files(paths, POSITION_FILE)
-    if not files:
-        return []
-    pairs = newest_series(files, position_loss.read_csv, lambda r: (r.scheme, r.mode, r.rope_scaling, r.positions))
-    runs = {run for run, _ in pairs}
-    common = set.intersection(*({r.eval_length for run2, r in pairs if run2 == run} for run in runs))
-    length = length or (max(common) if common else None)
-    rows = label_rows([(run, r) for run, r in pairs if r.eval_length == length])
-    if not rows:
-        print(f"[pelab] no loss-by-position rows at length {length} (have: "
-              f"{sorted({r.eval_length for _, r in pairs})})", file=sys.stderr)
-        return []
-    position_loss.write_csv(rows, out / "comparison_position_loss.csv")
-    train = sorted({r.train_length for r in rows})
-    save(position_loss.plot_rows(rows, title=f"Loss by token position at eval length {length}",
-                                 by=position_loss.curve_keys(rows, always=("scheme",))),
-         out / "comparison_position_loss.png")
-    return [f"### loss by token position\n\nEval length {length} (training length {', '.join(map(str, train))}): "
-            f"comparison_position_loss.png / .csv, {len({r.scheme for r in rows})} line(s).\n"]
+def charts(runs: Runs, out: Path) -> dict[str, Logged]:
+    """{W&B run name: what it logs} of every compared table that has charts."""
+    return {name: logged for t in runs.tables if t.comparison.charts
+            for name, logged in t.comparison.charts(runs, t.pairs, out).items()}
 
 
 # --- tables ---------------------------------------------------------------------------------
@@ -157,6 +66,12 @@ def stats_markdown(cells: list[Cell], section: str, fmt: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stats_sections(cells: list[Cell], fmt: str, heading: Callable[[str], str]) -> list[str]:
+    """One markdown section per cell section (mode, task, ...): ``heading(section)``, the table, the legend."""
+    return [f"{heading(section)}\n\n{stats_markdown(cells, section, fmt)}\n{LEGEND}"
+            for section in sorted({c.section for c in cells})]
+
+
 def write_stats_csv(cells: list[Cell], path: Path, section_name: str) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -166,20 +81,6 @@ def write_stats_csv(cells: list[Cell], path: Path, section_name: str) -> None:
             writer.writerow([c.label, c.section, c.train_length, c.eval_length, len(c.values),
                              " ".join(map(str, c.seeds)), s.mean if s else math.nan, s.half_width if s else math.nan,
                              s.sd if s else math.nan, c.best, c.p_vs_best, c.significant, c.status])
-
-
-def single_seed_task_table(rows: list[task_eval.TaskRow], task: str) -> str:
-    """One line per run: exact-match accuracy (%) averaged over depths."""
-    merged = task_eval.mean_over_depths([r for r in rows if r.task == task])
-    lengths = sorted({r.eval_length for r in merged})
-    train = {r.train_length for r in merged}
-    table: dict[str, dict[int, str]] = {}
-    for r in merged:
-        table.setdefault(task_eval.scheme_label(r), {})[r.eval_length] = task_eval._cell(r)
-    header = "| scheme | " + " | ".join(f"{n}" + (" (train)" if n in train else "") for n in lengths) + " |"
-    lines = [header, "|" + "---|" * (len(lengths) + 1)]
-    lines += [f"| {label} | " + " | ".join(cells.get(n, "") for n in lengths) + " |" for label, cells in table.items()]
-    return "\n".join(lines) + "\n"
 
 
 # --- plots ----------------------------------------------------------------------------------
@@ -218,7 +119,7 @@ def plot_bands(cells: list[Cell], ylabel: str, title: str, log_y: bool = False):
     return fig
 
 
-def save(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.savefig(path)

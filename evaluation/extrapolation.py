@@ -27,8 +27,10 @@ import torch
 from data.packing import MODES as DOCUMENT_MODES
 from data.packing import DocumentOptions
 from evaluation import position_loss
+from evaluation.compare import CompareError, Runs, group_points, label_rows, make_cells
+from evaluation.compare_report import plot_bands, save_figure, stats_sections, write_stats_csv
 from evaluation.position_loss import PositionLossRow, PositionSums, bin_rows
-from evaluation.probe import Probe, Report
+from evaluation.probe import Comparison, Probe, Report
 from evaluation.plots import length_axis
 from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, distributed_sum, eval_positions,
@@ -399,9 +401,59 @@ def reports(result: Extrapolation, paths: dict[str, Path]) -> list[Report]:
     return out
 
 
+# --- across runs: scripts/compare_runs.py ----------------------------------------------------
+
+def comparison_sections(runs: Runs, pairs: list[tuple[str, ExtrapolationRow]], out: Path) -> list[str]:
+    """comparison.{csv,png}; one markdown section per mode."""
+    if not pairs:
+        return []
+    caption = "Perplexity by evaluation length (tokens)."
+    if not runs.multi_seed:
+        rows = label_rows(pairs, runs.groups)
+        write_csv(rows, out / "comparison.csv")
+        sections = []
+        for mode in sorted({r.mode for r in rows}):
+            mode_rows = [r for r in rows if r.mode == mode]
+            strides = sorted({r.stride for r in mode_rows}) if mode == "sliding" else []
+            title = f"### {mode}" + (f" (stride {', '.join(map(str, strides))})" if strides else "")
+            sections.append(f"{title}\n\n{caption}\n\n{markdown_table(mode_rows)}")
+        save_figure(plot_rows(rows, series_by=("scheme", "mode") if len({r.mode for r in rows}) > 1 else ("scheme",),
+                              title="Extrapolation: perplexity vs evaluation length"), out / "comparison.png")
+        return sections
+    points = group_points(runs, pairs, lambda r: (r.mode, r.train_length, r.eval_length), lambda r: r.ppl)
+    cells = make_cells(points, lower_is_better=True)
+    write_stats_csv(cells, out / "comparison.csv", "mode")
+    means = [c.summary.mean for c in cells if c.values]
+    save_figure(plot_bands(cells, "perplexity", "Extrapolation: perplexity vs evaluation length",
+                           log_y=bool(means) and max(means) > 3 * min(means)), out / "comparison.png")
+    return stats_sections(cells, "{:.2f}", lambda mode: f"### {mode}\n\n{caption}")
+
+
+def only_mode(pairs: list[tuple[str, ExtrapolationRow]], options: dict) -> list[tuple[str, ExtrapolationRow]]:
+    """compare_runs --mode: only that mode's rows."""
+    mode = options.get("mode")
+    if not mode:
+        return pairs
+    pairs = [(run, r) for run, r in pairs if r.mode == mode]
+    if not pairs:
+        raise CompareError(f"no rows with mode={mode}")
+    return pairs
+
+
+def comparison_charts(runs: Runs, pairs: list[tuple[str, ExtrapolationRow]], out: Path) -> dict[str, Logged]:
+    """W&B: every seed's line (the PNG has the means and intervals)."""
+    if not pairs:
+        return {}
+    rows = label_rows(pairs, None if runs.multi_seed else runs.groups)
+    return {"comparison": loggable(rows, out / "comparison.png", prefix="comparison", series_by=("scheme", "mode"))}
+
+
+COMPARISON = Comparison("extrapolation.csv", ExtrapolationRow, series=lambda r: (r.scheme, r.mode, r.rope_scaling),
+                        section=comparison_sections, place=10, select=only_mode, charts=comparison_charts, any_csv=True)
+
 PROBE = Probe(
     name="extrapolation", config=ExtrapolationConfig, needs="text", output="extrapolation", every_rank=True,
     evaluate=lambda s, config: measure(s.gpt, s.tokens, s.train_length, config, s.log, s.distributed,
                                        s.randomize_to, s.documents),
-    save=save, reports=reports,
+    save=save, reports=reports, compare=(COMPARISON, position_loss.COMPARISON),
     announce=lambda result, paths: f"[pelab] extrapolation table: {paths['csv']} (+ .png, .md, position_loss.csv/.png)")

@@ -14,13 +14,17 @@ every target scored in it (sum of NLL / count, pooled over windows and, under DD
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from evaluation.compare import Runs, label_rows
+from evaluation.compare_report import save_figure
 from evaluation.plots import length_axis
+from evaluation.probe import Comparison
 from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import read_rows, write_rows
 
@@ -172,3 +176,32 @@ def loggable(rows: Sequence[PositionLossRow], png: Path | None = None, prefix: s
             title="mean NLL by token position", xname="log2(token position)")
     logged.add_image(f"{prefix}/position_loss_plot", png)
     return logged
+
+
+# --- across runs: scripts/compare_runs.py ----------------------------------------------------
+
+def comparison_sections(runs: Runs, pairs: list[tuple[str, PositionLossRow]], out: Path) -> list[str]:
+    """comparison_position_loss.{csv,png}: every run's loss by position at one eval length (the
+    ``position_length`` option, default the longest that every run has); its one section."""
+    if not pairs:
+        return []
+    run_dirs = {run for run, _ in pairs}
+    common = set.intersection(*({r.eval_length for other, r in pairs if other == run} for run in run_dirs))
+    length = runs.options.get("position_length") or (max(common) if common else None)
+    rows = label_rows([(run, r) for run, r in pairs if r.eval_length == length])
+    if not rows:
+        print(f"[pelab] no loss-by-position rows at length {length} (have: "
+              f"{sorted({r.eval_length for _, r in pairs})})", file=sys.stderr)
+        return []
+    write_csv(rows, out / "comparison_position_loss.csv")
+    train = sorted({r.train_length for r in rows})
+    save_figure(plot_rows(rows, title=f"Loss by token position at eval length {length}",
+                          by=curve_keys(rows, always=("scheme",))), out / "comparison_position_loss.png")
+    return [f"### loss by token position\n\nEval length {length} (training length {', '.join(map(str, train))}): "
+            f"comparison_position_loss.png / .csv, {len({r.scheme for r in rows})} line(s).\n"]
+
+
+#: written beside extrapolation.csv (its probe's second table); runs are labelled, not grouped by seed
+COMPARISON = Comparison("position_loss.csv", PositionLossRow,
+                        series=lambda r: (r.scheme, r.mode, r.rope_scaling, r.positions),
+                        section=comparison_sections, place=40, grouped=False)

@@ -1,5 +1,6 @@
 """What a probe is to the runner that calls it: a ``Probe`` describes one (its ``eval.<name>``
-options, what it reads, how it scores, saves and reports), a ``Subject`` is what it evaluates.
+options, what it reads, how it scores, saves and reports), a ``Subject`` is what it evaluates,
+a ``Comparison`` is how one of its tables reads across runs (scripts/compare_runs.py).
 Each probe file ends with its ``PROBE``; evaluation/registry.py lists them.
 """
 
@@ -54,6 +55,24 @@ class Subject:
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """One result table of a probe across runs (evaluation/compare.py reads it, scripts/compare_runs.py
+    reports it): the ``file`` found under the compared paths, its columns checked before any is
+    read, a run's ``series`` taken whole from its newest file. The hooks get the ``Runs`` read
+    (seed groups, the caller's options) and this table's (run dir, row) pairs."""
+
+    file: str  # the CSV the probe writes into its output folder
+    row: type  # its row dataclass: the columns checked, the rows read back (evaluation.sweep.read_rows)
+    series: Callable[[Any], tuple]  # the line of a run a row belongs to
+    section: Callable[[Any, list, Path], list[str]]  # (runs, pairs, out dir) -> markdown sections; writes its files
+    place: int = 100  # where its sections stand in comparison.md, lowest first (ties: registry order)
+    select: Callable[[list, dict], list] | None = None  # (pairs, options) -> the pairs compared (e.g. --mode)
+    charts: Callable[[Any, list, Path], dict[str, Logged]] | None = None  # {W&B run name: what it logs}
+    grouped: bool = True  # its runs join the seed groups (False: its section labels runs itself)
+    any_csv: bool = False  # a CSV given by a name no probe writes is read as this table
+
+
+@dataclass(frozen=True)
 class Probe:
     """One probe: ``evaluate(subject, config)`` → its result, ``save(result, out_dir, title)`` →
     {kind: path} of the files it wrote, ``reports(result, paths)`` → what the loggers get,
@@ -71,6 +90,7 @@ class Probe:
     every_rank: bool = False  # True: every rank scores its share of the work; rank zero saves and reports
     switch: tuple = (True, False)  # eval.<name>.enabled's values; "auto" among them: on when the data has its input
     switch_help: str = "true or false"
+    compare: tuple[Comparison, ...] = ()  # its tables in scripts/compare_runs.py; none: not compared
 
     def __post_init__(self) -> None:
         require(self.needs in NEEDS, f"Probe({self.name}).needs", self.needs, " or ".join(NEEDS))

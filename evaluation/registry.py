@@ -1,8 +1,9 @@
 """The probes, by the name of their ``eval.<name>`` options, in the order they run.
 
-Adding a probe: its file (score → rows → plot, ending with a ``PROBE``), one line below, its
-block in conf/eval/default.yaml, and its tests. The harness (pelab/evaluate.py) runs every
-enabled one, when training ends and from scripts/evaluate.py.
+Adding a probe: its file (score → rows → plot, its ``Comparison`` hooks, ending with a
+``PROBE``), one line below, its block in conf/eval/default.yaml, and its tests. The harness
+(pelab/evaluate.py) runs every enabled one, when training ends and from scripts/evaluate.py;
+scripts/compare_runs.py compares every table a probe lists in ``Probe.compare``.
 """
 
 from __future__ import annotations

@@ -182,8 +182,9 @@ def write_rows(rows: Sequence, path: Path, row_type: type) -> Path:
 
 
 def read_rows(path: Path, row_type: type) -> list:
-    """The rows ``write_rows`` wrote, fields cast back to their declared int/float/str types."""
-    types = {f.name: f.type for f in fields(row_type)}
+    """The rows ``write_rows`` wrote, fields cast back to their declared int/float/str types
+    (annotations as strings, under ``from __future__ import annotations``, or as the classes)."""
+    types = {f.name: getattr(f.type, "__name__", f.type) for f in fields(row_type)}
     casts = {"int": int, "float": float, "str": str}
     with open(path, newline="") as f:
         return [row_type(**{k: casts[types[k]](v) for k, v in r.items() if k in types}) for r in csv.DictReader(f)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import ClassVar, Sequence
 
@@ -27,8 +27,10 @@ import numpy as np
 import torch
 
 from data.synthetic import Task
+from evaluation.compare import Runs, base_label, group_points, label_rows, make_cells
+from evaluation.compare_report import plot_bands, save_figure, stats_sections, write_stats_csv
 from evaluation.plots import length_axis
-from evaluation.probe import Probe
+from evaluation.probe import Comparison, Probe
 from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows, rope_scalings,
                               scaled_name, scaling_at, why_not_randomized, why_not_scaled, write_rows)
@@ -458,10 +460,106 @@ def announce(rows: Sequence[TaskRow], paths: dict[str, Path]) -> str:
             f"length (criterion: exact match >= {100 * LEARNED_THRESHOLD:g}% on held-out samples)")
 
 
+# --- across runs: scripts/compare_runs.py ----------------------------------------------------
+
+TASK_CAPTION = "Exact-match accuracy (%) by evaluation length (tokens), mean over depths."
+
+
+def label_task_rows(pairs: list[tuple[str, TaskRow]], groups: dict | None = None) -> list[TaskRow]:
+    """``label_rows`` for task rows: their label already carries the evaluation-time scaling
+    (``rope+ntk``), so the field is cleared, else the tasks' own labels add it a second time. The
+    not-learned mark is left to those labels (``scheme_label``), which add it once."""
+    return [replace(r, rope_scaling="none") for r in label_rows(pairs, groups)]
+
+
+def not_learned_marks(runs: Runs, pairs: list[tuple[str, TaskRow]]) -> dict[str, str]:
+    """Group label -> " [k/n not learned at L]" for groups with runs below the learned criterion."""
+    learned: dict[str, dict[str, bool]] = {}
+    for run, r in pairs:
+        group = runs.groups.get((base_label(r), run))
+        if group is not None:
+            learned.setdefault(group.label, {})[run] = learned.get(group.label, {}).get(run, False) or r.not_learned
+    return {label: f" [{sum(v.values())}/{len(v)} not learned at L]" for label, v in learned.items() if any(v.values())}
+
+
+def heatmap_rows(runs: Runs, pairs: list[tuple[str, TaskRow]]) -> list[TaskRow]:
+    """Depth x length accuracy per group (the mean over its seeds), for the heatmap panels."""
+    marks = not_learned_marks(runs, pairs)
+    cells: dict[tuple, list] = {}
+    for run, r in pairs:
+        group = runs.groups.get((base_label(r), run))
+        if group is not None and not math.isnan(r.depth):
+            cells.setdefault((r.task, group.label, r.train_length, r.eval_length, r.depth), []).append(r)
+    rows = []
+    for (task, label, train, length, depth), members in cells.items():
+        ok = [r for r in members if r.ok]
+        accuracy = sum(r.accuracy for r in ok) / len(ok) if ok else math.nan
+        rows.append(TaskRow(task, label + marks.get(label, ""), train, length, depth, sum(r.samples for r in ok),
+                            accuracy, math.nan, 0.0, "ok" if ok else members[0].status))
+    return rows
+
+
+def single_seed_task_table(rows: list[TaskRow], task: str) -> str:
+    """One line per run: exact-match accuracy (%) averaged over depths."""
+    merged = mean_over_depths([r for r in rows if r.task == task])
+    lengths = sorted({r.eval_length for r in merged})
+    train = {r.train_length for r in merged}
+    cells_of: dict[str, dict[int, str]] = {}
+    for r in merged:
+        cells_of.setdefault(scheme_label(r), {})[r.eval_length] = _cell(r)
+    header = "| scheme | " + " | ".join(f"{n}" + (" (train)" if n in train else "") for n in lengths) + " |"
+    lines = [header, "|" + "---|" * (len(lengths) + 1)]
+    lines += [f"| {label} | " + " | ".join(cells.get(n, "") for n in lengths) + " |" for label, cells in cells_of.items()]
+    return "\n".join(lines) + "\n"
+
+
+def comparison_sections(runs: Runs, pairs: list[tuple[str, TaskRow]], out: Path) -> list[str]:
+    """comparison_tasks.{csv,png} and one markdown section per task; comparison_heatmap.{csv,png}
+    (depth x length, mean over seeds) and the note on runs that did not learn their task."""
+    if not pairs:
+        return []
+    if not runs.multi_seed:
+        rows = label_task_rows(pairs, runs.groups)
+        write_csv(rows, out / "comparison_tasks.csv")
+        save_figure(plot_rows(mean_over_depths(rows), title="Task accuracy vs evaluation length"),
+                    out / "comparison_tasks.png")
+        sections = [f"### {task}\n\n{TASK_CAPTION}\n\n{single_seed_task_table(rows, task)}"
+                    for task in sorted({r.task for r in rows})]
+    else:
+        by_run: dict[str, list[TaskRow]] = {}
+        for run, r in pairs:
+            by_run.setdefault(run, []).append(r)
+        merged = [(run, m) for run, rows in by_run.items() for m in mean_over_depths(rows)]  # a run's mean over depths
+        points = group_points(runs, merged, lambda r: (r.task, r.train_length, r.eval_length),
+                              lambda r: 100 * r.accuracy)  # percent in tables and plots
+        cells = make_cells(points, lower_is_better=False)
+        marks = not_learned_marks(runs, pairs)
+        for c in cells:
+            c.label += marks.get(c.label, "")
+        write_stats_csv(cells, out / "comparison_tasks.csv", "task")
+        save_figure(plot_bands(cells, "exact-match accuracy (%)", "Task accuracy vs evaluation length"),
+                    out / "comparison_tasks.png")
+        sections = stats_sections(cells, "{:.1f}", lambda task: f"### {task}\n\n{TASK_CAPTION}")
+    grid = heatmap_rows(runs, pairs)
+    if grid:
+        write_heatmap_csv(grid, out / "comparison_heatmap.csv")
+        save_figure(plot_heatmaps(grid, title="Exact match by depth and evaluation length (mean over seeds)"),
+                    out / "comparison_heatmap.png")
+    return sections + ([LEARNED_NOTE] if any(r.not_learned for _, r in pairs) else [])
+
+
+def comparison_charts(runs: Runs, pairs: list[tuple[str, TaskRow]], out: Path) -> dict[str, Logged]:
+    """W&B: every seed's line (the PNG has the means and intervals)."""
+    return {"comparison-tasks": loggable(label_task_rows(pairs), out / "comparison_tasks.png")} if pairs else {}
+
+
+COMPARISON = Comparison("tasks.csv", TaskRow, series=lambda r: (r.task, r.scheme, r.rope_scaling),
+                        section=comparison_sections, place=30, charts=comparison_charts)
+
 PROBE = Probe(
     name="tasks", config=TaskEvalConfig, needs="task", output="tasks",
     evaluate=lambda s, config: evaluate_tasks(s.gpt, s.task, s.train_length, config, seed=s.seed, log=s.log,
                                               randomize_to=s.randomize_to),
     save=save_results, reports=lambda rows, paths: [(loggable(rows, paths["png"]), summary_metrics(rows))],
-    announce=announce, title=lambda s: f"{s.task.name}: {s.title}",
+    announce=announce, title=lambda s: f"{s.task.name}: {s.title}", compare=(COMPARISON,),
     switch=(True, False, "auto"), switch_help="auto (on for data=synthetic), true or false")

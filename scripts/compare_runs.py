@@ -26,6 +26,9 @@ Writes comparison.{csv,md,png} (perplexity; markdown with every section) and, wh
 task results, comparison_tasks.{csv,png}. Loss by token position (``position_loss.csv``) of
 every run at one eval length (``--position-length``, default the longest every run has) is
 overlaid in comparison_position_loss.{csv,png}.
+
+Each table comes from its probe (``Probe.compare`` in evaluation/registry.py's ``PROBES``): a
+new probe with compare hooks appears here with no edit to this file.
 """
 
 from __future__ import annotations
@@ -37,8 +40,7 @@ from pathlib import Path
 from _common import log_to_new_wandb_run
 
 from evaluation import compare, compare_report
-from evaluation import tasks as task_eval
-from evaluation.extrapolation import loggable
+from evaluation.registry import PROBES
 from pelab.run import NOT_IN_NAME
 
 # Config keys that do not split a seed group: the run names' list, the seed (what a group varies)
@@ -66,35 +68,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        runs = compare.read_runs(args.paths, args.mode, (*NOT_TRAINED, *args.ignore))
+        runs = compare.read_runs(args.paths, PROBES.values(), (*NOT_TRAINED, *args.ignore), vars(args))
     except compare.CompareError as err:
         raise SystemExit(str(err)) from None
     first = Path(args.paths[0])
     out = args.out or (first if first.is_dir() else Path("."))
     out.mkdir(parents=True, exist_ok=True)
 
-    sections = [*compare_report.perplexity(runs, out), *compare_report.streaming(runs, out),
-                *compare_report.task_accuracy(runs, out),
-                *compare_report.heatmaps(runs, out),
-                *compare_report.position_overlay(args.paths, out, args.position_length)]
-    (out / "comparison.md").write_text("\n".join(sections))
+    (out / "comparison.md").write_text("\n".join(compare_report.report(runs, out)))
     print((out / "comparison.md").read_text())
     written = ", ".join(p.name for p in sorted(out.glob("comparison*.*")))
-    print(f"[pelab] {len(runs.files) + len(runs.task_files)} result file(s) -> {out}: {written}")
+    print(f"[pelab] {len(runs.files)} result file(s) -> {out}: {written}")
     if args.wandb:
-        log_wandb(runs, out, args.project, args.group or compare.run_group([*runs.files, *runs.task_files]))
+        group = args.group or compare.run_group(runs)
+        for name, logged in compare_report.charts(runs, out).items():  # one W&B run per kind of result
+            log_to_new_wandb_run(logged, out, project=args.project, group=group, job_type="compare", name=name)
     return 0
-
-
-def log_wandb(runs: compare.Runs, out: Path, project: str, group: str | None) -> None:
-    """Every seed's line (the PNGs have the means and intervals), one W&B run per kind of result."""
-    if runs.pairs:
-        rows = compare.label_rows(runs.pairs, None if runs.multi_seed else runs.groups)
-        log_to_new_wandb_run(loggable(rows, out / "comparison.png", prefix="comparison", series_by=("scheme", "mode")),
-                             out, project=project, group=group, job_type="compare", name="comparison")
-    if runs.task_pairs:
-        log_to_new_wandb_run(task_eval.loggable(compare.label_task_rows(runs.task_pairs), out / "comparison_tasks.png"),
-                             out, project=project, group=group, job_type="compare", name="comparison-tasks")
 
 
 if __name__ == "__main__":

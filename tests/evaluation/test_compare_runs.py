@@ -1,11 +1,12 @@
 """scripts/compare_runs.py on fake sweep folders: perplexity per scheme and length by hand, seeds
 grouped with intervals and Welch marks, and a clear failure without results; evaluation/compare.py's
-line order and seed settings."""
+line order and seed settings; a probe registered with compare hooks appears with no other edit."""
 
 import math
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -315,8 +316,7 @@ def test_streaming_tables_are_grouped_by_seed_per_cache_rule(tmp_path):
 def test_task_lines_under_a_scaling_name_it_once():
     """A task row scored under NTK is the line ``rope+ntk`` in compare's tables, plots and W&B
     charts: the label carries the scaling, and the tasks' own labels do not add it again."""
-    from evaluation.compare import label_task_rows
-    from evaluation.tasks import TaskRow, _series, markdown_table
+    from evaluation.tasks import TaskRow, _series, label_task_rows, markdown_table
 
     rows = [TaskRow("passkey", "rope", 64, n, math.nan, 10, 0.5, 0.5, 0.0, learned="yes", rope_scaling=kind)
             for kind in ("none", "ntk") for n in (64, 128)]
@@ -328,9 +328,7 @@ def test_task_lines_under_a_scaling_name_it_once():
 def test_a_run_that_did_not_learn_is_marked_once_in_every_task_output():
     """compare's single-seed table, the plot series and the W&B chart lines (all built from
     ``label_task_rows``) say "[not learned at L]" once, after the scheme and its scaling."""
-    from evaluation.compare import label_task_rows
-    from evaluation.compare_report import single_seed_task_table
-    from evaluation.tasks import TaskRow, _series, markdown_table
+    from evaluation.tasks import TaskRow, _series, label_task_rows, markdown_table, single_seed_task_table
 
     rows = [TaskRow("passkey", "rope", 64, n, math.nan, 10, 0.5, 0.5, 0.0, learned="no", rope_scaling=kind)
             for kind in ("none", "ntk") for n in (64, 128)]
@@ -339,3 +337,81 @@ def test_a_run_that_did_not_learn_is_marked_once_in_every_task_output():
     assert "| passkey | rope+ntk [not learned at L] | — | 50.0 | 50.0 |" in markdown_table(labelled)
     table = single_seed_task_table(labelled, "passkey")
     assert "| rope [not learned at L] | 50.0 | 50.0 |" in table and table.count("not learned") == 2
+
+
+# --- the plug-in: a probe = its file + one registry line, compare included ----------------------
+
+@dataclass
+class ToyRow:
+    """A throwaway probe's row: one score per (scheme, length)."""
+    scheme: str
+    train_length: int
+    eval_length: int
+    score: float
+    status: str = "ok"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def toy_sections(runs, pairs, out):
+    """The toy probe's own compare hook, built from the library alone (as a probe file would)."""
+    from evaluation.compare import group_points, make_cells
+    from evaluation.compare_report import stats_sections, write_stats_csv
+
+    if not pairs:
+        return []
+    cells = make_cells(group_points(runs, pairs, lambda r: ("toy", r.train_length, r.eval_length), lambda r: r.score),
+                       lower_is_better=False)
+    write_stats_csv(cells, out / "comparison_toy.csv", "toy")
+    return stats_sections(cells, "{:.2f}", lambda section: f"### {section}\n\nToy score by length.")
+
+
+def toy_probe():
+    from evaluation.probe import Comparison, Probe
+    from evaluation.results import Logged
+
+    compared = Comparison("toy.csv", ToyRow, series=lambda r: (r.scheme,), section=toy_sections,
+                          charts=lambda runs, pairs, out: {"comparison-toy": Logged(summary={"toy/rows": len(pairs)})})
+    return Probe(name="toy", config=dict, needs="text", output="toy", evaluate=lambda subject, config: [],
+                 save=lambda result, out, title: {}, reports=lambda result, paths: [],
+                 announce=lambda result, paths: "", compare=(compared,))
+
+
+def test_a_registered_probe_with_compare_hooks_appears_in_compare_runs_without_another_edit(tmp_path, monkeypatch):
+    """A throwaway probe, registered here and nowhere else: its table is found under the runs, its
+    rows grouped by seed with the other probes' (toy scores per seed: rope [2.0, 4.0] -> 3.00 ±
+    12.706205 * sqrt(2) / sqrt(2) = 12.71, the best; alibi [1.0], one seed, no test), its section
+    follows the built-in ones, its W&B run is logged; unregistered, it is gone again."""
+    import importlib.util
+    import sys
+
+    from evaluation.registry import PROBES
+    from evaluation.sweep import write_rows
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("pelab_script_compare_runs_toy", ROOT / "scripts" / "compare_runs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    logged = {}
+    monkeypatch.setattr(script, "log_to_new_wandb_run", lambda payload, out, **kw: logged.update({kw["name"]: payload}))
+
+    sweep = tmp_path / "multirun"
+    for name, scheme, seed, score in (("0-rope", "rope", 1, 2.0), ("1-rope", "rope", 2, 4.0), ("2-alibi", "alibi", 1, 1.0)):
+        run = seed_run(sweep, name, scheme, seed, {64: 4.0 + seed})
+        write_rows([ToyRow(scheme, 64, 64, score)], run / "toy" / "toy.csv", ToyRow)
+
+    monkeypatch.setitem(PROBES, "toy", toy_probe())
+    assert script.main([str(sweep), "--out", str(tmp_path / "with"), "--wandb"]) == 0
+    md = (tmp_path / "with" / "comparison.md").read_text()
+    assert md.index("### nonoverlapping") < md.index("### toy\n\nToy score by length.\n\n")
+    assert "| scheme (seeds) | 64 (train) |\n|---|---|\n| rope (2) | **3.00 ± 12.71** |\n| alibi (1) | 1.00 |\n" in md
+    assert (tmp_path / "with" / "comparison_toy.csv").read_text().splitlines()[1].startswith("rope,toy,64,64,2,1 2,3.0,")
+    assert logged["comparison-toy"].summary == {"toy/rows": 3} and "comparison" in logged
+
+    monkeypatch.undo()  # unregistered: the same runs compare without it
+    assert "toy" not in PROBES
+    assert script.main([str(sweep), "--out", str(tmp_path / "without")]) == 0
+    assert "### toy" not in (tmp_path / "without" / "comparison.md").read_text()
+    assert not (tmp_path / "without" / "comparison_toy.csv").exists()
