@@ -1,8 +1,9 @@
 """Streaming evaluation (StreamingLLM, Xiao et al. 2024, "Efficient Streaming Language Models
 with Attention Sinks"): a long held-out text (``multiplier`` x the training length L, 16 L by
-default) scored token by token with a bounded KV cache that keeps the first ``sinks`` tokens
-(attention sinks) and the ``window`` most recent ones (the new token's own included), so the
-cache never holds more than sinks + window keys however long the text.
+default) scored token by token with the KV cache under StreamingLLM's policy (model/cache.py,
+``Sinks``): it keeps the first ``sinks`` tokens (attention sinks) and the ``window`` most recent
+ones (the new token's own included), so it never holds more than sinks + window keys however
+long the text.
 
 Positions inside the cache (``cache_positions``):
 
@@ -41,82 +42,10 @@ from evaluation.probe import Comparison, Probe, Subject
 from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import LengthSweepOptions, autocast, eval_mode, probe_windows, read_rows, write_rows
 from model.config import require
-from model.generate import KVCache
+from model.cache import KVCache, Sinks
 from model.gpt import uncompiled
 
 CACHE_POSITIONS = ("reindexed", "absolute")
-
-
-class SinkLayerCache:
-    """One layer's keys and values in the streaming cache (``LayerCache``'s interface); ``peak``:
-    the most keys it ever held."""
-
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.key_terms: Tensor | None = None  # a data-dependent scheme's c of the kept keys (model/gpt.py)
-        self.evicted_terms: Tensor | None = None  # c of the last evicted token: where the kept recent keys' sum starts
-        self.peak = 0
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
-        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        self.peak = max(self.peak, self.k.shape[2])
-        return self.k, self.v
-
-
-class StreamingCache:
-    """``KVCache``'s interface (model/generate.py) with StreamingLLM's policy: ``evict`` before each
-    new token drops the oldest non-sink keys so that, with the new one, at most sinks + window remain."""
-
-    def __init__(self, n_layer: int, span: Tensor, sinks: int, window: int) -> None:
-        self.span, self.positions = span, span[:0]
-        self.sinks, self.window = sinks, window
-        self.layers = [SinkLayerCache() for _ in range(n_layer)]
-
-    @property
-    def length(self) -> int:
-        return self.positions.shape[-1]
-
-    @property
-    def peak(self) -> int:
-        return max(layer.peak for layer in self.layers)
-
-    def evict(self) -> None:
-        excess = self.length + 1 - (self.sinks + self.window)
-        if excess <= 0:
-            return
-        s = self.sinks
-        self.positions = torch.cat((self.positions[:s], self.positions[s + excess:]))
-        for layer in self.layers:
-            layer.k = torch.cat((layer.k[:, :, :s], layer.k[:, :, s + excess:]), dim=2)
-            layer.v = torch.cat((layer.v[:, :, :s], layer.v[:, :, s + excess:]), dim=2)
-            if layer.key_terms is not None:
-                terms = layer.key_terms
-                layer.evicted_terms = terms[..., s + excess - 1 : s + excess]
-                layer.key_terms = torch.cat((terms[..., :s], terms[..., s + excess:]), dim=-1)
-
-    def place_sinks(self, gpt: nn.Module, sink_tokens: Tensor) -> None:
-        """Re-indexed positions: the sinks' keys recomputed at the positions right before the oldest
-        recent key (a no-op until the first eviction). A data-dependent scheme's c (FoX) is
-        re-indexed alike: the sinks' own sums end where the recent keys' begin, so the cache reads
-        as one contiguous text (the evicted tokens' gates drop out of every c_i - c_j)."""
-        s = self.sinks
-        if s == 0 or self.length <= s:
-            return
-        first = int(self.positions[s]) - s
-        if int(self.positions[0]) == first:
-            return
-        where = torch.arange(first, first + s, device=self.positions.device)
-        fresh = KVCache(len(self.layers), self.span)
-        gpt.hidden(sink_tokens, where, cache=fresh)
-        self.positions = torch.cat((where, self.positions[s:]))
-        for layer, sink in zip(self.layers, fresh.layers):
-            layer.k = torch.cat((sink.k, layer.k[:, :, s:]), dim=2)
-            layer.v = torch.cat((sink.v, layer.v[:, :, s:]), dim=2)
-            if sink.key_terms is not None:  # c - c_last + the evicted token's c: contiguous with the recent keys
-                placed = sink.key_terms - sink.key_terms[..., -1:] + layer.evicted_terms
-                layer.key_terms = torch.cat((placed, layer.key_terms[..., s:]), dim=-1)
 
 
 @torch.no_grad()
@@ -127,13 +56,12 @@ def stream_nll(gpt: nn.Module, tokens: Tensor, sinks: int, window: int, cache_po
     module = uncompiled(gpt)
     device = tokens.device
     span = torch.arange(tokens.shape[1], device=device)
-    cache = StreamingCache(len(module.blocks), span, sinks, window)
+    cache = KVCache(len(module.blocks), span, policy=Sinks(sinks, window, reindexed=cache_positions == "reindexed"))
     nll = []
     with eval_mode(module), autocast(precision, device):
         for t in range(tokens.shape[1] - 1):
             cache.evict()
-            if cache_positions == "reindexed":
-                cache.place_sinks(module, tokens[:, :sinks])
+            cache.place_sinks(module, tokens[:, :sinks])  # re-indexed only (model/cache.py, ``Sinks``)
             h = module.hidden(tokens[:, t : t + 1], span[t : t + 1], cache=cache)
             nll.append(F.cross_entropy(module.logits(h[:, 0]).float(), tokens[:, t + 1], reduction="none"))
     return torch.stack(nll, dim=1), cache.peak
