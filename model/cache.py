@@ -43,10 +43,6 @@ class LayerCache:
         self.gap_terms: Tensor | None = None  # the terms of the last key dropped: where the next kept keys' sum starts
         self.peak = 0
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
     def last_terms(self) -> Tensor | None:
         """(B, H, 1) the newest kept key's terms, which the new tokens' continue; None if there are none."""
         terms = self.key_terms
