@@ -13,6 +13,11 @@ the run's). Its positions are kept or replaced:
 - another ``pe``: the folder's position weights (GPT-2's table) are dropped and the run's scheme
   starts from its own initialisation, said in one printed line (recalibrating a pretrained model
   to another scheme).
+
+A folder of pelab's own remote code (PelabForCausalLM, pelab/hf_remote/) holds GPT's weights
+under their own names and GPTConfig's fields in config.json: it is read as a pelab checkpoint is
+(``init_from=CKPT``): every model key but those ``INIT_FREE`` lists must be the run's, its pe
+options may change, another scheme starts fresh.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch
 from omegaconf import OmegaConf
 
 from model.pe import SCHEMES
-from pelab.checkpoint import CheckpointError, refuse_non_finite_init
+from pelab.checkpoint import INIT_FREE, CheckpointError, refuse_non_finite_init
 from pelab.export import scheme_name
 from pelab.hf_classes import EXPORTERS, ExportError, Folder, to_pelab_state
+from pelab.hf_remote import ARCHITECTURE as REMOTE, FORMAT
 from pelab.lit import model_config
 
 PREFIX = "hf:"
@@ -47,6 +53,8 @@ def check_hf_init(spec: str, cfg) -> dict[str, Any]:
         import transformers
     except ImportError:
         raise CheckpointError(f'{where} needs transformers: pip install -e ".[dev]"') from None
+    if architecture == REMOTE:
+        return check_remote_init(path, cfg, where)
     exporter = EXPORTERS[architecture]
     config = transformers.AutoConfig.from_pretrained(path)
     folder = exporter.read(config)
@@ -93,13 +101,49 @@ def folder_architecture(path: Path, where: str) -> str:
         architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
     except (ValueError, AttributeError) as err:
         raise CheckpointError(f"{where}: {path / 'config.json'} is not a JSON object ({err})") from None
-    known = ", ".join(EXPORTERS)
-    if len(architectures) != 1 or architectures[0] not in EXPORTERS:
+    known = ", ".join([*EXPORTERS, REMOTE])
+    if len(architectures) != 1 or architectures[0] not in (*EXPORTERS, REMOTE):
         raise CheckpointError(f"{where} is a {', '.join(architectures) or 'folder with no architectures'}; "
                               f"pelab imports {known}")
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
         raise CheckpointError(f"{where}: {path} has no weights ({' or '.join(WEIGHT_FILES)})")
     return architectures[0]
+
+
+def check_remote_init(path: Path, cfg, where: str) -> dict[str, Any]:
+    """``check_hf_init`` of a folder of pelab's own remote code: GPT's state dict (the tied head
+    back, the padding rows left to the run), checked as ``init_from`` checks a pelab checkpoint."""
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "config.json").read_text())
+    if config.get("pelab_format") != FORMAT:
+        raise CheckpointError(f"{where} is remote code of an older pelab export (config.json has no pelab_format="
+                              f"{FORMAT}): pelab reads back only the folders that carry its own model; export the "
+                              "checkpoint again with scripts/export_hf.py")
+    folder = config["gpt"]
+    model = model_config({**OmegaConf.to_container(cfg.model, resolve=True), "vocab_size": folder["vocab_size"]})
+    free = {k.removeprefix("model.") for k in INIT_FREE} | {"vocab_size", "pad_vocab_multiple"}
+    run = {k: model.kv_heads if k == "n_kv_head" else getattr(model, k) for k in folder if k not in free}
+    folder = {**folder, "n_kv_head": folder["n_kv_head"] or folder["n_head"]}
+    diffs = [k for k in run if run[k] != folder[k] and not (isinstance(run[k], (list, tuple)) and
+                                                           list(run[k]) == folder[k])]
+    if diffs:
+        raise CheckpointError(
+            f"{where} holds another model: the folder ({REMOTE}) has {', '.join(f'model.{k}={folder[k]}' for k in diffs)},"
+            f" this run has {', '.join(f'model.{k}={run[k]}' for k in diffs)}; set the run's to the folder's")
+    scheme, ours = config["pe"]["scheme"], scheme_name(OmegaConf.to_container(cfg.pe, resolve=True))
+    if scheme != ours:
+        print(f"[pelab] {where}: its positions are pe={scheme} ({REMOTE}), this run's pe={ours}: the run's scheme "
+              "starts from its own initialisation", flush=True)
+    state = {}
+    for weights in sorted(path.glob("*.safetensors")):
+        state.update({k.removeprefix("model."): v for k, v in load_file(weights).items()})
+    state["wte.weight"] = state["lm_head.weight"] = state["wte.weight"][: folder["vocab_size"]]
+    if scheme != ours:
+        state = {k: v for k, v in state.items() if not k.startswith("pe.")}
+    refuse_non_finite_init(state, where.removeprefix("init_from="))
+    return {"state_dict": {f"model.{k}": v for k, v in state.items()},
+            "hyper_parameters": {"model": {"block_size": folder["block_size"]}}, "fresh_pe": scheme != ours}
 
 
 def check_model(folder: Folder, model, architecture: str, where: str) -> None:

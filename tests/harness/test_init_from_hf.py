@@ -32,6 +32,9 @@ CASES = {
     "rope": ["pe.base=500", "pe.rotary_fraction=0.5"],  # GPT-NeoX, its zero biases dropped on the way back
     "llama": [*LLAMA, "pe.base=500", "model.n_kv_head=2"],
     "llama_bias_padded": [*LLAMA, "model.n_kv_head=1", "model.bias=true", "model.pad_vocab_multiple=96"],
+    # pelab's own remote code (PelabForCausalLM): GPT's weights under their names
+    "remote": ["pe=alibi", "model.window_pattern=[8,null]", "model.sinks=learned", "model.n_kv_head=2",
+               "model.qk_norm=true", "model.pad_vocab_multiple=96"],
 }
 
 
@@ -48,7 +51,7 @@ def trained_like(overrides, seed=0) -> LitGPT:
 
 def export(tmp_path, overrides, name="hf"):
     lit = trained_like(overrides)
-    export_model(lit.model, tmp_path / name)
+    export_model(lit.model, tmp_path / name, pe_config=dict(lit.hparams["pe"]))
     return lit.model, tmp_path / name
 
 
@@ -68,14 +71,14 @@ def test_round_trip_gives_every_parameter_back_bit_for_bit(tmp_path, name):
     fresh, gpt = imported(folder, CASES[name])
     got, want = gpt.state_dict(), source.state_dict()
     assert got.keys() == want.keys()
-    vocab = VOCAB if name == "llama_bias_padded" else want["wte.weight"].shape[0]
+    vocab = VOCAB if name in ("llama_bias_padded", "remote") else want["wte.weight"].shape[0]
     for key, value in want.items():
         if key in ("wte.weight", "lm_head.weight"):  # the folder keeps no padding rows: the run's own stay
             assert torch.equal(got[key][:vocab], value[:vocab]), key
             assert torch.equal(got[key][vocab:], fresh[key][vocab:]), key
         else:
             assert torch.equal(got[key], value), key
-    if name == "llama_bias_padded":
+    if name in ("llama_bias_padded", "remote"):
         assert want["wte.weight"].shape[0] == 288  # 256 padded to 3 x 96
     assert gpt.lm_head.weight is gpt.wte.weight
 
@@ -202,12 +205,36 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
     one_line_error(folder, [],
-                   "is a BertForMaskedLM; pelab imports GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM")
+                   "is a BertForMaskedLM; pelab imports GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM, "
+                   "PelabForCausalLM$")
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").unlink()
     one_line_error(folder, [], r"has no weights \(\*.safetensors or pytorch_model\*.bin\)")
     (folder / "config.json").unlink()
     one_line_error(folder, [], "has no config.json")
+
+
+def test_a_remote_code_folder_is_read_as_a_pelab_checkpoint(tmp_path, capsys):
+    source, folder = export(tmp_path, CASES["remote"])
+    msg = one_line_error(folder, [*CASES["remote"], "model.n_layer=3", "model.qk_norm=false"], "holds another model")
+    assert "the folder (PelabForCausalLM) has model.n_layer=2, model.qk_norm=True, this run has model.n_layer=3, " \
+           "model.qk_norm=False" in msg
+    fresh, gpt = imported(folder, [*CASES["remote"], "pe=t5", "model.dropout=0.1"])  # INIT_FREE keys may change
+    assert "its positions are pe=alibi (PelabForCausalLM), this run's pe=t5: the run's scheme starts" \
+           in capsys.readouterr().out
+    for key, value in gpt.state_dict().items():
+        if key.startswith("pe."):
+            assert torch.equal(value, fresh[key]), key
+        elif key not in ("wte.weight", "lm_head.weight"):
+            assert torch.equal(value, source.state_dict()[key]), key
+
+
+def test_a_remote_code_folder_of_the_restated_model_is_refused_in_one_line(tmp_path):
+    _, folder = export(tmp_path, CASES["remote"])
+    config = json.loads((folder / "config.json").read_text())
+    del config["pelab_format"]  # as the folders of pelab's earlier remote code (parts and kinds) have it
+    (folder / "config.json").write_text(json.dumps(config))
+    one_line_error(folder, CASES["remote"], r"is remote code of an older pelab export .* export the checkpoint again")
 
 
 def test_without_transformers_the_import_names_the_install(tmp_path, monkeypatch):
