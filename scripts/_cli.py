@@ -1,6 +1,7 @@
-"""The scripts' one command line: ``key=value`` arguments as Hydra overrides of the script's own
-config, conf/scripts/<name>.yaml (its keys, their defaults, and after each key a ``#`` comment:
-its one-line help, what ``--help`` prints).
+"""The scripts' one command line: ``key=value`` arguments on the script's own config,
+conf/scripts/<name>.yaml (its keys, their defaults, and after each key a ``#`` comment: its
+one-line help, what ``--help`` prints), composed by Hydra, each value read by Hydra's override
+grammar and set as Hydra sets an override.
 
 Three rules keep the commands typed before Hydra read the same way:
 - a top-level key whose default is text (``prompt``, bench's ``configs``) takes the value as typed;
@@ -25,47 +26,49 @@ KEY_LINE = re.compile(r"^(\w+):\s*(.*?)\s*#\s?(.*)$")  # a top-level key, its de
 
 def command_line(name: str, argv: list[str], doc: str):
     """conf/scripts/<name>.yaml with ``argv`` on top (a DictConfig), or None after ``--help``."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf import OmegaConf
 
     if any(arg in HELP for arg in argv):
         print(usage(doc, name))
         return None
-    tree = compose(name, [])
-    overrides = [override(tree, arg) for arg in argv]
-    try:
-        return compose(name, overrides)
-    except (HydraException, OmegaConfBaseException) as err:  # Hydra's message spans lines
-        raise SystemExit(f"scripts/{name}.py: {str(err).splitlines()[0]}") from None
+    cfg = compose(name)
+    for arg in argv:
+        OmegaConf.update(cfg, *setting(cfg, arg), merge=False)  # as Hydra applies an override
+    return cfg
 
 
-def compose(name: str, overrides: list[str]):
+def compose(name: str):
+    """The script's config with its defaults list (evaluate.yaml's: conf/eval), composed by Hydra;
+    the command line is set on it key by key (``setting``), so a key named like a group of the
+    training tree (bench's ``eval``, eval_rolling's ``data``) stays the script's own."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3", job_name=name):
-        return hydra_compose(f"scripts/{name}", overrides=overrides)
+        return hydra_compose(f"scripts/{name}")
 
 
-def override(tree, arg: str) -> str:
-    """``arg`` as the override Hydra reads as the user meant it (the module's three rules)."""
+def setting(cfg, arg: str) -> tuple[str, object]:
+    """``arg`` as (key, value), read by Hydra's override grammar under the module's three rules."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
-    key, sep, value = arg.partition("=")
+    key, sep, text = arg.partition("=")
     if not sep:
-        raise SystemExit(f"expected key=value, got {arg!r}; keys: {', '.join(tree)}")
-    default = known_key(tree, key.lstrip("+~"), arg)
+        raise SystemExit(f"expected key=value, got {arg!r}; keys: {', '.join(cfg)}")
+    default = known_key(cfg, key, arg)
     if "." not in key and isinstance(default, str) and default != MISSING:  # the script's own text keys
-        return f"{key}={quoted(value)}"
+        return key, text.replace("${", "\\${")
     try:
         parsed = OverridesParser.create().parse_override(arg)
     except HydraException:
-        return f"{key}={quoted(value)}"
+        return key, text.replace("${", "\\${")
     if parsed.value_type == ValueType.SIMPLE_CHOICE_SWEEP:
-        return f"{key}=[{value}]"
-    return arg
+        return key, parsed.value().list
+    if parsed.is_sweep_override():
+        raise SystemExit(f"{arg}: a sweep; a script runs once (give a list: {key}=[a,b])")
+    return key, parsed.value()
 
 
 def known_key(tree, key: str, arg: str):
@@ -126,7 +129,7 @@ def usage(doc: str, name: str | None = None) -> str:
             lines.append(f"  {key:20s} {help}")
     from omegaconf import OmegaConf
 
-    tree = OmegaConf.to_container(compose(name, []), resolve=False)
+    tree = OmegaConf.to_container(compose(name), resolve=False)
     for key, node in tree.items():
         for block, inner in (node.items() if isinstance(node, dict) else ()):
             listed = ", ".join(inner) if isinstance(inner, dict) else "a value"

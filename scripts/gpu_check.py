@@ -24,7 +24,7 @@ from pathlib import Path
 from _cli import command_line, compose
 from _common import ROOT, flag, integer, number
 
-OPTIONS = compose("gpu_check", [])  # its keys and defaults: conf/scripts/gpu_check.yaml
+OPTIONS = compose("gpu_check")  # its keys and defaults: conf/scripts/gpu_check.yaml
 BUDGET_S = 1200
 WORKERS = OPTIONS.workers
 
