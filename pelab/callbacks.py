@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
@@ -182,30 +183,71 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
     return True
 
 
+def logging_step(trainer: L.Trainer, stepped: bool = False) -> bool:
+    """Whether the optimizer step under way is one Lightning logs: every ``trainer.log_every_n_steps``
+    steps (the step after which global_step is a multiple of it) and when the trainer is stopping.
+    ``stepped``: asked after that step (``on_train_batch_end``, global_step already counts it)."""
+    step = trainer.global_step + (0 if stepped else 1)
+    return step % trainer.log_every_n_steps == 0 or trainer.should_stop
+
+
+class LoggedStepProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, its metrics read at logging steps only; the step count moves
+    every step. Lightning turns every metric logged with ``prog_bar=True`` into a number at every
+    batch, logged that step or not (a host sync each), so the training loss is logged without it
+    and this bar shows ``SHOWN`` from ``trainer.callback_metrics`` when they are logged.
+    ``LitGPT.configure_callbacks`` puts it in place of Lightning's default bar."""
+
+    SHOWN = ("train/loss",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._shown: dict | None = None
+        self._step = -1  # global_step at the previous batch: unchanged while gradients accumulate
+        self._fresh = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        self._fresh = stepped and logging_step(trainer, stepped=True)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._fresh = True  # outside training steps (epoch and validation ends) as Lightning shows them
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        if self._fresh or self._shown is None:
+            logged = trainer.callback_metrics
+            self._shown = {**super().get_metrics(trainer, pl_module),
+                           **{name: float(logged[name]) for name in self.SHOWN if name in logged}}
+        return self._shown
+
+
 class NonFiniteError(RuntimeError):
     """Training stopped because the loss or the gradients were NaN/inf."""
 
 
 class NonFiniteGuard(L.Callback):
-    """Stops training at the first optimizer step whose loss or gradients are not finite,
-    before that update is applied, after skipping up to ``max_skipped_steps`` such steps.
+    """No update is applied from a non-finite loss or gradient; training stops at the first host
+    check after such a step, once more than ``max_skipped_steps`` of them were seen.
 
-    A skipped step drops the gradients, so AdamW leaves the parameters and its moments as they
-    were (the step counter and LR schedule still advance); skips are counted, warned about and
-    logged as ``train/skipped_steps``. Stopping raises ``NonFiniteError`` rather than setting
-    ``trainer.should_stop``: on a normal stop ModelCheckpoint still saves (``last.ckpt`` in
-    ``on_train_end``, top-k after a final validation), while on an exception it saves only with
-    ``save_on_exception=True`` (off in conf/callbacks/default.yaml). So nothing is written after
-    the failure and the last checkpoint is the last good state.
+    The decision is made on the device, so a step reads nothing on the host: the loss flag
+    (every micro-batch) and a fused norm over the gradients give one flag per step, handed to
+    the fused AdamW as ``found_inf`` (the hook GradScaler uses): its kernel then leaves the
+    parameters, both moments and its step count as they were. The LR schedule and global_step
+    still advance. The flags are read on the host (one copy of a few numbers) only at logging
+    steps (``trainer.log_every_n_steps``), before any checkpoint is written and when training
+    ends; each skipped step is then named, counted, warned about and logged as
+    ``train/skipped_steps``. Past the budget it raises ``NonFiniteError`` naming the step, not
+    ``trainer.should_stop``: on an exception ModelCheckpoint saves only with
+    ``save_on_exception=True`` (off in conf/callbacks/default.yaml), and the check before every
+    save refuses to write one after the failure, so the last checkpoint is from before it.
 
-    Every rank decides alike: gradients are already all-reduced under DDP when
-    ``on_before_optimizer_step`` runs, and the two flags are summed over ranks anyway (loss is
-    per rank; sharded strategies hold per-rank gradient shards).
-
-    Cost per optimizer step: one fused norm over the gradients, one device-to-host sync (on CUDA
-    the host waits for the backward before queueing the optimizer step) and, with several
-    processes, an all-reduce of two numbers. On CPU the sync is free. With ``16-mixed`` the
-    GradScaler skips inf/NaN gradient steps itself, so only the loss is checked there.
+    Every rank decides alike without a collective of its own: under several processes, and under
+    a GradScaler, a non-finite loss multiplies the gradient flowing out of it by NaN, so every
+    gradient (all-reduced under DDP) is non-finite on every rank, and the message names the loss
+    alone. Under a GradScaler (``16-mixed``) the scaler's own ``found_inf`` skips the step. With
+    a sharded strategy (FSDP: each rank holds gradient shards) the flag is summed across ranks on
+    the device. An optimizer without ``found_inf`` support (not fused) is checked on the host at
+    every step, as before, and its gradients dropped.
     """
 
     def __init__(self, max_skipped_steps: int = 0) -> None:
@@ -215,10 +257,22 @@ class NonFiniteGuard(L.Callback):
         self.max_skipped_steps = max_skipped_steps
         self.skipped_steps = 0
         self._loss_ok: torch.Tensor | None = None
+        self._unread: list[tuple[int, torch.Tensor]] = []  # (global step, [loss bad, gradients bad]) on the device
+        self._trainer: L.Trainer | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    @staticmethod
+    def _spreads_loss(trainer: L.Trainer) -> bool:
+        """A non-finite loss is carried by the gradients: other ranks, or the GradScaler, see it there."""
+        return trainer.world_size > 1 or getattr(trainer.precision_plugin, "scaler", None) is not None
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         ok = torch.isfinite(loss.detach()).all()  # stays on the device: no sync here
         self._loss_ok = ok if self._loss_ok is None else self._loss_ok & ok  # all micro-batches of the step
+        if self._spreads_loss(trainer):  # x 1.0 leaves a finite gradient's bits as they are
+            loss.register_hook(lambda grad: grad * torch.where(ok, 1.0, float("nan")).to(grad.dtype))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         device = pl_module.device
@@ -228,34 +282,86 @@ class NonFiniteGuard(L.Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if grads and scaler is None:  # a non-finite element makes the total norm non-finite
             grads_ok = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False).isfinite()
-        else:
+        else:  # the GradScaler checks the gradients itself
             grads_ok = torch.ones((), dtype=torch.bool, device=device)
-        bad = torch.stack([~loss_ok.to(device), ~grads_ok.to(device)]).float()
-        bad = trainer.strategy.reduce(bad, reduce_op="sum")  # no-op on one process
-        loss_bad, grads_bad = (v > 0 for v in bad.tolist())  # the one host sync
-        if loss_bad or grads_bad:
-            what = " and ".join(name for name, is_bad in (("loss", loss_bad), ("gradients", grads_bad)) if is_bad)
-            step = trainer.global_step
-            if self.skipped_steps >= self.max_skipped_steps:
-                ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "")
-                last = f"; the last checkpoint, {ckpt}, is from before it" if ckpt else ""
-                raise NonFiniteError(
-                    f"non-finite {what} at global step {step} (NaN/inf); training stopped before applying that "
-                    f"update and no checkpoint is written after it{last}. Skipped so far: {self.skipped_steps} "
-                    f"(callbacks.nonfinite_guard.max_skipped_steps={self.max_skipped_steps}). Lower optim.lr, "
-                    f"raise optim.warmup_steps or keep trainer.gradient_clip_val, then resume from the last checkpoint")
-            self.skipped_steps += 1
+        bad = torch.stack([~loss_ok.to(device), ~grads_ok.to(device)])
+        if trainer.world_size > 1 and sharded_gradients(trainer):  # a shard's NaN is on one rank only
+            bad = trainer.strategy.reduce(bad.float(), reduce_op="sum") > 0
+        self._unread.append((trainer.global_step, bad))
+        if scaler is not None:
+            return
+        if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: the kernel skips on the flag
+            optimizer.found_inf = bad.any().float()
+        elif self._read(trainer):  # no found_inf: decided on the host now
             optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without a gradient
-            rank_zero_warn(f"non-finite {what} at global step {step}: update skipped ({self.skipped_steps} of "
-                           f"callbacks.nonfinite_guard.max_skipped_steps={self.max_skipped_steps})")
-        if self.max_skipped_steps:  # every step, so the count reaches the next logged row
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        for optimizer in trainer.optimizers:
+            vars(optimizer).pop("found_inf", None)  # this step's flag, used
+        if self._unread and logging_step(trainer, stepped=True):
+            self._read(trainer)
+        if self.max_skipped_steps and logging_step(trainer, stepped=True):
             pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._read(trainer)
+
+    def _read(self, trainer: L.Trainer) -> bool:
+        """Read the unread flags on the host (one copy; with several processes summed across ranks
+        first, every rank reading at the same step); count, warn about or stop at each bad step.
+        True if any step was bad."""
+        if not self._unread:
+            return False
+        steps, flags = zip(*self._unread)
+        self._unread = []
+        flags = torch.stack(flags).float()
+        if trainer.world_size > 1:  # the loss flags are per rank
+            flags = trainer.strategy.reduce(flags, reduce_op="sum")
+        spread = self._spreads_loss(trainer)
+        found = False
+        for step, (loss_bad, grads_bad) in zip(steps, flags.tolist()):  # the one host read
+            loss_bad, grads_bad = loss_bad > 0, grads_bad > 0 and not (spread and loss_bad)
+            if loss_bad or grads_bad:
+                found = True
+                self._skipped(trainer, step, " and ".join(
+                    name for name, is_bad in (("loss", loss_bad), ("gradients", grads_bad)) if is_bad))
+        if self.max_skipped_steps:  # the count as of now, for the callbacks that read metrics
+            trainer.callback_metrics["train/skipped_steps"] = torch.tensor(float(self.skipped_steps))
+        return found
+
+    def _skipped(self, trainer: L.Trainer, step: int, what: str) -> None:
+        if self.skipped_steps >= self.max_skipped_steps:
+            ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "")
+            last = f"; the last checkpoint, {ckpt}, is from before it" if ckpt else ""
+            raise NonFiniteError(
+                f"non-finite {what} at global step {step} (NaN/inf); that update was not applied, training stopped "
+                f"at step {trainer.global_step} (the flags are read every trainer.log_every_n_steps="
+                f"{trainer.log_every_n_steps} steps and before a checkpoint) and no checkpoint is written after "
+                f"it{last}. Skipped so far: {self.skipped_steps} (callbacks.nonfinite_guard.max_skipped_steps="
+                f"{self.max_skipped_steps}). Lower optim.lr, raise optim.warmup_steps or keep "
+                f"trainer.gradient_clip_val, then resume from the last checkpoint")
+        self.skipped_steps += 1
+        rank_zero_warn(f"non-finite {what} at global step {step}: update skipped ({self.skipped_steps} of "
+                       f"callbacks.nonfinite_guard.max_skipped_steps={self.max_skipped_steps}; read at step "
+                       f"{trainer.global_step})")
+
     def state_dict(self) -> dict[str, Any]:
+        # asked first by every checkpoint save, which copies every weight to the host anyway:
+        # read now, so the count saved is current and nothing is saved after a failure
+        if self._trainer is not None:
+            self._read(self._trainer)
         return {"skipped_steps": self.skipped_steps}  # the budget holds across a resume
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+
+def sharded_gradients(trainer: L.Trainer) -> bool:
+    """True under strategies whose ranks hold gradient shards (FSDP, model parallel)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
 class PreemptionCheckpoint(L.Callback):
