@@ -1,10 +1,12 @@
-"""The GPU acceptance run, in three parts that each fit one command of a borrowed GPU machine.
+"""The GPU acceptance run, in four parts that each fit one command of a borrowed GPU machine.
 
     python scripts/gpu_check.py part=1 out=DIR   # preflight; cuda tests (pytest -n 4) beside the train runs and t5_timing
     python scripts/gpu_check.py part=2 out=DIR   # preflight; the bench alone (MFU, step ratios, the performance targets)
     python scripts/gpu_check.py part=3 out=DIR   # preflight; windows, sinks, PoPE, FoX, CoPE, stick-breaking: tests, runs, timing
+    python scripts/gpu_check.py part=4 out=DIR   # preflight; issue 47: cuda tests then the bench with the plain loop, beside a
+                                                 # gpt2 run evaluating on the GPU and the host syncs per step
     python scripts/gpu_check.py plan=true        # the plan only: the parts, their budgets, commands, what to install
-    python scripts/gpu_check.py steps=bench      # some steps (names or groups: tests, train, timing, bench, ddp)
+    python scripts/gpu_check.py steps=bench      # some steps (names or groups: tests, train, timing, bench, issue47, ddp)
 
 Each part is budgeted 540 s (steps that no longer fit are skipped, a step past the budget is
 stopped), and rewrites its report after every step: at most 8 files straight in ``out=`` (the

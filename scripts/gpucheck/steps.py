@@ -8,9 +8,10 @@ import csv
 import json
 import math
 import re
+import statistics
 import sys
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -310,7 +311,44 @@ def bench_numbers(rows: list[dict]) -> dict:
             numbers["reference_step_ms"] = row.get("step_ms")
             numbers["reference_mfu"] = row.get("mfu")
     numbers["targets"] = [f"{t['status']} {t['target']}: {t['detail']}" for t in targets(rows)]
-    return numbers
+    ratios = loop_ratios(rows)
+    numbers["targets"] += ratios.pop("targets", [])
+    return numbers | ratios
+
+
+PELAB_OVER_REFERENCE_MIN = 0.95  # issue 47: pelab's tokens/s at least 0.95x the plain loop's
+ROPE_OVER_LEARNED_STEP_MAX = 1.03  # issue 47: rope's step at most 1.03x learned's
+
+
+def loop_ratios(rows: list[dict]) -> dict:
+    """The tokens/s ratios with their 95% intervals (the bench's paired per-round ratios) where
+    the rows have them: pelab learned / the reference, pelab's model in the reference's loop /
+    the reference, rope / learned; with issue 47's two targets as lines (PASS or FAIL) on CUDA."""
+    found: dict = {}
+    lines = []
+    for row in rows:
+        if row.get("path") in ("pelab", "pelab-loop") and row["scheme"] == "learned" \
+                and row.get("ratio_vs_reference") is not None:
+            name = "pelab_over_reference" if row["path"] == "pelab" else "pelab_loop_over_reference"
+            found[name], found[f"{name}_ci95"] = row["ratio_vs_reference"], row.get("ratio_vs_reference_ci95")
+            if row["path"] == "pelab" and row.get("device") == "cuda":
+                ci = row.get("ratio_vs_reference_ci95")
+                lines.append(f"{'PASS' if row['ratio_vs_reference'] >= PELAB_OVER_REFERENCE_MIN else 'FAIL'} pelab "
+                             f"learned tokens/s >= {PELAB_OVER_REFERENCE_MIN}x the reference's (issue 47; "
+                             f"{row['config']}): {row['ratio_vs_reference']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})"
+                                                                                   if ci else ""))
+        if row.get("path") == "pelab" and row["scheme"] == "rope" and row.get("ratio_vs_learned"):
+            found["rope_over_learned"], found["rope_over_learned_ci95"] = (row["ratio_vs_learned"],
+                                                                           row.get("ratio_vs_learned_ci95"))
+            if row.get("device") == "cuda":
+                step = 1 / row["ratio_vs_learned"]  # tokens/s learned / rope = rope's step / learned's
+                ci = row.get("ratio_vs_learned_ci95")
+                lines.append(f"{'PASS' if step <= ROPE_OVER_LEARNED_STEP_MAX else 'FAIL'} rope step <= "
+                             f"{ROPE_OVER_LEARNED_STEP_MAX}x learned's (issue 47; {row['config']}): {step:.3f}"
+                             + (f" ({1 / ci[1]:.3f}-{1 / ci[0]:.3f})" if ci else ""))
+    if lines:
+        found["targets"] = lines
+    return found
 
 
 def bench_parser(rows_file: Path, schemes: tuple[str, ...]) -> Callable[[Result], tuple[str, str, dict]]:
@@ -344,6 +382,168 @@ def bench_steps(out: Path, runs: dict = BENCH_RUNS) -> list[Step]:
     return steps
 
 
+# --------------------------------------------------------------------------------------
+# issue 47: evaluation on the training device, host syncs per step, the bench with the plain loop
+# --------------------------------------------------------------------------------------
+
+# gpt2 124M at context 1024, compiled, bf16, on the bytes corpus (the gpt2 tokenizer needs the
+# network); the end-of-training extrapolation at L x {1, 2, 4} on 65536 tokens per length
+GPT2_EVAL_RUN = ("model=gpt2", "data=gutenberg", "compile=true", "trainer.precision=bf16-mixed", "data.batch_size=16",
+                 "trainer.max_steps=80", "trainer.log_every_n_steps=10", "trainer.val_check_interval=80",
+                 "trainer.limit_val_batches=2", "data.val_windows=32", "trainer.enable_progress_bar=false",
+                 "logger=csv", "eval.sweep.multipliers=[1,2,4]", "eval.extrapolation.max_tokens=65536",
+                 "eval.probe.enabled=false")
+EVAL_DEVICE = re.compile(r"\[pelab\] evaluation on (\S+?)(?:,|: )")  # pelab/evaluate.py, before the probes
+EXTRAPOLATION_ROW = re.compile(r"\[extrapolation\] .*? eval=(\d+) .*: ppl \S+ \(loss \S+\) over (\d+) tokens in "
+                               r"([0-9.]+)s")  # evaluation/extrapolation.py format_row
+
+
+def logged(metrics_csv: Path, key: str) -> list[float]:
+    """Every non-empty value of ``key`` in a CSVLogger metrics.csv, in order."""
+    if not metrics_csv.is_file():
+        return []
+    with open(metrics_csv, newline="") as f:
+        return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
+
+
+def eval_rows(log: str, table: Path) -> list[tuple[int, int, float]]:
+    """(eval length, tokens, seconds) of each extrapolation row: from the table train.py wrote
+    (full precision), else from the lines it printed (seconds to 0.1 s)."""
+    if table.is_file():
+        with open(table, newline="") as f:
+            return [(int(r["eval_length"]), int(r["tokens"]), float(r["seconds"])) for r in csv.DictReader(f)
+                    if r.get("status") == "ok" and r.get("mode") == "nonoverlapping"
+                    and r.get("rope_scaling") == "none"]
+    return [(int(n), int(t), float(s)) for n, t, s in EXTRAPOLATION_ROW.findall(log)]
+
+
+def gpt2_eval_parser(run_dir: Path) -> Callable[[Result], tuple[str, str, dict]]:
+    """Passes when the run ended with a finite validation loss and its end-of-training evaluation
+    scored on CUDA; reports the evaluation's tokens/s (all lengths, and at L) against training's
+    (the median of the logged values after the first, which holds the compile)."""
+
+    def parse(result: Result) -> tuple[str, str, dict]:
+        numbers = parse_train_log(result.log)
+        if m := EVAL_DEVICE.search(result.log):
+            numbers["eval_device"] = m.group(1)
+        train = logged(run_dir / "csv" / "metrics.csv", "train/tokens_per_sec")
+        if train:
+            numbers["train_tokens_per_s"] = round(statistics.median(train[1:] or train), 1)
+        rows = eval_rows(result.log, run_dir / "extrapolation" / "extrapolation.csv")
+        if rows:
+            numbers["eval_tokens_per_s_by_length"] = {n: round(t / s, 1) if s > 0 else None for n, t, s in rows}
+            seconds = sum(s for _, _, s in rows)
+            numbers["eval_tokens"], numbers["eval_s"] = sum(t for _, t, _ in rows), round(seconds, 3)
+            if seconds > 0:
+                numbers["eval_tokens_per_s"] = round(numbers["eval_tokens"] / seconds, 1)
+            if train and seconds > 0:
+                numbers["eval_over_train_tokens_per_s"] = round(numbers["eval_tokens_per_s"]
+                                                                / numbers["train_tokens_per_s"], 3)
+        if bad := ok_exit(result):
+            return bad[0], bad[1], numbers
+        loss = numbers.get("val_loss")
+        if loss is None or not math.isfinite(loss):
+            return "fail", f"no finite validation loss printed (got {loss})", numbers
+        if not numbers.get("eval_device", "").startswith("cuda"):
+            where = numbers.get("eval_device", "no device printed")
+            return "fail", f"the end-of-training evaluation scored on {where}, not on the GPU that trained", numbers
+        if not rows:
+            return "fail", "no extrapolation row printed", numbers
+        return "pass", "", numbers
+
+    return parse
+
+
+def gpt2_eval_step(out: Path) -> Step:
+    run_dir = out / "train" / "gpt2_eval"
+    return Step("train_gpt2_eval", "issue47", "python train.py trainer=gpu model=gpt2 data=gutenberg compile=true: "
+                "80 steps of gpt2 124M at 1024, then the end-of-training extrapolation at L x {1,2,4} on the "
+                "training device; evaluation tokens/s against training tokens/s",
+                [PY, "train.py", "trainer=gpu", *GPT2_EVAL_RUN, f"hydra.run.dir={run_dir}"], 300,
+                gpt2_eval_parser(run_dir))
+
+
+# a tiny run with the default callbacks and progress bar; the step from one batch start to the next
+HOST_SYNCS_RUN = ("model=tiny", "data=gutenberg", "trainer.max_steps=40", "trainer.log_every_n_steps=10",
+                  "trainer.val_check_interval=1000", "trainer.limit_val_batches=1", "logger=csv",
+                  "eval.extrapolation.enabled=false", "eval.probe.enabled=false")
+
+
+def logging_step(step: int, every: int) -> bool:
+    """Lightning logs in the step after which global_step is a multiple of log_every_n_steps."""
+    return (step + 1) % every == 0
+
+
+def host_syncs_numbers(report: dict) -> dict:
+    """Syncs per training step, in steps that do not log and in steps that do (the last step,
+    which ends the fit, and the time before the first are left out), the places of the first
+    kind, and the target (none there) as a PASS or FAIL line."""
+    every, last = int(report["log_every_n_steps"]), int(report["steps"]) - 1
+    counts = {int(s): n for s, n in report["counts"].items()}
+    quiet = [s for s in range(last) if not logging_step(s, every)]
+    logs = [s for s in range(last) if logging_step(s, every)]
+    places: dict[str, int] = {}
+    for s in quiet:
+        for place, n in report["sites"].get(str(s), {}).items():
+            places[place] = places.get(place, 0) + n
+    in_quiet = sum(counts.get(s, 0) for s in quiet)
+    numbers = {"self_test": report["self_test"], "steps": report["steps"], "log_every_n_steps": every,
+               "syncs_per_quiet_step": round(in_quiet / len(quiet), 2) if quiet else None,
+               "max_in_a_quiet_step": max((counts.get(s, 0) for s in quiet), default=None),
+               "syncs_per_logging_step": round(sum(counts.get(s, 0) for s in logs) / len(logs), 2) if logs else None,
+               "before_the_first_step": counts.get(-1, 0),
+               "quiet_sites": dict(sorted(places.items(), key=lambda kv: -kv[1])[:6])}
+    numbers["targets"] = [f"{'PASS' if quiet and not in_quiet else 'FAIL'} no host sync in a training step that does "
+                          f"not log (issue 47): {in_quiet} in {len(quiet)} such steps; "
+                          f"{numbers['syncs_per_logging_step']} per logging step"]
+    return numbers
+
+
+def host_syncs_parser(path: Path) -> Callable[[Result], tuple[str, str, dict]]:
+    """Passes when the run ended and the counter proved it sees syncs (its deliberate ``.item()``
+    counted once); the count in quiet steps is a target, reported and never failed."""
+
+    def parse(result: Result) -> tuple[str, str, dict]:
+        numbers = host_syncs_numbers(json.loads(path.read_text())) if path.is_file() else {}
+        if bad := ok_exit(result):
+            return bad[0], bad[1], numbers
+        if not numbers:
+            return "fail", f"the run wrote no {path.name}", numbers
+        if numbers["self_test"] != 1:
+            return "fail", f"the counter saw {numbers['self_test']} syncs for one .item(): its counts mean nothing", \
+                numbers
+        return "pass", "", numbers
+
+    return parse
+
+
+def host_syncs_step(out: Path) -> Step:
+    path = out / "host_syncs.json"
+    return Step("host_syncs", "issue47", "python train.py trainer=gpu model=tiny, 40 steps logging every 10, under "
+                "torch.cuda.set_sync_debug_mode('warn') (scripts/gpucheck/syncs.py): synchronising CUDA calls per "
+                "training step, in steps that log and in those that do not (target: none there, reported)",
+                [PY, "train.py", "trainer=gpu", *HOST_SYNCS_RUN,
+                 "+callbacks.host_syncs._target_=scripts.gpucheck.syncs.CudaSyncs",
+                 f"+callbacks.host_syncs.out={path}", f"hydra.run.dir={out / 'train' / 'host_syncs'}"], 150,
+                host_syncs_parser(path))
+
+
+# the bench with the reference's plain loop: 4 paths (reference, pelab's model in that loop,
+# pelab learned and rope under Lightning) compiled 4 at once, then 9 rounds (a 95% interval
+# needs 6 or more)
+BENCH_LOOP_ARGS = ("configs=gpt2-gpt2:learned+rope", "compile=true", "loop=true", "rounds=9", "steps=3", "warmup=2",
+                   "warmup_parallel=4", "eval=false", "memory=false")
+
+
+def bench_loop_step(out: Path) -> Step:
+    rows = out / "bench_loop.jsonl"
+    return Step("bench_loop", "issue47", "scripts/bench.py: gpt2 124M at context 1024, compiled, bf16, learned and "
+                "rope with the reference's plain loop: pelab / reference tokens/s (and pelab's model in that loop), "
+                "rope / learned, MFU, each ratio with its 95% interval (targets reported, not failed)",
+                [PY, "scripts/bench.py", *BENCH_LOOP_ARGS, f"out={rows}"], 420,
+                bench_parser(rows, ("learned", "rope")))
+
+
 def fsdp_step(out: Path, gpus: int) -> Step:
     devices = str(gpus) if gpus >= 2 else "N"
     return train_step("fsdp", "ddp", "python train.py trainer=fsdp on every GPU present, pe=kerple_log (parameters "
@@ -356,7 +556,8 @@ def all_steps(out: Path, schemes: list[str], gpus: int, workers: int = 1) -> lis
     """Every step after the preflight, in the order they run (the most telling first, so that a
     budget running out drops the least)."""
     return [cuda_tests_step(out, workers), *train_steps(out, schemes), t5_step(out), attention_step(out),
-            *bench_steps(out), *bench_steps(out, BENCH_2026), ddp_step(out, gpus), fsdp_step(out, gpus)]
+            *bench_steps(out), *bench_steps(out, BENCH_2026), gpt2_eval_step(out), host_syncs_step(out),
+            bench_loop_step(out), ddp_step(out, gpus), fsdp_step(out, gpus)]
 
 
 PART_BUDGET_S = 540  # a part is one command of a borrowed GPU machine (10 min at most, its start included)
@@ -377,11 +578,14 @@ class Part:
 
 
 def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, Part]:
-    """Three parts, each within one GPU-machine command. Part 1: the cuda tests (pytest -n
+    """Four parts, each within one GPU-machine command. Part 1: the cuda tests (pytest -n
     ``workers``), the short train runs and t5_timing, three lanes at once (none of them is timed
     for performance). Part 2: the bench alone, so that its step times are clean. Part 3: what
     has not yet run on a GPU: the cuda tests beside its train runs, then, after them in the
-    first lane, the attention timing and its bench runs (the train lane ends first)."""
+    first lane, the attention timing and its bench runs (the train lane ends first). Part 4: what
+    issue 47 changes: the cuda tests then the bench with the reference's loop in one lane, the
+    gpt2 train run with its evaluation and the host-sync count in the other (both report ratios or
+    counts within their own run, so the other lane's load does not bias them)."""
     every = {step.name: step for step in all_steps(out, schemes, gpus, workers)}
     train = [every[name] for name in PART1_TRAIN]
     return {
@@ -393,6 +597,11 @@ def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, P
                        "of PoPE, FoX, sinks, windows and the learned-bias table route", PART_BUDGET_S,
                   [[every["cuda_tests"], every["attention_timing"], *(every[name] for name in BENCH_2026)],
                    [every[name] for name in PART3_TRAIN]]),
+        "4": Part("4", "preflight; issue 47: the cuda tests, then the bench with the reference's loop (pelab / "
+                       "reference, rope / learned, MFU), beside a gpt2 train run that evaluates on the GPU and the "
+                       "host syncs per training step", PART_BUDGET_S,
+                  [[replace(every["cuda_tests"], timeout_s=PART4_TESTS_S), every["bench_loop"]],
+                   [every["train_gpt2_eval"], every["host_syncs"]]]),
     }
 
 
@@ -400,6 +609,9 @@ def parts(out: Path, schemes: list[str], gpus: int, workers: int) -> dict[str, P
 PART1_TRAIN = ("train_rope", "train_t5", "train_fire", "train_alibi", "train_t5_documents", "train_rope_documents",
                "train_alibi_documents", "train_rope_init_from_yarn", "train_rope_temperature_randomized",
                "train_t5_fp32", "train_t5_compile", "train_alibi_fp16", "train_t5_dropout")
+# part 4's cuda tests stop here, so that the bench after them keeps the time to compile and time
+# (they took 81-121 s alone with 4 workers on an H100 and an H200)
+PART4_TESTS_S = 300
 # part 3's: the schemes and options that landed on CPU only
 PART3_TRAIN = ("train_pope", "train_fox", "train_cope", "train_rope_window_sinks", "train_t5_window_sinks",
                "train_stick_breaking")

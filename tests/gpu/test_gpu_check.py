@@ -360,7 +360,7 @@ def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monk
                             lambda name, *a: (find_spec("pytest") if xdist else None) if name == "xdist"
                             else find_spec(name, *a))
         parts = steps.parts(tmp_path, sorted(SCHEMES), 1, 4)
-        assert len(parts) == 3 and all(p.budget_s <= 540 for p in parts.values())
+        assert len(parts) == 4 and all(p.budget_s <= 540 for p in parts.values())
         lanes = parts["1"].lanes
         assert [s.name for s in lanes[0]] == ["cuda_tests"] and ("-n" in lanes[0][0].command) == xdist
         # part 3: the cuda tests first in its timed lane, the other lane train runs only
@@ -372,10 +372,10 @@ def test_parts_fit_the_gpu_window_and_the_plan_lists_them(tmp_path, capsys, monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["plan=true", f"out={tmp_path / 'r'}"]) == 0
     printed = capsys.readouterr().out
-    assert all(f"part={p} (budget 540 s)" in printed for p in "123") and "part=4" not in printed
+    assert all(f"part={p} (budget 540 s)" in printed for p in "1234") and "part=5" not in printed
     assert len(runner.EXPORTED) <= 8
-    with pytest.raises(SystemExit, match="part='4': expected one of 1, 2, 3"):
-        gpu_check.main(["part=4"])
+    with pytest.raises(SystemExit, match="part='5': expected one of 1, 2, 3, 4"):
+        gpu_check.main(["part=5"])
     with pytest.raises(SystemExit, match="workers='x' is not valid: expected an integer >= 1"):
         gpu_check.main(["workers=x"])
 
@@ -491,3 +491,150 @@ def test_part_1_trains_what_landed_after_the_acceptance_was_written(tmp_path):
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for step in covering:
             compose("config", overrides=[c for c in step.command[2:] if not c.startswith("hydra.")])
+
+
+# ---------------------------------------------------------------------------- part 4 (issue 47)
+
+
+def test_part_4_runs_the_tests_then_the_loop_bench_beside_the_gpt2_evaluation_and_the_sync_count(tmp_path):
+    """Lane a: the cuda tests, capped so that the bench after them keeps its time, then the bench
+    with the reference's loop and enough rounds for a 95% interval; lane b: the gpt2 run, then the
+    host-sync count. Every override is a key of train.py's config or of bench.py's."""
+    from hydra import compose, initialize_config_dir
+
+    from _cli import compose as script_config
+    from evaluation.stats import median_ci
+
+    part = steps.parts(tmp_path, sorted(SCHEMES), 1, 4)["4"]
+    assert [[s.name for s in lane] for lane in part.lanes] == [["cuda_tests", "bench_loop"],
+                                                              ["train_gpt2_eval", "host_syncs"]]
+    tests, bench = part.lanes[0]
+    assert tests.timeout_s == steps.PART4_TESTS_S and steps.all_steps(tmp_path, [], 1, 4)[0].timeout_s == 600
+    # the lane's steps fit the part (runner.STOP_GRACE_S: steps end that long before the budget)
+    assert tests.timeout_s + runner.MIN_START_S <= part.budget_s - runner.STOP_GRACE_S
+    args = dict(c.split("=", 1) for c in bench.command[2:])
+    assert set(args) <= set(script_config("bench")) and args["loop"] == "true" and args["compile"] == "true"
+    assert args["configs"] == "gpt2-gpt2:learned+rope"
+    assert median_ci([float(i) for i in range(int(args["rounds"]))]) is not None  # an interval per ratio
+    gpt2, syncs = part.lanes[1]
+    assert "model=gpt2" in gpt2.command and "data=gutenberg" in gpt2.command and "compile=true" in gpt2.command
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        for step in part.lanes[1]:
+            cfg = compose("config", overrides=[c for c in step.command[2:] if not c.startswith("hydra.")])
+            assert cfg.trainer.accelerator == "gpu"
+        assert list(cfg.callbacks.host_syncs.keys()) == ["_target_", "out"]
+    evaluated = compose_run(gpt2)
+    assert evaluated.eval.extrapolation.multipliers == [1, 2, 4] and evaluated.data.tokenizer == "bytes"
+    assert evaluated.trainer.max_steps > 2 * evaluated.trainer.log_every_n_steps  # tokens/s after the compile
+    assert [s.name for s in gpu_check.select(steps.all_steps(tmp_path, [], 1, 4), "issue47")] == [
+        "train_gpt2_eval", "host_syncs", "bench_loop"]
+
+
+def compose_run(step):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[c for c in step.command[2:] if not c.startswith("hydra.")])
+
+
+GPT2_LOG = """[pelab] attention: sdpa (model.attention=auto, pe=rope, cuda, bfloat16)
+[pelab] train/mfu peak: 989.4 TFLOP/s: NVIDIA H200 as H200, dense bf16 (docs/gpu.md)
+[pelab] evaluation on {device}: extrapolation
+[extrapolation] pe=rope scaling=none mode=nonoverlapping train=1024 eval=1024 stride=1024: ppl 9.1 (loss 2.2083) over 65536 tokens in 0.2s
+[extrapolation] pe=rope scaling=none mode=nonoverlapping train=1024 eval=2048 stride=2048: ppl 19.4 (loss 2.9653) over 65536 tokens in 0.4s
+[extrapolation] pe=rope scaling=none mode=nonoverlapping train=1024 eval=4096 stride=4096: ppl 88.2 (loss 4.4796) over 65536 tokens in 0.8s
+[pelab] val loss 2.1000 (ppl 8.17); unigram baseline 3.2213 (ppl 25.06)
+"""
+
+
+def test_the_gpt2_runs_evaluation_device_and_tokens_per_second_are_read(tmp_path):
+    # the lines are train.py's own (format strings in pelab/evaluate.py and evaluation/extrapolation.py)
+    assert '"[pelab] evaluation on {device}' in (ROOT / "pelab" / "evaluate.py").read_text().replace('f"', '"')
+    assert "over {row.tokens} tokens in {row.seconds:.1f}s" in (ROOT / "evaluation" / "extrapolation.py").read_text()
+    step = steps.gpt2_eval_step(tmp_path)
+    run_dir = steps.run_dir_of(step.command)
+    metrics = run_dir / "csv" / "metrics.csv"
+    metrics.parent.mkdir(parents=True)
+    # the first logged value holds the compile: the median of the others
+    metrics.write_text("step,train/tokens_per_sec,val/loss\n9,1000.0,\n19,300000.0,\n29,400000.0,\n39,350000.0,\n"
+                       "79,,2.1\n")
+    status, reason, numbers = step.parse(steps.Result(0, 100.0, GPT2_LOG.format(device="cuda:0"), tmp_path))
+    assert status == "pass", reason
+    assert numbers["eval_device"] == "cuda:0" and numbers["train_tokens_per_s"] == 350000.0
+    sharded = GPT2_LOG.format(device="cuda:0, sharded over 2 ranks")
+    assert step.parse(steps.Result(0, 100.0, sharded, tmp_path))[2]["eval_device"] == "cuda:0"
+    assert numbers["eval_tokens"] == 3 * 65536 and numbers["eval_s"] == 1.4  # from the printed lines
+    assert numbers["eval_tokens_per_s_by_length"] == {1024: 327680.0, 2048: 163840.0, 4096: 81920.0}
+    assert numbers["eval_tokens_per_s"] == round(3 * 65536 / 1.4, 1)
+    assert numbers["eval_over_train_tokens_per_s"] == round(3 * 65536 / 1.4 / 350000, 3)
+    # the table, where train.py wrote it, wins over the rounded lines
+    table = run_dir / "extrapolation" / "extrapolation.csv"
+    table.parent.mkdir()
+    table.write_text("scheme,rope_scaling,train_length,eval_length,mode,stride,tokens,loss,ppl,seconds,status\n"
+                     "rope,none,1024,1024,nonoverlapping,1024,65536,2.2,9.1,0.25,ok\n"
+                     "rope,none,1024,2048,nonoverlapping,2048,65536,2.9,19.4,0.5,ok\n"
+                     "rope,linear,1024,2048,nonoverlapping,2048,65536,2.9,19.4,9.0,ok\n")
+    _, _, numbers = step.parse(steps.Result(0, 100.0, GPT2_LOG.format(device="cuda:0"), tmp_path))
+    assert numbers["eval_tokens_per_s_by_length"] == {1024: 262144.0, 2048: 131072.0} and numbers["eval_s"] == 0.75
+    # evaluated on the host after GPU training: the failure this step is for
+    status, reason, _ = step.parse(steps.Result(0, 100.0, GPT2_LOG.format(device="cpu"), tmp_path))
+    assert status == "fail" and "scored on cpu" in reason
+    status, reason, _ = step.parse(steps.Result(0, 100.0, GPT2_LOG.replace("[pelab] evaluation on {device}: "
+                                                                           "extrapolation\n", ""), tmp_path))
+    assert status == "fail" and "no device printed" in reason
+
+
+def test_host_syncs_per_step_are_counted_by_whether_the_step_logs(tmp_path):
+    report = {"log_every_n_steps": 4, "steps": 12, "self_test": 1,
+              "counts": {"-1": 2, "0": 0, "1": 1, "3": 5, "5": 2, "7": 4, "11": 9},
+              "sites": {"1": {"callbacks.py:10 guard": 1}, "5": {"callbacks.py:10 guard": 1, "lit.py:3 log": 1}}}
+    numbers = steps.host_syncs_numbers(report)
+    # steps 0..10 (11 ends the fit); 3 and 7 log; the other 9 do not: 3 syncs among them
+    assert numbers["syncs_per_quiet_step"] == round(3 / 9, 2) and numbers["max_in_a_quiet_step"] == 2
+    assert numbers["syncs_per_logging_step"] == 4.5 and numbers["before_the_first_step"] == 2
+    assert numbers["quiet_sites"] == {"callbacks.py:10 guard": 2, "lit.py:3 log": 1}
+    assert numbers["targets"] == ["FAIL no host sync in a training step that does not log (issue 47): 3 in 9 such "
+                                  "steps; 4.5 per logging step"]
+    report["counts"] = {"3": 5, "7": 4, "11": 1}
+    assert steps.host_syncs_numbers(report)["targets"][0].startswith("PASS")
+    path = tmp_path / "host_syncs.json"
+    path.write_text(json.dumps(report | {"self_test": 0}))
+    status, reason, _ = steps.host_syncs_parser(path)(steps.Result(0, 1.0, "", tmp_path))
+    assert status == "fail" and "its counts mean nothing" in reason
+
+
+def test_the_sync_counter_runs_through_train_py(tmp_path):
+    """The host_syncs step's own command, on a CPU: trainer=default, fewer steps, and the
+    counter's CPU stand-in of CUDA's sync debug mode (a warning at each host read of a value)."""
+    step = steps.host_syncs_step(tmp_path)
+    command = [c.replace("trainer=gpu", "trainer=default") for c in step.command]
+    command = [c for c in command if not c.startswith(("trainer.max_steps=", "trainer.log_every_n_steps="))]
+    command += ["trainer.max_steps=8", "trainer.log_every_n_steps=4", "data.batch_size=4",
+                "+callbacks.host_syncs.imitate=true"]
+    env = dict(os.environ, HYDRA_FULL_ERROR="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    status, reason, numbers = step.parse(steps.Result(proc.returncode, 1.0, proc.stdout + proc.stderr, tmp_path))
+    assert status == "pass", reason + (proc.stdout + proc.stderr)[-3000:]
+    assert numbers["self_test"] == 1 and numbers["steps"] == 8 and numbers["log_every_n_steps"] == 4
+    assert numbers["syncs_per_logging_step"] > 0  # the logged loss and learning rate are read there
+
+
+def test_the_loop_bench_reports_pelab_over_the_reference_and_rope_over_learned(tmp_path):
+    cuda = {"config": "gpt2-gpt2", "precision": "bf16-mixed", "compile": True, "block_size": 1024, "device": "cuda"}
+    rows = [{"path": "reference", "scheme": "learned", "step_ms": 34.0, "mfu": 0.42, "ratio_vs_reference": 1.0},
+            {"path": "pelab-loop", "scheme": "learned", "step_ms": 36.0, "mfu": 0.40, "ratio_vs_reference": 0.945,
+             "ratio_vs_reference_ci95": [0.93, 0.95]},
+            {"path": "pelab", "scheme": "learned", "step_ms": 40.4, "mfu": 0.352, "ratio_vs_reference": 0.837,
+             "ratio_vs_reference_ci95": [0.8, 0.86], "ratio_vs_learned": 1.0},
+            {"path": "pelab", "scheme": "rope", "step_ms": 45.9, "mfu": 0.308, "ratio_vs_learned": 0.8889,
+             "ratio_vs_learned_ci95": [0.8, 0.9]}]
+    bench = steps.bench_loop_step(tmp_path)
+    Path(next(c for c in bench.command if c.startswith("out=")).partition("=")[2]).write_text(
+        "".join(json.dumps(cuda | r) + "\n" for r in rows))
+    status, _, numbers = bench.parse(steps.Result(0, 100.0, "", tmp_path))
+    assert status == "pass" and numbers["schemes"]["rope"]["mfu"] == 0.308 and numbers["reference_mfu"] == 0.42
+    assert (numbers["pelab_over_reference"], numbers["pelab_over_reference_ci95"]) == (0.837, [0.8, 0.86])
+    assert (numbers["pelab_loop_over_reference"], numbers["rope_over_learned"]) == (0.945, 0.8889)
+    assert numbers["targets"][-2:] == [
+        "FAIL pelab learned tokens/s >= 0.95x the reference's (issue 47; gpt2-gpt2): 0.837 (0.800-0.860)",
+        "FAIL rope step <= 1.03x learned's (issue 47; gpt2-gpt2): 1.125 (1.111-1.250)"]
