@@ -130,10 +130,12 @@ def usage(doc: str, name: str | None = None) -> str:
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(compose(name), resolve=False)
-    for key, node in tree.items():
-        for block, inner in (node.items() if isinstance(node, dict) else ()):
-            listed = ", ".join(inner) if isinstance(inner, dict) else "a value"
-            lines.append(f"  {key}.{block}{'.KEY' if isinstance(inner, dict) else ''}: {listed}")
+    for key, node in tree.items():  # a block of keys (evaluate.py's eval): its keys, by sub-block
+        if isinstance(node, dict):
+            values = [k for k, v in node.items() if not isinstance(v, dict)]
+            blocks = [(f"{key}.{k}", v) for k, v in node.items() if isinstance(v, dict)]
+            for where, names in ([(key, values)] if values else []) + [(b, list(v)) for b, v in blocks]:
+                lines.append(f"  {where}.KEY: {', '.join(names)}")
     return "\n".join(lines)
 
 
