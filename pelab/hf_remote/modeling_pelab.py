@@ -146,6 +146,8 @@ class PelabForCausalLM(PreTrainedModel, GenerationMixin):
         """pelab's cache instead of transformers' (when ``use_cache``); either way the generation's
         length, the span every step's positions are read over (pelab's generate does the same)."""
         model_kwargs["span_length"] = generation_config.max_length
+        if generation_config.use_cache and generation_config.num_beams > 1:
+            raise ValueError("PelabForCausalLM's cache does not reorder beams: pass use_cache=False for beam search")
         if generation_config.use_cache and model_kwargs.get("cache") is None:
             model_kwargs["cache"] = PelabCache(generation_config.max_length)
 
