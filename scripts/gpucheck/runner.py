@@ -214,6 +214,7 @@ class Report:
         if rows:
             _write(self.out / "bench.jsonl", b"".join(p.read_bytes() for p in rows))
         kept = [*sorted(self.work.glob("logs/*.log")), *sorted(self.work.glob("train/*/csv/metrics.csv")),
+                *sorted(self.work.glob("train/*/extrapolation/extrapolation.csv")),  # train_gpt2_eval's seconds
                 *sorted(self.work.glob("train/*/.hydra/overrides.yaml")), *sorted(self.work.glob("*.json")),
                 *sorted(self.work.glob("*.jsonl")), *sorted(self.work.glob("*.xml"))]
         buffer = io.BytesIO()

@@ -28,7 +28,7 @@ import lightning as L
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SYNC_TEXT = "called a synchronizing CUDA operation"  # c10/cuda's warn_or_error_on_sync
+SYNC_TEXT = "synchronizing CUDA operation"  # c10/cuda's warn_or_error_on_sync: "called a ..."
 
 
 def site(depth: int = 5) -> str:
