@@ -15,9 +15,9 @@ here to export, by pelab/hf_import.py to start a run from a folder (``init_from=
 Every other scheme and option (another scheme, NoPE layers, other RoPE scalings, p-RoPE,
 learned frequencies, temperatures, windows, other blocks) is written as remote code: the model's
 own files and a thin wrapper (pelab/hf_remote/: ``trust_remote_code=True``); a scheme whose
-module cannot travel with it is refused before anything is written. The folder is written beside ``out`` under a temporary name and
-renamed into place, so a failed export leaves nothing half-written. transformers is imported
-only when exporting or importing.
+module cannot travel with it is refused before anything is written. The folder is written beside
+``out`` under a temporary name and renamed into place, so a failed export leaves nothing
+half-written. transformers is imported only when exporting or importing.
 """
 
 from __future__ import annotations

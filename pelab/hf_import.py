@@ -129,8 +129,9 @@ def check_remote_init(path: Path, cfg, where: str) -> dict[str, Any]:
                                                            list(run[k]) == folder[k])]
     if diffs:
         raise CheckpointError(
-            f"{where} holds another model: the folder ({REMOTE}) has {', '.join(f'model.{k}={folder[k]}' for k in diffs)},"
-            f" this run has {', '.join(f'model.{k}={run[k]}' for k in diffs)}; set the run's to the folder's")
+            f"{where} holds another model: the folder ({REMOTE}) has "
+            f"{', '.join(f'model.{k}={folder[k]}' for k in diffs)}, this run has "
+            f"{', '.join(f'model.{k}={run[k]}' for k in diffs)}; set the run's to the folder's")
     scheme, ours = config["pe"]["scheme"], scheme_name(OmegaConf.to_container(cfg.pe, resolve=True))
     if scheme != ours:
         print(f"[pelab] {where}: its positions are pe={scheme} ({REMOTE}), this run's pe={ours}: the run's scheme "

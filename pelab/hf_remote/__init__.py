@@ -183,15 +183,22 @@ def rebuilt(config: dict) -> GPT:
 
 def check_rebuilds(gpt: GPT, config: dict) -> None:
     """The model config.json describes computes ``gpt``'s logits: its options are all there."""
-    copy = rebuilt(json.loads(json.dumps(config))).to(gpt.lm_head.weight.device).eval()
-    copy.load_state_dict(gpt.state_dict())
+    options = config["pe"]["options"]
+    try:
+        copy = rebuilt(json.loads(json.dumps(config))).to(gpt.lm_head.weight.device).eval()
+        copy.load_state_dict(gpt.state_dict())
+    except (ValueError, TypeError, RuntimeError) as err:  # another shape of the scheme's weights, a bad option
+        raise ExportError(f"pe={gpt.pe.name} built from the pe options {options} does not take this model's "
+                          f"weights: {str(err).splitlines()[0]}") from None
     T = min(16, gpt.pe.max_positions or 16)
     ids = torch.arange(T, device=copy.lm_head.weight.device)[None] % gpt.config.vocab_size
+    training = gpt.training
     with torch.no_grad():
-        diff = (copy(ids)[0] - gpt(ids)[0]).abs().max().item()
+        diff = (copy(ids)[0] - gpt.eval()(ids)[0]).abs().max().item()
+    gpt.train(training)
     if not diff <= 1e-5:
-        raise ExportError(f"pe={gpt.pe.name} built from the pe options {config['pe']['options']} computes other "
-                          f"logits (max diff {diff:.3g}): export it with the pe config it was built from")
+        raise ExportError(f"pe={gpt.pe.name} built from the pe options {options} computes other logits (max diff "
+                          f"{diff:.3g}): export it with the pe config it was built from")
 
 
 def save_remote(gpt: GPT, pe_config: dict, folder: Path, eot: int | None) -> None:

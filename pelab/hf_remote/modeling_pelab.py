@@ -46,8 +46,9 @@ class PelabConfig(PretrainedConfig):
 def build_gpt(config: PelabConfig) -> GPT:
     gpt_config = GPTConfig(**config.gpt)
     scheme = SCHEMES[config.pe["scheme"]](gpt_config, **config.pe["options"])
-    if config.pe.get("scaling") is not None:  # JSON lists back to the tuples RopeScaling holds
-        scheme.scale(RopeScaling(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.pe["scaling"].items()}))
+    scaling = config.pe.get("scaling")
+    if scaling is not None:  # JSON lists back to the tuples RopeScaling holds
+        scheme.scale(RopeScaling(**{k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()}))
     return GPT(gpt_config, scheme, frozenset(config.nope_layers), tuple(config.layer_bases))
 
 
@@ -82,8 +83,8 @@ class PelabForCausalLM(PreTrainedModel, GenerationMixin):
         with torch.device("cpu"):  # built for real, whatever device transformers builds on
             self.model = build_gpt(config)
         # the scheme's tables (non-persistent buffers, computed when built): transformers' loading empties them
-        self._tables = {id(m): {k: b.clone() for k, b in m._buffers.items() if b is not None and k in m._non_persistent_buffers_set}
-                        for m in self.model.modules()}
+        self._tables = {id(m): {k: b.clone() for k, b in m._buffers.items()
+                                if b is not None and k in m._non_persistent_buffers_set} for m in self.model.modules()}
         self.post_init()
 
     def _init_weights(self, module) -> None:
@@ -122,7 +123,8 @@ class PelabForCausalLM(PreTrainedModel, GenerationMixin):
         B, T = ids.shape
         mask = None if attention_mask is None else attention_mask[:, -T:].bool()
         positions = None if position_ids is None else position_ids[..., -T:].expand(B, T)
-        together = (mask is None or bool(mask.all())) and (positions is None or bool((positions == positions[:1]).all()))
+        alike = positions is None or bool((positions == positions[:1]).all())
+        together = (mask is None or bool(mask.all())) and alike
         if cache is not None:
             caches = cache.for_rows(self.model, 1 if together and cache.seen == 0 else B, ids.device)
             cache.seen += T
@@ -135,7 +137,8 @@ class PelabForCausalLM(PreTrainedModel, GenerationMixin):
         rows = []
         for r, row_cache in enumerate(caches):
             keep = slice(None) if mask is None else mask[r]
-            h = self.model.hidden(ids[r:r + 1, keep], None if positions is None else positions[r, keep], cache=row_cache)
+            row_positions = None if positions is None else positions[r, keep]
+            h = self.model.hidden(ids[r:r + 1, keep], row_positions, cache=row_cache)
             if mask is not None:  # the masked tokens' hidden states: zeros
                 h, kept = h.new_zeros(1, T, h.shape[-1]), h
                 h[:, keep] = kept

@@ -261,6 +261,10 @@ def test_an_option_the_scheme_does_not_take_is_refused_naming_it(tmp_path):
         export_model(gpt, tmp_path / "hf", pe_config={**pe, "new_option": 3})
     with pytest.raises(ExportError, match=r"^pe=rope built from the pe options \{\} computes other logits"):
         export_model(gpt, tmp_path / "hf", pe_config={})  # its keep_fraction unsaid
+    gpt, _ = build("t5", {"num_buckets": 8}, {})
+    with pytest.raises(ExportError, match=r"^pe=t5 built from the pe options \{\} does not take this model's weights: "
+                                          r"Error\(s\) in loading state_dict"):
+        export_model(gpt, tmp_path / "hf", pe_config={})  # 32 buckets by default
     assert list(tmp_path.iterdir()) == []
 
 
