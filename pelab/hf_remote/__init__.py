@@ -156,7 +156,8 @@ def remote_config(gpt: GPT, pe_config: dict) -> dict:
     scaling = gpt.pe.scaling
     c = gpt.config
     return {
-        "gpt": {**dataclasses.asdict(c), "attention": "auto"},  # any backend computes the same function
+        # GPTConfig's constructor arguments; any backend computes the same function
+        "gpt": {**{f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.init}, "attention": "auto"},
         "pe": {"scheme": gpt.pe.name, "options": options,
                "scaling": None if scaling is None else dataclasses.asdict(scaling)},
         "nope_layers": sorted(gpt.nope_layers), "layer_bases": list(gpt.layer_bases),
