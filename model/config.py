@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from model.attention import BACKENDS, CHOICES, NORMALISERS, SINKS
@@ -12,11 +12,11 @@ NORMS = ("layernorm", "rmsnorm")  # the values of model.norm
 MLPS = ("gelu", "swiglu")  # the values of model.mlp
 
 
-def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+def require(ok: bool, key: str, value: Any, allowed: str, error: type[ValueError] = ValueError) -> None:
     """A bad option fails early, naming its key, the value and what is allowed (the harness
-    shows this ValueError as a one-line config error)."""
+    shows this ValueError as a one-line config error; pelab/config.py raises its ConfigError)."""
     if not ok:
-        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+        raise error(f"{key} must be {allowed}, got {value!r}")
 
 
 def is_window(value: Any) -> bool:
@@ -41,16 +41,32 @@ def check_windows(config: GPTConfig) -> None:
             config.attn_temperature, "none or llama4 with windows (log_length and ssmax count every earlier key)")
 
 
+def sink_normaliser(sinks: Any, normaliser: Any) -> Any:
+    """``model.normaliser`` with ``model.sinks``, its old spelling, folded in: learned or zero with
+    softmax is sink_learned or sink_zero; none (or null) leaves the normaliser as it is."""
+    require(sinks is None or sinks in SINKS, "model.sinks", sinks, "one of " + ", ".join(map(repr, SINKS)))
+    if sinks in (None, "none") or normaliser == f"sink_{sinks}":
+        return normaliser
+    require(normaliser == "softmax", "model.sinks", sinks,
+            f"none with model.normaliser={normaliser} (sinks join a softmax denominator)")
+    return f"sink_{sinks}"
+
+
+def fold_sinks(values: dict) -> dict:
+    """``model`` options (a saved or composed config) with the old ``sinks`` key folded into ``normaliser``."""
+    values = dict(values)
+    values["normaliser"] = sink_normaliser(values.pop("sinks", None), values.get("normaliser", "softmax"))
+    return values
+
+
 def check_normaliser(config: GPTConfig) -> None:
-    """``model.normaliser``: one of NORMALISERS; stick_breaking has no softmax denominator for
-    sinks to join and runs where a backend computes it (``auto`` and the fallbacks find math)."""
+    """``model.normaliser``: one of NORMALISERS, which a named strict backend must compute (``auto``
+    and the fallbacks find one that does: math computes every one)."""
     require(config.normaliser in NORMALISERS, "model.normaliser", config.normaliser,
             "one of " + ", ".join(map(repr, NORMALISERS)))
-    require(config.normaliser == "softmax" or config.sinks == "none", "model.sinks", config.sinks,
-            f"none with model.normaliser={config.normaliser} (sinks join a softmax denominator)")
     backend = BACKENDS.get(config.attention)
-    require(backend is None or not backend.strict or config.normaliser in backend.normalisers, "model.attention",
-            config.attention, f"auto or math with model.normaliser={config.normaliser}")
+    require(backend is None or not backend.strict or NORMALISERS[config.normaliser].refusal(backend) is None,
+            "model.attention", config.attention, f"auto or math with model.normaliser={config.normaliser}")
 
 
 @dataclass
@@ -79,12 +95,15 @@ class GPTConfig:
     # Sliding windows (docs/design.md, "Sliding windows"): query i sees keys i-W+1..i; None = full.
     window: int | None = None  # every layer's window
     window_pattern: list[int | None] | None = None  # layer l: window_pattern[l % len]; exclusive with window
-    # Attention sinks (docs/design.md, "Attention sinks"): none, learned (a logit per head and layer) or zero.
-    sinks: str = "none"
-    # The attention weights (docs/design.md, "Stick-breaking attention"): softmax or stick_breaking (math only).
+    # The attention weights (model/attention/normalisers.py): softmax; softmax with a sink per head
+    # (docs/design.md, "Attention sinks"), sink_learned (a logit per head and layer) or sink_zero
+    # (off-by-one); or stick_breaking (docs/design.md, "Stick-breaking attention"; math only).
     normaliser: str = "softmax"
+    # The old spelling of the sink normalisers: learned or zero is normaliser=sink_learned|sink_zero.
+    sinks: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, sinks: str | None = None) -> None:
+        self.normaliser = sink_normaliser(sinks, self.normaliser)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
             require(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "a positive integer")
         require(self.n_embd % self.n_head == 0, "model.n_embd", self.n_embd,
@@ -108,7 +127,6 @@ class GPTConfig:
         require(self.attn_temperature not in ("log_length", "ssmax") or self.attn_temperature_length is not None
                 or self.block_size >= 2, "model.block_size", self.block_size, f">= 2 with {self.attn_temperature}")
         check_windows(self)
-        require(self.sinks in SINKS, "model.sinks", self.sinks, "one of " + ", ".join(map(repr, SINKS)))
         check_normaliser(self)
         backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
         require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),
@@ -128,6 +146,11 @@ class GPTConfig:
         return any(w is not None for w in self.layer_windows)
 
     @property
+    def sink(self) -> str | None:
+        """The kind of sink logit each layer holds: learned, zero, or None (a normaliser without a sink)."""
+        return NORMALISERS[self.normaliser].sink
+
+    @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
@@ -139,3 +162,7 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_multiple
         return (self.vocab_size + m - 1) // m * m
+
+
+# model.sinks read back in its old spelling (none, learned or zero), for readers of the former field
+GPTConfig.sinks = property(lambda self: self.sink or "none")  # type: ignore[assignment]

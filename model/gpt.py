@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import Terms, attend, resolve
+from model.attention import AttentionRequest, Terms, attend, resolve
 from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, generate
 from model.loss import chunked_cross_entropy, use_chunked_loss
@@ -50,9 +50,9 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.ssmax = head_scales(config)  # model.attn_temperature=ssmax: this layer's learned s_h, else None
-        if config.sinks == "learned":  # model.sinks: one logit per head joined to every softmax denominator
+        if config.sink == "learned":  # normaliser sink_learned: one logit per head joined to every softmax denominator
             self.sinks = nn.Parameter(torch.zeros(config.n_head))
-        elif config.sinks == "zero":  # the off-by-one softmax: a constant, not a weight
+        elif config.sink == "zero":  # sink_zero, the off-by-one softmax: a constant, not a weight
             self.register_buffer("sinks", torch.zeros(config.n_head), persistent=False)
         else:
             self.sinks = None
@@ -261,13 +261,17 @@ class GPT(nn.Module):
 
     def attention(self, device: torch.device, name: str | None = None, dtype: torch.dtype = torch.float32,
                   queries: int | None = None, batch: int | None = None, documents: bool = False):
-        """The attention backend of a forward now: ``name`` or ``model.attention`` resolved
-        for this scheme, device, dtype, dropout, grad mode, number of queries, batch size and
-        packed documents (model/attention/__init__.py)."""
+        """The attention backend of a forward now: ``name`` or ``model.attention`` resolved for this
+        forward's request (model/attention/__init__.py)."""
+        return resolve(name or self.config.attention, self.request(device, dtype, queries, batch, documents))
+
+    def request(self, device: torch.device, dtype: torch.dtype = torch.float32, queries: int | None = None,
+                batch: int | None = None, documents: bool = False) -> AttentionRequest:
+        """What decides the attention route of a forward now: the scheme, device, dtype, dropout and
+        grad mode, number of queries, batch size, packed documents, normaliser and windows."""
         dropout = self.config.dropout if self.training else 0.0
-        return resolve(name or self.config.attention, self.pe, device, dtype, dropout, torch.is_grad_enabled(),
-                       queries, documents, batch, len(self.blocks), self.config.sinks != "none",
-                       self.config.normaliser, self.config.windowed)
+        return AttentionRequest(self.pe, device, dtype, dropout, torch.is_grad_enabled(), queries, documents, batch,
+                                len(self.blocks), self.config.normaliser, self.config.windowed)
 
     def attention_backend(self, device: torch.device, name: str | None = None,
                           dtype: torch.dtype = torch.float32) -> str:

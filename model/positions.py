@@ -33,14 +33,6 @@ class PositionContext:
         return self.terms.q_positions
 
 
-def position_context(pe: Any, positions: Tensor, mask: Tensor | None = None, span: Tensor | None = None
-                     ) -> PositionContext:
-    """An SDPA context of tokens at ``positions`` with a given ``mask`` (None: causal), the
-    scheme's rotation tables over ``span`` (default: the positions themselves)."""
-    tables = pe.rotation_tables(positions, positions if span is None else span) if pe.uses_rotate else None
-    return PositionContext(pe, Terms(pe, positions, positions), BACKENDS["sdpa"], mask, tables)
-
-
 @dataclass(frozen=True)
 class Pass:
     """How one forward runs outside training (generation, evaluation probes); training leaves
@@ -123,4 +115,4 @@ def resolve_positions(pe: Any, T: int, positions: Tensor | None, device: torch.d
     return positions
 
 
-__all__ = ["Pass", "PositionContext", "layer_contexts", "position_context", "resolve_positions"]
+__all__ = ["Pass", "PositionContext", "layer_contexts", "resolve_positions"]

@@ -8,6 +8,7 @@ without being listed here.
 from __future__ import annotations
 
 import collections.abc
+import functools
 import inspect
 import types
 import typing
@@ -16,6 +17,8 @@ from typing import Any, Callable, Literal, Union
 from hydra.errors import CompactHydraException, InstantiationException
 from hydra.utils import get_class
 from omegaconf import OmegaConf
+
+from model.config import require as model_require
 
 
 class ConfigError(CompactHydraException, ValueError):
@@ -59,13 +62,13 @@ def target_class(section: str, values: dict) -> type:
                           f"{err}") from None
 
 
+# model/config.py's check (key, value, what is allowed), raising the harness's one-line ConfigError
+require = functools.partial(model_require, error=ConfigError)
+
+
 def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise ConfigError(f"{key} must be {allowed}, got {value!r}")
-
-
-def require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        fail(key, value, allowed)
+    require(False, key, value, allowed)
+    raise AssertionError("not reached: require raised")
 
 
 _SEQUENCES = (list, tuple, collections.abc.Sequence, collections.abc.Iterable)

@@ -62,8 +62,8 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     layers, bases = build("pe", layer_positions, config.layer_windows, *(schedule.get(k) for k in LAYER_KEYS))
     setting = next((f"pe.{k}={schedule[k]}" for k in LAYER_KEYS[:2] if schedule.get(k) is not None), None)
     if layers and not (scheme.uses_rotate or scheme.uses_bias):
-        acts = ("only adds to the embeddings" if not scheme.data_dependent else
-                "counts every layer's positions from its attention scores" if scheme.score_dependent else
+        acts = ("only adds to the embeddings" if scheme.terms is None else
+                "counts every layer's positions from its attention scores" if scheme.terms == "scores" else
                 "gates every layer's attention from its input")
         raise ConfigError(f"{setting} needs a scheme that acts inside attention through positions "
                           f"(rotation or bias); pe={scheme.name} {acts}")

@@ -39,7 +39,7 @@ def schemes_of(spec: str) -> list[str]:
 def variants_of(spec: str) -> list[str]:
     """The option sets of ``variants=``: split at the commas outside brackets, each checked as
     model options (GPTConfig's keys and values) before anything is built."""
-    from dataclasses import fields
+    import inspect
 
     from benchkit.paths import path_parts
     from model.config import GPTConfig
@@ -53,7 +53,7 @@ def variants_of(spec: str) -> list[str]:
             item = ""
         else:
             item += ch
-    known = {f.name for f in fields(GPTConfig)}
+    known = set(inspect.signature(GPTConfig).parameters)  # the fields and model.sinks, the old spelling
     for variant in found:
         options = path_parts(f"x@{variant}")[2]
         if not options or any(k not in known for k in options):

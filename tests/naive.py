@@ -16,7 +16,7 @@ from model.pe import SCHEMES
 
 # the schemes whose terms are functions of positions alone, which these references compute; a
 # data-dependent one (FoX's gates read each layer's input) has its own float64 test (tests/pe/test_fox.py)
-POSITION_SCHEMES = [name for name in sorted(SCHEMES) if not SCHEMES[name].data_dependent]
+POSITION_SCHEMES = [name for name in sorted(SCHEMES) if SCHEMES[name].terms is None]
 
 
 # --------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def contexts(model, positions, k_positions=None, dtype=torch.float32, always_mas
     """The per-layer position contexts of one forward, as ``GPT.hidden`` builds them."""
     backend = model.attention(positions.device, dtype=dtype)
     terms = Terms(model.pe, positions, positions if k_positions is None else k_positions, dtype=dtype,
-                  explicit_mask=always_mask)
+                  explicit_mask=always_mask, normaliser=model.config.normaliser)
     return layer_contexts(terms, backend, n_layer=len(model.blocks), nope_layers=model.nope_layers)
 
 
@@ -109,7 +109,8 @@ def layer_output(model, x, backend: str, window=None, documents=None, chunk=None
     """The first layer's attention output on ``backend`` as GPT.hidden runs it."""
     positions = torch.arange(x.shape[1])
     docs = None if documents is None else torch.tensor(documents)
-    terms = Terms(model.pe, positions, positions, dtype=x.dtype, q_documents=docs, k_documents=docs)
+    terms = Terms(model.pe, positions, positions, dtype=x.dtype, q_documents=docs, k_documents=docs,
+                  normaliser=model.config.normaliser)
     ctx = layer_contexts(terms, BACKENDS[backend], Pass(q_chunk=chunk), 1, windows=(window,))[0]
     return model.blocks[0].attn(x, ctx)
 

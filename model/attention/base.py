@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 
 from model.attention.masks import attention_mask, causal_future, hidden_keys
+from model.attention.normalisers import NORMALISERS
+from model.attention.request import AttentionRequest
 
 
 def follow_order(positions: Tensor, documents: Tensor) -> bool:
@@ -24,11 +26,9 @@ def follow_order(positions: Tensor, documents: Tensor) -> bool:
 
 
 def data_terms(pe: Any) -> str | None:
-    """What a data-dependent scheme adds: "layer" (c_i - c_j of each layer's input, FoX), "scores"
-    (a term of each layer's queries and scores, CoPE), or None (a position scheme)."""
-    if getattr(pe, "score_dependent", False):
-        return "scores"
-    return "layer" if getattr(pe, "data_dependent", False) else None
+    """What a data-dependent scheme adds (``PositionEncoding.terms``): "layer" (c_i - c_j of each
+    layer's input, FoX), "scores" (a term of each layer's queries and scores, CoPE), or None."""
+    return getattr(pe, "terms", None)
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Terms:
     q_documents: Tensor | None = None  # (B, Tq) document ids (packed documents); None: one document
     k_documents: Tensor | None = None  # (B, Tk)
     window: int | None = None  # sliding window W, query i sees keys i-W+1..i; None (or W >= Tk): all earlier keys
-    normaliser: str = "softmax"  # model.normaliser: softmax or stick_breaking (stick_breaking.py)
+    normaliser: str = "softmax"  # model.normaliser, which ``attend`` applies (normalisers.py)
 
     @property
     def with_bias(self) -> bool:
@@ -154,44 +154,35 @@ class AttentionBackend:
     """softmax(q k^T / sqrt(d) + position terms + causal mask) v, one way.
 
     Per forward, ``prepare`` turns the position inputs into what this backend adds (its
-    state, shared by every layer); per layer, ``__call__`` attends. A backend declares what
-    it accepts; ``model.attention.resolve`` falls back to ``fallback`` where it does not."""
+    state, shared by every layer); per layer, ``__call__`` attends. ``refusal`` says what it
+    does not serve; ``model.attention.resolve`` falls back to ``fallback`` there."""
 
     name: ClassVar[str]
-    devices: ClassVar[tuple[str, ...] | None] = None  # device types it runs on (None: any)
-    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it is exact in (None: any)
-    dropout: ClassVar[bool] = True  # whether it applies attention dropout
-    records: ClassVar[bool] = False  # returns (output, probabilities)
-    fallback: ClassVar[tuple[str, ...]] = ("sdpa", "flex", "math")  # in order, where it does not apply
-    strict: ClassVar[bool] = False  # True: where it does not apply it raises, saying why, instead of falling back
+    dropout: ClassVar[bool] = True  # applies attention dropout (GPTConfig reads it before any scheme exists)
+    terms: ClassVar[tuple[str, ...]] = ()  # the kinds of a scheme's data-dependent terms it adds (pe.terms)
+    # materialises the weights: returns (output, weights) and takes ``weights=f(logits)`` (a normaliser's)
+    records: ClassVar[bool] = False
+    lse: ClassVar[bool] = False  # ``lse=True`` also returns each row's log-sum-exp, differentiably
+    fallback: ClassVar[tuple[str, ...]] = ("sdpa", "flex", "math")  # in order, where it refuses
+    strict: ClassVar[bool] = False  # True: named, it raises its refusal instead of falling back
     decode: ClassVar[str | None] = None  # the backend that serves a single query (decoding); None: itself
-    grad_route: ClassVar[str | None] = None  # the backend that serves it under autograd where that one applies
+    grad_route: ClassVar[str | None] = None  # the backend that serves it under autograd where that one serves
     plain: ClassVar[str] = "sdpa"  # for layers without the scheme's terms (NoPE layers of a schedule)
     full_keys: ClassVar[bool] = False  # query chunks get all Tk keys (``chunk`` hides the later ones)
-    sink_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # compute dtypes it joins sinks in (None: any)
-    normalisers: ClassVar[tuple[str, ...]] = ("softmax",)  # the values of model.normaliser it computes
-    layer_terms: ClassVar[bool] = False  # adds a data-dependent scheme's per-layer terms to its float32 scores
-    score_terms: ClassVar[bool] = False  # adds a score-dependent scheme's terms of q and the scores to its logits
 
-    def supports(self, pe: Any, device: torch.device, dtype: torch.dtype, dropout: float, grad: bool,
-                 sinks: bool = False, normaliser: str = "softmax") -> bool:
-        """Whether it runs this scheme here; ``sinks``: with attention sinks (model/attention/sinks.py);
-        ``normaliser``: the value of model.normaliser."""
-        return ((self.devices is None or device.type in self.devices)
-                and (self.dtypes is None or dtype in self.dtypes)
-                and (not sinks or self.sink_dtypes is None or dtype in self.sink_dtypes)
-                and normaliser in self.normalisers
-                and (self.dropout or not dropout) and self.adds(pe)
-                and self.fits(pe, device, dtype, grad))
-
-    def adds(self, pe: Any) -> bool:
-        """Whether it adds the scheme's data-dependent terms, if it has any."""
-        kind = data_terms(pe)
-        return kind is None or (self.layer_terms if kind == "layer" else self.score_terms)
-
-    def fits(self, pe: Any, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-        """Whether the scheme (on this device, in this dtype) gives this backend what it needs."""
-        return True
+    def refusal(self, request: AttentionRequest) -> str | None:
+        """Why it does not serve ``request`` (the error a strict backend raises), or None. This
+        base answers for dropout, the scheme's terms kind and the normaliser; a backend adds its own."""
+        pe, kind = request.pe, request.terms
+        if request.dropout and not self.dropout:
+            return f"model.attention={self.name} has no attention dropout"
+        if kind == "layer" and kind not in self.terms:
+            return (f"model.attention={self.name} cannot add pe={pe.name}'s per-layer data-dependent terms; "
+                    f"use model.attention=auto, sdpa, flex or math")
+        if kind == "scores" and kind not in self.terms:
+            return (f"model.attention={self.name} cannot add pe={pe.name}'s terms of the attention scores; "
+                    f"use model.attention=auto or math")
+        return NORMALISERS[request.normaliser].refusal(self, request.dtype)
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Any:
         """The per-forward state; ``chunked``: the layers attend in query chunks (see ``chunk``)."""
@@ -206,7 +197,6 @@ class AttentionBackend:
         """The state of query rows [s, e); by default prepared anew for those rows."""
         return self.prepare(terms.rows(s, e))
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float,
-                 sink: Tensor | None = None) -> Tensor:
-        """Attention with the prepared ``state``; ``sink``: the layer's (H,) sink logits, or None."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
+        """Attention with the prepared ``state``."""
         raise NotImplementedError

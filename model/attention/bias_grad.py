@@ -27,12 +27,11 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import Terms
-from model.attention.sdpa import SDPA, default_scale, mask_dtype
-from model.attention.sinks import sink_key
+from model.attention.request import AttentionRequest
+from model.attention.sdpa import SDPA, KernelCall, default_scale, mask_dtype
 
 # float32 elements of one tile's (b, H, QUERY_TILE, Tk) tensors: 2 MiB, about one core's L2.
 BLOCK_ELEMENTS = 1 << 19
@@ -145,13 +144,17 @@ class BiasGrad(SDPA):
     """The state is SDPA's float32 mask; layers whose mask needs no gradient run SDPA."""
 
     name = "bias_grad"
-    devices = ("cpu",)  # CUDA's SDPA kernels take the bias gradient themselves
     fallback = ("sdpa", "flex", "math")
     dropout = False
     grad_route = None
 
-    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-        return grad and pe.uses_bias and any(p.requires_grad for p in pe.parameters())
+    def refusal(self, request: AttentionRequest) -> str | None:
+        pe = request.pe
+        if request.device.type != "cpu":  # CUDA's SDPA kernels take the bias gradient themselves
+            return f"model.attention={self.name} runs on CPU only"
+        if not (request.grad and pe.uses_bias and any(p.requires_grad for p in pe.parameters())):
+            return f"model.attention={self.name} serves a learned bias under autograd, not pe={pe.name} here"
+        return super().refusal(request)
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | tuple[Tensor, Tensor] | None:
         """SDPA's mask; under a document mask a bias at positions shared by every sequence (one
@@ -165,18 +168,21 @@ class BiasGrad(SDPA):
         bias = shared.mask()
         return bias.detach().masked_fill(terms.hidden(), float("-inf")), bias
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float,
-                 sink: Tensor | None = None) -> Tensor:
-        """With ``sink``, SDPA's sink key first (``sink_key``): the kernel's causal rule (queries the
-        last Tq keys) holds for Tk + 1 keys, and the sink's logit gets its gradient through that key."""
+    def kernel_call(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> KernelCall:
+        """SDPA's call, or with a mask whose bias needs its gradient the tiled kernel's: the mask in
+        float32 (float64 for float64 q) and ``bias``, what takes the gradient. Its causal rule (queries
+        the last Tq keys) holds for a key added first, whose column of ``bias`` gets its gradient."""
         mask, bias = state if isinstance(state, tuple) else (state, state)  # bias: what takes the gradient
         if mask is None or not bias.requires_grad or dropout or not torch.is_grad_enabled():
-            return super().__call__(q, k, v, mask, dropout, sink)
-        with torch.autocast(v.device.type, enabled=False):
-            q, k = q.to(v.dtype), k.to(v.dtype)
-            mask = mask_dtype(mask, v.dtype)  # float64 for float64 q; the gradient goes back to float32
-            bias, scale, width = bias.to(mask.dtype), default_scale(q), v.shape[-1]
-            if sink is not None:
-                q, k, v, mask, _ = sink_key(q, k, v, sink, scale, mask, False)
-                bias = F.pad(bias, (1, 0))
-            return attention_with_bias_grad(q, k, v, mask, scale, bias=bias)[..., :width]
+            return super().kernel_call(q, k, v, mask, dropout)
+        mask = mask_dtype(mask, v.dtype)  # float64 for float64 q; the gradient goes back to float32
+        return KernelCall(q.to(v.dtype), k.to(v.dtype), v, mask, False, 0.0, default_scale(q), bias.to(mask.dtype))
+
+    def run(self, call: KernelCall) -> Tensor:
+        if call.bias is None:
+            return super().run(call)
+        with torch.autocast(call.v.device.type, enabled=False):
+            return attention_with_bias_grad(call.q, call.k, call.v, call.mask, call.scale, bias=call.bias)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float) -> Tensor:
+        return self.run(self.kernel_call(q, k, v, state, dropout))[..., :v.shape[-1]]

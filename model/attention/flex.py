@@ -17,7 +17,7 @@ A data-dependent scheme's c_i - c_j (FoX, ``layer_terms``) joins score_mod from 
 of the queries and of the keys, four captured tensors: each c's float32 head and remainder
 (``split_terms``), the heads' difference and the remainders' added together, as ``pair_terms``
 forms it. Each head requires gradients and is indexed once; the remainders are constants, and
-so is the queries' c without sinks (a row's constant: its gradient is zero).
+so is the queries' c unless the LSE is asked for (a row's constant: only the LSE sees it).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms, split_terms
-from model.attention.sinks import rescale
+from model.attention.request import AttentionRequest
 
 # Compiled flex specialises on every (batch, Tq, Tk): an evaluation sweep (lengths x query
 # chunks x batch sizes) passes dynamo's default limit of 8, past which flex runs unfused and
@@ -84,14 +84,18 @@ class Flex(AttentionBackend):
     full_keys = True
     compile_devices = ("cuda",)  # where flex_attention runs compiled (CPU flex runs eager)
     compile_backend = "inductor"
-    layer_terms = True  # c_i - c_j in score_mod (``with_layer_terms``)
+    terms = ("layer",)  # c_i - c_j in score_mod (``with_layer_terms``)
+    lse = True  # flex_attention's auxiliary LSE
 
     def __init__(self) -> None:
         self._compiled = None
         self._block_masks: dict = {}  # causal BlockMasks per (Tq, Tk, offset, window, device)
 
-    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
-        return not pe.uses_bias or pe.bias_score() is not None
+    def refusal(self, request: AttentionRequest) -> str | None:
+        pe = request.pe
+        if pe.uses_bias and pe.bias_score() is None:
+            return f"model.attention={self.name}: pe={pe.name} gives no elementwise bias (bias_score)"
+        return super().refusal(request)
 
     def prepare(self, terms: Terms, chunked: bool = False) -> FlexState:
         score = terms.pe.bias_score() if terms.with_bias else None
@@ -196,14 +200,10 @@ class Flex(AttentionBackend):
             return self._compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options,
                                   return_aux=aux)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float,
-                 sink: Tensor | None = None) -> Tensor:
-        """With ``sink``: the output of flex's softmax rescaled by sigmoid(lse - s_h) from its LSE."""
-        out = self.attend(q, k, v, state, sink is not None)
-        if sink is None:
-            return out
-        out, aux = out
-        return rescale(out, aux.lse, sink)
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, state: Any, dropout: float, lse: bool = False):
+        """flex_attention's output; with ``lse`` (out, each row's log-sum-exp)."""
+        out = self.attend(q, k, v, state, lse)
+        return (out[0], out[1].lse) if lse else out
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, lse: bool):
         """flex_attention's output, and its auxiliary outputs (the LSE) with ``lse``."""
@@ -230,8 +230,8 @@ class Flex(AttentionBackend):
                 return s + score(qp[b, q_idx], kp[b, kv_idx], h)
         if state.layer is not None:
             q_terms, *rest = state.layer
-            # c_i shifts query i's whole row, which a softmax without sinks ignores: its gradient is
-            # zero, and flex's backward would add it into q_terms score by score (atomics)
+            # c_i shifts query i's whole row, which the softmax ignores and only the LSE sees: else its
+            # gradient is zero, and flex's backward would add it into q_terms score by score (atomics)
             score_mod = with_layer_terms(score_mod, q_terms if lse else q_terms.detach(), *rest)
 
         block_mask = (self.block_mask(Tq, Tk, q.device, state.offset, state.window) if state.documents is None

@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
-from model.attention.sinks import sink_probabilities
-from model.attention.stick_breaking import NORMALISERS, stick_breaking_probabilities
 
 
 class AttentionRecorder:
@@ -43,31 +41,30 @@ class Math(AttentionBackend):
 
     name = "math"
     records = True
+    lse = True
     fallback = ()
-    normalisers = NORMALISERS
-    layer_terms = True
-    score_terms = True
+    terms = ("layer", "scores")
     plain = "math"
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
         return None if chunked else terms.mask(always=True)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float,
-                 sink: Tensor | None = None, normaliser: str = "softmax",
-                 score_terms: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """softmax(q k^T / sqrt(d) + mask) v and the probabilities, in float32 (float64 for float64 v);
-        with ``sink`` its logits join every row's denominator (the rows sum to less than 1); with
-        ``normaliser`` stick_breaking the weights are stick_breaking.py's instead of a softmax; with
-        ``score_terms`` its f(q, scores, visible keys) joins the logits (a score-dependent scheme)."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, lse: bool = False,
+                 weights: Callable[[Tensor], Tensor] | None = None,
+                 score_terms: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, ...]:
+        """softmax(q k^T / sqrt(d) + mask) v and the weights, in float32 (float64 for float64 v);
+        ``weights``: f(logits) in place of the softmax (a normaliser's); ``score_terms``: its
+        f(q, scores, visible keys) joins the logits (a score-dependent scheme); with ``lse`` the
+        rows' log-sum-exp comes third, and the output stays in float32 for the caller to rescale."""
         acc = torch.promote_types(v.dtype, torch.float32)
         with torch.autocast(v.device.type, enabled=False):
             scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
             logits = scores + mask
             if score_terms is not None:
                 logits = logits + score_terms(q.to(acc), scores, mask > float("-inf"))
-            if normaliser == "stick_breaking":
-                probs = stick_breaking_probabilities(logits)
-            else:
-                probs = torch.softmax(logits, dim=-1) if sink is None else sink_probabilities(logits, sink)
+            probs = torch.softmax(logits, dim=-1) if weights is None else weights(logits)
             dropped = F.dropout(probs, dropout) if dropout else probs
-            return torch.matmul(dropped, v.to(acc)).to(v.dtype), probs
+            out = torch.matmul(dropped, v.to(acc))
+            if lse:
+                return out, probs, torch.logsumexp(logits, dim=-1)
+            return out.to(v.dtype), probs

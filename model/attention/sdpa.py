@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,8 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
-from model.attention.features import KEY_PIECES
-from model.attention.sinks import sink_key
+from model.attention.request import AttentionRequest
 
 
 def mask_dtype(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -43,6 +43,22 @@ def default_scale(q: Tensor) -> float:
     return 1.0 / math.sqrt(q.shape[-1])
 
 
+@dataclass
+class KernelCall:
+    """One call of SDPA's kernel as a backend of its family hands it over: a normaliser may add a
+    key to it before ``run`` (normalisers.py); the output's last Tq rows and first v dims are attention's."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None  # float or boolean (1 or B, H or 1, Tq, Tk), or None
+    causal: bool  # SDPA's causal kernel (no mask, Tq = Tk)
+    dropout: float
+    scale: float | None = None  # None: 1 / sqrt(q's head dim)
+    bias: Tensor | None = None  # the tensor that takes the mask's gradient (bias_grad), or None
+    row_shift: Tensor | None = None  # (1 or B, H, Tq): a constant of each row the logits leave out (sdpa_key)
+
+
 class SDPA(AttentionBackend):
     """The state is the float32 mask with a bias, else a boolean order mask or None (SDPA's
     causal kernel)."""
@@ -50,23 +66,25 @@ class SDPA(AttentionBackend):
     name = "sdpa"
     fallback = ("flex", "math")
     grad_route = "bias_grad"  # a learned bias on CPU, where SDPA would take its float32 math path
-    sink_dtypes = tuple(KEY_PIECES)  # the sink key's logit in exact pieces: fp16 has none (flex or math)
-    layer_terms = True  # a data-dependent scheme's c_i - c_j join its float32 mask
+    terms = ("layer",)  # a data-dependent scheme's c_i - c_j join its float32 mask
 
-    def fits(self, pe, device: torch.device, dtype: torch.dtype, grad: bool) -> bool:
+    def refusal(self, request: AttentionRequest) -> str | None:
         # CUDA's fused kernels take a float mask only in q's dtype: the memory-efficient one
         # refuses a float32 mask with bf16/fp16 q, and cuDNN reads it as q's dtype (garbage).
         # A bias must keep float32, so on CUDA a bias goes through SDPA in float32 compute only.
-        return device.type != "cuda" or not (pe.uses_bias or pe.data_dependent) or dtype == torch.float32
+        if request.cuda and (request.pe.uses_bias or request.terms) and request.dtype != torch.float32:
+            return (f"model.attention={self.name} on CUDA adds pe={request.pe.name}'s terms only in float32 "
+                    f"compute (its kernels read a float mask in q's dtype)")
+        return super().refusal(request)
 
     def prepare(self, terms: Terms, chunked: bool = False) -> Tensor | None:
         return None if chunked else terms.order_mask()
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, dropout: float,
-                 sink: Tensor | None = None) -> Tensor:
-        causal = mask is None and q.shape[2] == k.shape[2]
-        if sink is None:
-            return sdpa(q, k, v, mask, dropout, causal)
-        Tq, width, scale = q.shape[2], v.shape[-1], default_scale(q)
-        q, k, v, mask, causal = sink_key(q, k, v, sink, scale, mask, causal)
-        return sdpa(q, k, v, mask, dropout, causal, scale)[..., -Tq:, :width]
+    def kernel_call(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, dropout: float) -> KernelCall:
+        return KernelCall(q, k, v, mask, mask is None and q.shape[2] == k.shape[2], dropout)
+
+    def run(self, call: KernelCall) -> Tensor:
+        return sdpa(call.q, call.k, call.v, call.mask, call.dropout, call.causal, call.scale)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Any, dropout: float) -> Tensor:
+        return self.run(self.kernel_call(q, k, v, mask, dropout))

@@ -1,17 +1,22 @@
-"""Attention sinks (``model.sinks``): one logit s_h per head joined to every softmax denominator.
+"""Attention sinks (``model.normaliser=sink_learned|sink_zero``): one logit s_h per head joined to
+every softmax denominator.
 
     p_ij = exp(z_ij) / (exp(s_h) + sum_k exp(z_ik)),    out_i = sum_j p_ij v_j
 
 is gpt-oss's softmax over [z_i, s_h] with the sink's column dropped: a query may give part of its
 attention to nothing, and its token weights sum to sigmoid(lse_i - s_h) < 1, lse_i the log-sum-exp
-of its logits. ``learned``: s_h a parameter of each layer and head; ``zero``: s_h = 0, the
-off-by-one softmax (Megatron's ``softmax_type=off-by-one``). Every backend joins it its own way:
-``math`` divides by the larger denominator (``sink_probabilities``), ``flex`` rescales its output
-by sigmoid(lse - s_h) from its LSE (torchtitan's ``apply_attention_sink_rescale``), and SDPA's
-backends, which return no differentiable LSE, attend one more key (``sink_key``).
+of its logits. ``sink_learned``: s_h a parameter of each layer and head; ``sink_zero``: s_h = 0, the
+off-by-one softmax (Megatron's ``softmax_type=off-by-one``). Two forms, both applied by the
+normaliser around a backend (normalisers.py): a backend that returns its rows' LSE has its output
+rescaled by sigmoid(lse - s_h) (``rescale``, torchtitan's ``apply_attention_sink_rescale``); SDPA's
+backends, which return no differentiable LSE, attend one more key (``extra_key`` on their kernel call).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +24,7 @@ from torch import Tensor
 
 from model.attention.features import pad_heads, split_exact
 
-SINKS = ("none", "learned", "zero")  # the values of model.sinks
+SINKS = ("none", "learned", "zero")  # the values of model.sinks, the old spelling (model/config.py)
 
 
 def sink_probabilities(logits: Tensor, sink: Tensor) -> Tensor:
@@ -31,10 +36,14 @@ def sink_probabilities(logits: Tensor, sink: Tensor) -> Tensor:
 
 def rescale(out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
     """(B, H, Tq, hd) output of a plain softmax whose rows' log-sum-exp is ``lse`` (B, H, Tq),
-    as with the (H,) sink logits: out * sigmoid(lse - s_h)."""
+    as with the (H,) sink logits: out * sigmoid(lse - s_h), in out's dtype."""
+    return out * sink_weight(lse, sink).to(out.dtype)
+
+
+def sink_weight(lse: Tensor, sink: Tensor) -> Tensor:
+    """(B, H, Tq, 1) sigmoid(lse - s_h): the share of each row's attention its tokens keep."""
     acc = torch.promote_types(lse.dtype, torch.float32)  # float64 for float64 compute (CPU flex)
-    weight = torch.sigmoid(lse.to(acc) - sink.to(acc)[:, None])
-    return out * weight.unsqueeze(-1).to(out.dtype)
+    return torch.sigmoid(lse.to(acc) - sink.to(acc)[:, None]).unsqueeze(-1)
 
 
 def sink_key(q: Tensor, k: Tensor, v: Tensor, sink: Tensor, scale: float, mask: Tensor | None, causal: bool,
@@ -63,3 +72,12 @@ def sink_key(q: Tensor, k: Tensor, v: Tensor, sink: Tensor, scale: float, mask: 
     elif causal:
         q = F.pad(q, (0, 0, 1, 0))
     return *pad_heads(q, k, v), mask, causal and mask is None
+
+
+def extra_key(call: Any, sink: Tensor) -> Any:
+    """An SDPA kernel call (sdpa.py's ``KernelCall``) with the sink as one more key (``sink_key``),
+    at the scale of the call's own q; a mask's gradient target (``bias``) gets the key's column too."""
+    scale = call.scale if call.scale is not None else 1.0 / math.sqrt(call.q.shape[-1])
+    q, k, v, mask, causal = sink_key(call.q, call.k, call.v, sink, scale, call.mask, call.causal, call.row_shift)
+    bias = None if call.bias is None else F.pad(call.bias, (1, 0))
+    return replace(call, q=q, k=k, v=v, mask=mask, causal=causal, scale=scale, bias=bias, row_shift=None)

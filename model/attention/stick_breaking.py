@@ -17,9 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-NORMALISERS = ("softmax", "stick_breaking")  # the values of model.normaliser
-
-
 def stick_breaking_probabilities(logits: Tensor) -> Tensor:
     """(B, H, Tq, Tk) weights A of float logits with -inf on hidden keys; each row sums to <= 1."""
     visible = logits > float("-inf")

@@ -48,12 +48,11 @@ class PositionEncoding(nn.Module):
     # ``scale`` for training, or inside ``scaled`` for an evaluation (model/pe/scaling.py).
     scaling_kinds: ClassVar[tuple[str, ...]] = ()
     scaling: Any = None
-    # Data-dependent (FoX): ``layer_terms(x, layer, start)`` gives each layer's (B, H, T) float64 c of
-    # its input, and attention adds c_i - c_j on the backends that declare ``layer_terms``.
-    data_dependent: ClassVar[bool] = False
-    # Score-dependent (CoPE, also ``data_dependent``): ``score_terms(q, scores, visible, layer)`` gives
-    # extra logits of each layer's queries and scaled scores, on the backends that declare ``score_terms``.
-    score_dependent: ClassVar[bool] = False
+    # The kind of data-dependent terms the scheme adds to attention (model/attention/base.py reads it):
+    # None (positions alone); "layer": ``layer_terms`` gives each layer's (B, H, T) float64 c of its
+    # input and attention adds c_i - c_j (FoX); "scores": ``score_terms`` gives extra logits of each
+    # layer's queries and scaled scores (CoPE). Only the backends whose ``terms`` hold the kind add them.
+    terms: ClassVar[str | None] = None
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -134,6 +133,16 @@ class PositionEncoding(nn.Module):
         device = next(self.parameters()).device
         bias = self.bias(torch.tensor([length], device=device), (length - distance).to(device))
         return {"bias vs distance": (distance.float(), bias[:, 0].float().cpu(), "distance i - j")}
+
+    def layer_terms(self, x: Tensor, layer: int, start: Tensor | None = None) -> Tensor:
+        """(B, H, T) float64 c of layer ``layer``'s input x (B, T, C), continuing ``start`` (B, H, 1),
+        the c of the token before x (a KV cache), if given; attention adds c_i - c_j (``terms="layer"``)."""
+        raise NotImplementedError(f"pe={self.name} declares terms={self.terms!r}, not 'layer'")
+
+    def score_terms(self, q: Tensor, scores: Tensor, visible: Tensor, layer: int) -> Tensor:
+        """(B, H, Tq, Tk) extra logits of layer ``layer`` from its queries q (B, H, Tq, d), scaled scores
+        q.k / sqrt(d) (B, H, Tq, Tk) and the visible keys (bool, broadcastable) (``terms="scores"``)."""
+        raise NotImplementedError(f"pe={self.name} declares terms={self.terms!r}, not 'scores'")
 
     # Per-forward state of the rotation: computed once by the model and shared by all layers.
     def rotation_tables(self, positions: Tensor, span: Tensor) -> Any:

@@ -32,8 +32,7 @@ from model.pe.base import PositionEncoding
 
 
 class CoPE(PositionEncoding, name="cope"):
-    data_dependent: ClassVar[bool] = True
-    score_dependent: ClassVar[bool] = True
+    terms: ClassVar[str | None] = "scores"
 
     def __init__(self, config: GPTConfig, npos_max: int | None = None) -> None:
         super().__init__(config)

@@ -36,7 +36,7 @@ GATE_STD = 0.02  # the authors' initializer_range for every Linear, the gate's i
 
 
 class FoX(PositionEncoding, name="fox"):
-    data_dependent: ClassVar[bool] = True
+    terms: ClassVar[str | None] = "layer"
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)

@@ -37,7 +37,10 @@ def config_mismatches(saved: dict, run: dict) -> list[tuple[str, Any, Any]]:
     A different scheme is one entry (``pe``): the other pe keys belong to another scheme.
     ``model.vocab_size`` is compared only when the run sets it (train.py takes it from the data).
     """
-    from model.config import GPTConfig
+    from model.config import GPTConfig, fold_sinks
+
+    # model.sinks is the old spelling of a sink normaliser: both sides compared in the new one
+    saved, run = ({**c, "model": fold_sinks(c["model"])} for c in (saved, run))
 
     def diff(group: str, defaults: dict) -> list[tuple[str, Any, Any]]:
         defaults = _flat(defaults)  # nested blocks (pe.scaling) compared key by key

@@ -237,7 +237,7 @@ def documented_auto(pe):
     """docs/design.md's ``auto`` for a scheme, (CPU, CUDA), from its hooks: on CUDA sdpa_key for a
     key-only form, flex for another bias, sdpa without one; on CPU SDPA's float32 mask, through
     the learned-bias kernel where the bias has parameters; math everywhere for a term of the scores."""
-    if pe.score_dependent:
+    if pe.terms == "scores":
         return "math", "math"
     cuda = "sdpa_key" if pe.key_only_slopes() is not None else "flex" if pe.uses_bias else "sdpa"
     return ("bias_grad" if pe.name in LEARNED_BIAS else "sdpa"), cuda

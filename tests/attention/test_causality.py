@@ -10,7 +10,7 @@ from evaluation.attention_maps import attention_probs, eager_attention_pass
 from model.attention.masks import attention_mask
 from model.gpt import GPT
 from model.pe import SCHEMES
-from model.positions import position_context
+from tests.position_context import position_context
 from tests.tiny import build as build_layer, tiny_gpt
 
 ALL_SCHEMES = sorted(SCHEMES)
@@ -103,7 +103,7 @@ def test_positions_of_the_wrong_shape_are_refused():
 def test_causality_future_tokens_do_not_leak():
     # a context of positions alone (position_context): the data-dependent schemes (fox, cope) need each layer's
     # input or scores, and test their causality in tests/pe/test_fox.py and test_cope.py
-    for name in (n for n in ALL_SCHEMES if not SCHEMES[n].data_dependent):
+    for name in (n for n in ALL_SCHEMES if SCHEMES[n].terms is None):
         cfg, model, attn = build_layer(name, {}, seed=3)
         positions = torch.arange(8)
         x = torch.randn(1, 8, cfg.n_embd)

@@ -5,11 +5,13 @@ cuDNN reads it as bf16), so SDPA must never get a float mask of another dtype th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import BACKENDS, CHOICES, Terms, resolve
+from model.attention import BACKENDS, CHOICES, AttentionRequest, Terms, resolve
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
@@ -39,13 +41,13 @@ def test_sdpa_never_gets_a_float_mask_of_another_dtype_on_cuda(monkeypatch, sche
     dtype = DTYPES[precision]
     calls = sdpa_calls(monkeypatch)
     for choice in CHOICES:
-        if choice == "flex" and (dropout or not BACKENDS["flex"].adds(SCHEMES[scheme])):
+        if choice == "flex" and (dropout or SCHEMES[scheme].terms not in (None, *BACKENDS["flex"].terms)):
             continue  # refused by GPTConfig, or by resolve (flex cannot add CoPE's terms of the scores)
         cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout,
                         attention=choice)
         torch.manual_seed(0)
         model = GPT(cfg, SCHEMES[scheme](cfg)).train()
-        backend = resolve(choice, model.pe, CUDA, dtype, dropout, grad=True)
+        backend = resolve(choice, AttentionRequest(model.pe, CUDA, dtype, dropout, grad=True))
         assert backend.name != "bias_grad"  # a CPU kernel
         assert backend.dropout or not dropout, f"{choice} -> {backend.name} drops the attention dropout"
         if backend.name in ("flex", "math"):
@@ -79,9 +81,9 @@ def test_sdpa_never_gets_a_float_mask_of_another_dtype_on_cuda(monkeypatch, sche
 def test_auto_on_cuda_takes_an_exact_route(scheme, precision, dropout, expected):
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout)
     pe = SCHEMES[scheme](cfg)
-    assert resolve("auto", pe, CUDA, DTYPES[precision], dropout, grad=True).name == expected
+    assert resolve("auto", AttentionRequest(pe, CUDA, DTYPES[precision], dropout, grad=True)).name == expected
     if expected != "sdpa_key" and pe.uses_bias:  # an explicit sdpa is rerouted the same way
-        assert resolve("sdpa", pe, CUDA, DTYPES[precision], dropout, grad=True).name == expected
+        assert resolve("sdpa", AttentionRequest(pe, CUDA, DTYPES[precision], dropout, grad=True)).name == expected
 
 
 def test_every_backend_falls_back_to_one_that_applies():
@@ -93,10 +95,11 @@ def test_every_backend_falls_back_to_one_that_applies():
             for device in (torch.device("cpu"), CUDA):
                 for dtype in DTYPES.values():
                     for dropout in (0.0, 0.2):
-                        if name == "flex" and (dropout or not backend.adds(pe)):
+                        if name == "flex" and (dropout or pe.terms not in (None, *backend.terms)):
                             continue  # refused (GPTConfig; resolve, which cannot add CoPE's terms on flex)
-                        got = resolve(name, pe, device, dtype, dropout, grad=True)
-                        assert got.supports(pe, device, dtype, dropout, True) or got.name == "flex"
+                        got = resolve(name, AttentionRequest(pe, device, dtype, dropout, grad=True))
+                        request = AttentionRequest(pe, device, dtype, dropout, True)
+                        assert got.refusal(request) is None or got.name == "flex"
 
 
 def test_a_schedule_that_leaves_no_layer_to_a_scheme_with_parameters_is_refused():
@@ -181,12 +184,14 @@ def test_document_masks_on_cuda_take_flex(precision):
         for dropout in (0.0, 0.2):
             cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout)
             pe = SCHEMES[scheme](cfg)
-            plain = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16).name
-            routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, documents=True).name
-            assert routed == ("flex" if not (dropout or pe.score_dependent) else plain), (scheme, dropout, routed)
+            plain = resolve("auto", AttentionRequest(pe, CUDA, dtype, dropout, grad=True, queries=16)).name
+            routed = resolve("auto", AttentionRequest(pe, CUDA, dtype, dropout, grad=True, queries=16,
+                                                      documents=True)).name
+            assert routed == ("flex" if not (dropout or pe.terms == "scores") else plain), (scheme, dropout, routed)
             for device, name in ((cpu, "auto"), (CUDA, "sdpa"), (CUDA, "math")):
-                assert (resolve(name, pe, device, dtype, dropout, grad=True, queries=16, documents=True).name
-                        == resolve(name, pe, device, dtype, dropout, grad=True, queries=16).name)
+                assert (resolve(name, AttentionRequest(pe, device, dtype, dropout, grad=True, queries=16,
+                                                       documents=True)).name
+                        == resolve(name, AttentionRequest(pe, device, dtype, dropout, grad=True, queries=16)).name)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
     model = GPT(cfg, SCHEMES["rope"](cfg)).train()  # GPT.hidden hands the forward's batch and documents over
@@ -199,18 +204,19 @@ def test_windows_and_sinks_on_cuda_take_flex(option):
     takes flex where it applies (its window BlockMask skips blocks, its LSE rescales for sinks;
     SDPA would need an explicit mask or an extra key), in bf16 and float32, and the route is the
     one without the option with dropout, on CPU and for a named backend."""
-    cpu, given = torch.device("cpu"), {option: True}
+    cpu, given = torch.device("cpu"), {"windows": True} if option == "windows" else {"normaliser": "sink_learned"}
     for scheme in sorted(SCHEMES):
         for dropout in (0.0, 0.2):
             cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=dropout)
             pe = SCHEMES[scheme](cfg)
             for dtype in (torch.bfloat16, torch.float32):
-                plain = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16).name
-                routed = resolve("auto", pe, CUDA, dtype, dropout, grad=True, queries=16, **given).name
-                assert routed == ("flex" if not (dropout or pe.score_dependent) else plain), (scheme, dropout, routed)
+                plain = resolve("auto", AttentionRequest(pe, CUDA, dtype, dropout, grad=True, queries=16)).name
+                request = AttentionRequest(pe, CUDA, dtype, dropout, grad=True, queries=16, **given)
+                routed = resolve("auto", request).name
+                assert routed == ("flex" if not (dropout or pe.terms == "scores") else plain), (scheme, dropout, routed)
             for device, name in ((cpu, "auto"), (CUDA, "sdpa")):
-                assert (resolve(name, pe, device, torch.bfloat16, dropout, grad=True, **given).name
-                        == resolve(name, pe, device, torch.bfloat16, dropout, grad=True).name)
+                assert (resolve(name, AttentionRequest(pe, device, torch.bfloat16, dropout, grad=True, **given)).name
+                        == resolve(name, AttentionRequest(pe, device, torch.bfloat16, dropout, grad=True)).name)
     model_options = {"window_pattern": [4, None]} if option == "windows" else {"sinks": "learned"}
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, **model_options)
     model = GPT(cfg, SCHEMES["rope"](cfg)).train()  # GPT.attention hands the model's windows and sinks over
@@ -229,7 +235,7 @@ def test_document_masked_attention_on_the_cuda_route_skips_blocks(monkeypatch, s
     cfg = GPTConfig(vocab_size=32, block_size=256, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(0)
     model = GPT(cfg, SCHEMES[scheme](cfg)).eval()
-    backend = resolve("auto", model.pe, CUDA, torch.float32, 0.0, queries=256, documents=True)
+    backend = resolve("auto", AttentionRequest(model.pe, CUDA, torch.float32, 0.0, queries=256, documents=True))
     assert backend.name == "flex"
     x, positions = torch.randn(2, 256, cfg.n_embd), torch.arange(256)
     visited = []
@@ -292,27 +298,29 @@ def test_a_bias_with_dropout_in_bf16_on_cuda_is_refused_when_math_does_not_fit(m
     cfg = GPTConfig(vocab_size=32, block_size=1024, n_layer=12, n_head=12, n_embd=48, dropout=0.1)
     refused = []
     for scheme in sorted(SCHEMES):
-        if SCHEMES[scheme].score_dependent:
+        if SCHEMES[scheme].terms == "scores":
             continue  # math in every dtype, dropout or not: tests/pe/test_cope.py
         pe = SCHEMES[scheme](cfg)
         for precision in ("bf16", "fp16"):
             shape = dict(queries=1024, batch=16, layers=12)
-            if resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True).name != "math":
-                resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape)  # not checked: no math
+            if resolve("auto", AttentionRequest(pe, CUDA, DTYPES[precision], 0.1, grad=True)).name != "math":
+                resolve("auto", AttentionRequest(pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape))  # no math
                 continue
             refused.append((scheme, precision))
             with pytest.raises(ValueError) as err:
-                resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape)
+                resolve("auto", AttentionRequest(pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape))
             message = str(err.value)
             assert f"model.attention=auto with pe={scheme} resolves to math" in message
             assert "about 21.8 GiB for batch 16 x 12 heads x T=1024 x 12 layers, more than the 8.0 GiB free" in message
             assert "model.dropout=0" in message and "trainer.precision=32-true" in message
             # no check without autograd (evaluation), or where it fits, or for fp32 (SDPA)
-            assert resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=False, **shape).name == "math"
+            request = AttentionRequest(pe, CUDA, DTYPES[precision], 0.1, grad=False, **shape)
+            assert resolve("auto", request).name == "math"
             free["bytes"] = 22 * 2 ** 30
-            assert resolve("auto", pe, CUDA, DTYPES[precision], 0.1, grad=True, **shape).name == "math"
+            assert resolve("auto", replace(request, grad=True)).name == "math"
             free["bytes"] = 8 * 2 ** 30
-            assert resolve("auto", pe, CUDA, torch.float32, 0.1, grad=True, **shape).name != "math"
+            assert resolve("auto", AttentionRequest(pe, CUDA, torch.float32, 0.1, grad=True, **shape)).name != "math"
     assert ("t5", "bf16") in refused and ("fire", "fp16") in refused  # the routes of test_auto_on_cuda_...
     with pytest.raises(ValueError, match=r"model.attention=math, which keeps .* Ways out: .*another model.attention"):
-        resolve("math", SCHEMES["rope"](cfg), CUDA, torch.bfloat16, 0.0, grad=True, queries=1024, batch=16, layers=12)
+        resolve("math", AttentionRequest(SCHEMES["rope"](cfg), CUDA, torch.bfloat16, 0.0, grad=True, queries=1024,
+                                         batch=16, layers=12))

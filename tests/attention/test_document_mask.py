@@ -29,7 +29,7 @@ ROUTE_IDS = [f"{a}{'-grad' if g else ''}{f'-chunk{c}' if c else ''}" for a, g, c
 
 def refused(name: str, attention: str) -> bool:
     """model.attention=flex cannot add a score-dependent scheme's terms (CoPE's; resolve raises)."""
-    return BACKENDS[attention].strict and not BACKENDS[attention].adds(SCHEMES[name])
+    return BACKENDS[attention].strict and SCHEMES[name].terms not in (None, *BACKENDS[attention].terms)
 
 
 def windows(seed: int, T: int = 32, ends: tuple[tuple[int, ...], ...] = ((4, 11), (2, 7, 11))) -> torch.Tensor:

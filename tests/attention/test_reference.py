@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.attention.masks import attention_mask
-from model.positions import position_context
+from tests.position_context import position_context
 from tests.naive import SLOPES_4, VARIANT_IDS, VARIANTS, naive_attention, naive_bias, naive_spec
 from tests.tiny import build
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data.packing import document_layout
-from model.attention import BACKENDS, Terms, resolve
+from model.attention import BACKENDS, AttentionRequest, Terms, resolve
 from model.pe import SCHEMES
 from model.pe.schedule import random_positions
 from model.positions import Pass, layer_contexts
@@ -64,7 +64,7 @@ def test_randomized_positions_under_a_document_mask_on_every_backend(name, dtype
     ran = []
     for backend in BACKENDS.values():
         grad = backend.name == "bias_grad"  # the learned-bias kernel runs under autograd only
-        if not (backend.supports(model.pe, CPU, dtype, 0.0, grad) and backend.fits(model.pe, CPU, dtype, grad)):
+        if backend.refusal(AttentionRequest(model.pe, CPU, dtype, 0.0, grad)) is not None:
             continue
         terms = Terms(model.pe, positions, positions, dtype=dtype, q_documents=documents, k_documents=documents)
         ctx = layer_contexts(terms, backend)[0]
@@ -127,10 +127,10 @@ def run(models: dict, backend: str, dtype: torch.dtype, idx, positions, document
     grad = backend == "bias_grad"
     mixed = dtype.itemsize < 4
     model = models[torch.float32 if mixed else dtype]
-    if not BACKENDS[backend].adds(model.pe):
+    if model.pe.terms not in (None, *BACKENDS[backend].terms):
         return None  # refused by resolve: it cannot add the scheme's data-dependent terms
     with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=dtype, enabled=mixed):
-        if resolve(backend, model.pe, CPU, dtype, grad=grad, queries=idx.shape[1]).name != backend:
+        if resolve(backend, AttentionRequest(model.pe, CPU, dtype, grad=grad, queries=idx.shape[1])).name != backend:
             return None
         return model.logits(model.hidden(idx, positions, documents,
                                          how=Pass(q_chunk=chunk, attention=backend))).detach()

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from model.attention import BACKENDS, AttentionRecorder, Terms, resolve
+from model.attention import BACKENDS, AttentionRecorder, AttentionRequest, Terms, resolve
 from model.config import GPTConfig
 from model.positions import Pass, layer_contexts
 from tests.naive import (
@@ -98,9 +98,11 @@ def test_every_backend_matches_the_gpt_oss_formula(name, backend, sinks, window,
     grad = backend != "flex"
     positions = torch.tensor(ROWS)
     docs = torch.tensor(DOCUMENTS) if documents else None
-    route = resolve(backend, model.pe, torch.device("cpu"), grad=grad, sinks=True)
+    route = resolve(backend, AttentionRequest(model.pe, torch.device("cpu"), grad=grad,
+                                              normaliser=model.config.normaliser))
     assert route.name == backend
-    ctx = layer_contexts(Terms(model.pe, positions, positions, q_documents=docs, k_documents=docs), route,
+    ctx = layer_contexts(Terms(model.pe, positions, positions, q_documents=docs, k_documents=docs,
+                               normaliser=model.config.normaliser), route,
                          windows=(window,))[0]
     x = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(4)).requires_grad_(grad)
     weights = torch.randn(2, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
@@ -245,15 +247,17 @@ def test_backends_declare_where_they_join_sinks():
 
     pe = SCHEMES["rope"](attention_config())
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve("sdpa", pe, cpu, torch.float16, sinks=True).name != "sdpa"
-    assert resolve("sdpa", pe, cpu, torch.float16).name == "sdpa"
+    assert resolve("sdpa", AttentionRequest(pe, cpu, torch.float16, normaliser="sink_learned")).name != "sdpa"
+    assert resolve("sdpa", AttentionRequest(pe, cpu, torch.float16)).name == "sdpa"
     for dtype in (torch.float32, torch.bfloat16):
-        assert resolve("sdpa", pe, cpu, dtype, sinks=True).name == "sdpa"
-        assert resolve("sdpa", pe, cuda, dtype, grad=True, sinks=True).name == "sdpa"
-        assert resolve("auto", pe, cuda, dtype, grad=True, sinks=True).name == "flex"
-        assert resolve("auto", pe, cpu, dtype, grad=True, sinks=True).name == "sdpa"
-    assert resolve("sdpa", pe, cuda, torch.float16, sinks=True).name == "flex"  # CUDA's fp16: flex rescales by its LSE
-    assert all(BACKENDS[n].supports(pe, cpu, torch.float32, 0.0, False, sinks=True) for n in ("sdpa", "math", "flex"))
+        assert resolve("sdpa", AttentionRequest(pe, cpu, dtype, normaliser="sink_learned")).name == "sdpa"
+        assert resolve("sdpa", AttentionRequest(pe, cuda, dtype, grad=True, normaliser="sink_learned")).name == "sdpa"
+        assert resolve("auto", AttentionRequest(pe, cuda, dtype, grad=True, normaliser="sink_learned")).name == "flex"
+        assert resolve("auto", AttentionRequest(pe, cpu, dtype, grad=True, normaliser="sink_learned")).name == "sdpa"
+    # CUDA's fp16: flex rescales by its LSE
+    assert resolve("sdpa", AttentionRequest(pe, cuda, torch.float16, normaliser="sink_learned")).name == "flex"
+    request = AttentionRequest(pe, cpu, normaliser="sink_learned")
+    assert all(BACKENDS[n].refusal(request) is None for n in ("sdpa", "math", "flex"))
 
 
 def test_bad_sinks_fail_with_one_line():
@@ -266,6 +270,36 @@ def test_bad_sinks_fail_with_one_line():
     assert model_config({"vocab_size": 1, "sinks": "learned"}).sinks == "learned"
     with pytest.raises((ConfigError, ValueError), match="model.sinks"):
         model_config({"vocab_size": 1, "sinks": True})
+
+
+def test_the_old_spelling_is_the_sink_normaliser():
+    """model.sinks=learned|zero is model.normaliser=sink_learned|sink_zero (one slot, read back in
+    the old spelling); a model built either way has the same weights under the old parameter name."""
+    for old, new in (("learned", "sink_learned"), ("zero", "sink_zero"), ("none", "softmax")):
+        assert GPTConfig(vocab_size=8, sinks=old) == GPTConfig(vocab_size=8, normaliser=new)
+        assert GPTConfig(vocab_size=8, normaliser=new).sinks == old
+    assert GPTConfig(vocab_size=8, sinks="learned", normaliser="sink_learned").normaliser == "sink_learned"
+    with pytest.raises(ValueError, match="model.sinks must be none with model.normaliser=sink_zero"):
+        GPTConfig(vocab_size=8, sinks="learned", normaliser="sink_zero")
+    old, new = (tiny_gpt("rope", 1, n_layer=2, **option).state_dict()
+                for option in ({"sinks": "learned"}, {"normaliser": "sink_learned"}))
+    assert "blocks.1.attn.sinks" in old and old.keys() == new.keys()
+    assert all(torch.equal(old[k], new[k]) for k in old)
+    from pelab.checkpoint.compare import config_mismatches  # a checkpoint saved in either spelling resumes
+
+    pe = {"_target_": "model.pe.rope.RoPE"}
+    saved = {"pe": pe, "model": {"sinks": "learned", "normaliser": "softmax"}}
+    assert config_mismatches(saved, {"pe": pe, "model": {"sinks": "none", "normaliser": "sink_learned"}}) == []
+    assert config_mismatches(saved, {"pe": pe, "model": {"sinks": "zero"}}) == [
+        ("model.normaliser", "sink_learned", "sink_zero")]
+
+
+def test_no_backend_file_knows_the_normalisers(project_root):
+    """The sink and stick-breaking live in the normaliser slot (model/attention/normalisers.py),
+    applied around the backends: no backend file names them."""
+    for name in ("sdpa", "sdpa_key", "flex", "math", "bias_grad"):
+        text = (project_root / "model" / "attention" / f"{name}.py").read_text().lower()
+        assert "sink" not in text and "stick" not in text, name
 
 
 def test_gptoss_like_preset_alternates_windows_with_learned_sinks(project_root):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from model.attention import AttentionRecorder, Terms, resolve
+from model.attention import AttentionRecorder, AttentionRequest, Terms, resolve
 from model.attention.stick_breaking import stick_breaking_probabilities
 from model.config import GPTConfig
 from model.positions import Pass, layer_contexts
@@ -70,7 +70,7 @@ def test_math_matches_the_formula_with_gradients(name, window, documents):
     """One layer, sharpened weights, against the float64 loops; the input's gradient too."""
     model, attn = build(name, seed=3, normaliser="stick_breaking")[1:]
     set_naive_params(model.pe)
-    route = resolve("auto", model.pe, torch.device("cpu"), grad=True, normaliser="stick_breaking")
+    route = resolve("auto", AttentionRequest(model.pe, torch.device("cpu"), grad=True, normaliser="stick_breaking"))
     positions, docs = torch.arange(T), torch.tensor(DOCUMENTS) if documents else None
     terms = Terms(model.pe, positions, positions, q_documents=docs, k_documents=docs, normaliser="stick_breaking")
     ctx = layer_contexts(terms, route, windows=(window,))[0]
@@ -102,10 +102,11 @@ def test_every_route_resolves_to_math_and_flex_refuses():
         pe = build(name)[1].pe
         for choice in ("auto", "sdpa", "sdpa_key", "bias_grad", "math"):
             for device, dtype in ((cpu, torch.float32), (cuda, torch.bfloat16)):
-                assert resolve(choice, pe, device, dtype, grad=True, normaliser="stick_breaking").name == "math"
-        assert resolve("auto", pe, cpu, queries=1, normaliser="stick_breaking").name == "math"
+                request = AttentionRequest(pe, device, dtype, grad=True, normaliser="stick_breaking")
+                assert resolve(choice, request).name == "math"
+        assert resolve("auto", AttentionRequest(pe, cpu, queries=1, normaliser="stick_breaking")).name == "math"
         with pytest.raises(ValueError, match="model.attention=flex cannot compute model.normaliser=stick_breaking"):
-            resolve("flex", pe, cpu, normaliser="stick_breaking")
+            resolve("flex", AttentionRequest(pe, cpu, normaliser="stick_breaking"))
 
 
 def test_causal_packed_and_recorded():
@@ -154,7 +155,8 @@ def test_chunked_evaluation_and_greedy_cache_equal_the_whole_forward():
 def test_bad_normaliser_fails_with_one_line():
     with pytest.raises(ValueError) as err:
         GPTConfig(vocab_size=8, normaliser="bogus")
-    assert str(err.value) == "model.normaliser must be one of 'softmax', 'stick_breaking', got 'bogus'"
+    assert str(err.value) == ("model.normaliser must be one of 'softmax', 'sink_learned', 'sink_zero', "
+                              "'stick_breaking', got 'bogus'")
     with pytest.raises(ValueError) as err:
         GPTConfig(vocab_size=8, normaliser="stick_breaking", sinks="learned")
     assert str(err.value) == ("model.sinks must be none with model.normaliser=stick_breaking (sinks join a softmax "

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from model.attention import BACKENDS, Terms, resolve
+from model.attention import BACKENDS, AttentionRequest, Terms, resolve
 from model.attention.masks import causal_future
 from model.config import GPTConfig
 from model.generate import KVCache
@@ -109,7 +109,7 @@ def test_recorded_probabilities_cover_exactly_the_window(window):
 
 def route(model, backend: str, grad: bool):
     """The backend resolve gives a layer of this scheme on CPU."""
-    return resolve(backend, model.pe, torch.device("cpu"), grad=grad)
+    return resolve(backend, AttentionRequest(model.pe, torch.device("cpu"), grad=grad))
 
 
 # every backend a scheme reaches on CPU: sdpa_key where the bias is key-only, bias_grad where it is learned

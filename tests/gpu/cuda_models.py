@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from model.attention import BACKENDS, resolve
+from model.attention import BACKENDS, AttentionRequest, resolve
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
@@ -57,7 +57,7 @@ def routes() -> list[tuple[str, str, float, str, tuple[str, ...]]]:
                     if choice == "flex" and dropout:
                         continue  # GPTConfig refuses it (flex has no attention dropout)
                     try:
-                        route = resolve(choice, pe, CUDA, dtype, dropout, grad=True).name
+                        route = resolve(choice, AttentionRequest(pe, CUDA, dtype, dropout, grad=True)).name
                     except ValueError:  # a named backend that refuses the scheme (flex with CoPE): no route
                         continue
                     found.setdefault((scheme, precision, dropout, route), []).append(choice)

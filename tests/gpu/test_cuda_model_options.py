@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention import resolve
+from model.attention import AttentionRequest, resolve
 from tests.gpu.cuda_models import CUDA, CUDA_CHOICES, T, build, config, scheme_instance, tokens
 from tests.gpu.test_cuda_training import compare_with_math, float32_matmuls  # noqa: F401 (autouse fixture)
 
@@ -37,9 +37,9 @@ def option_routes() -> list[tuple[str, str, str, str]]:
             pe = scheme_instance(scheme, config(**values))
             for choice in CUDA_CHOICES:
                 try:
-                    route = resolve(choice, pe, CUDA, torch.bfloat16, 0.0, grad=True,
+                    route = resolve(choice, AttentionRequest(pe, CUDA, torch.bfloat16, 0.0, grad=True,
                                     sinks=values.get("sinks", "none") != "none",
-                                    windows=any(k.startswith("window") for k in values)).name
+                                    windows=any(k.startswith("window") for k in values))).name
                 except ValueError:  # a named backend that refuses the scheme (flex with CoPE)
                     continue
                 found.setdefault((scheme, option, route), choice)

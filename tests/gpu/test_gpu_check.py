@@ -481,13 +481,14 @@ def test_part_1_trains_what_landed_after_the_acceptance_was_written(tmp_path):
     # the documents runs take the routes they are for on CUDA, bf16, training (resolve reads only the device type)
     import torch
 
-    from model.attention import resolve
+    from model.attention import AttentionRequest, resolve
     from model.config import GPTConfig
 
     cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=32)
     for scheme, choice, route in (("t5", "auto", "flex"), ("rope", "sdpa", "sdpa"), ("alibi", "sdpa_key", "sdpa_key")):
         pe = SCHEMES[scheme](cfg)
-        assert resolve(choice, pe, torch.device("cuda"), torch.bfloat16, grad=True, documents=True).name == route
+        request = AttentionRequest(pe, torch.device("cuda"), torch.bfloat16, grad=True, documents=True)
+        assert resolve(choice, request).name == route
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for step in covering:
             compose("config", overrides=[c for c in step.command[2:] if not c.startswith("hydra.")])

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from model.attention import BACKENDS, Terms
+from model.attention import BACKENDS, NORMALISERS, Terms
 from model.pe import SCHEMES
 from model.positions import layer_contexts
 from tests.tiny import attention_config
@@ -45,7 +45,7 @@ def flex_calls(monkeypatch, pe, positions: torch.Tensor, layer_terms: tuple | No
     q, k, v = (torch.randn(2, pe.n_head, positions.shape[-1], 8) for _ in range(3))  # CPU flex: no q/k/v grad
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = flex(q, k, v, state, 0.0, sink)
+        out = NORMALISERS["softmax" if sink is None else "sink_learned"].attend(flex, q, k, v, state, 0.0, sink)
     assert out.requires_grad or not any(p.requires_grad for p in pe.parameters())
     return [(gm, node) for gm in recorder.graphs for node in gm.graph.nodes
             if node.op == "call_function" and node.target is torch.ops.higher_order.flex_attention]

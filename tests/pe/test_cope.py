@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from model.attention import BACKENDS, resolve
+from model.attention import BACKENDS, AttentionRequest, resolve
 from model.pe import SCHEMES
 from tests.tiny import attention_config, build, layer_output
 
 T = 9
 DOCUMENTS = [[0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 2, 2]]
-DECLARED = [name for name, b in BACKENDS.items() if b.score_terms]
+DECLARED = [name for name, b in BACKENDS.items() if "scores" in b.terms]
 
 
 def cope_attention(x, attn, table, npos, window=None, documents=None):
@@ -94,20 +94,21 @@ def test_query_chunks_equal_one_pass():
 def test_auto_routes_to_math():
     pe = SCHEMES["cope"](attention_config())
     for device, dtype in ((torch.device("cpu"), torch.float32), (torch.device("cuda"), torch.bfloat16)):
-        assert resolve("auto", pe, device, dtype).name == "math"
-        assert resolve("auto", pe, device, dtype, grad=True).name == "math"
+        assert resolve("auto", AttentionRequest(pe, device, dtype)).name == "math"
+        assert resolve("auto", AttentionRequest(pe, device, dtype, grad=True)).name == "math"
 
 
 def test_bad_input():
     with pytest.raises(ValueError, match="pe.npos_max must be >= 1"):
         SCHEMES["cope"](attention_config(), npos_max=0)
     pe = SCHEMES["cope"](attention_config())
-    strict = [name for name, b in BACKENDS.items() if b.strict and not b.score_terms]
+    strict = [name for name, b in BACKENDS.items() if b.strict and "scores" not in b.terms]
     assert strict  # flex: named explicitly, it refuses; the others fall back to math
     for name in strict:
         with pytest.raises(ValueError, match=f"model.attention={name} cannot add pe=cope's terms of the attention"):
-            resolve(name, pe, torch.device("cpu"))
-    assert {resolve(name, pe, torch.device("cpu")).name for name in BACKENDS if name not in strict} == {"math"}
+            resolve(name, AttentionRequest(pe, torch.device("cpu")))
+    request = AttentionRequest(pe, torch.device("cpu"))
+    assert {resolve(name, request).name for name in BACKENDS if name not in strict} == {"math"}
     with pytest.raises(ValueError, match="tables for layers 0..1, got layer 2"):
         pe.score_terms(torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 3, 3), torch.ones(3, 3, dtype=torch.bool), 2)
 
@@ -120,4 +121,5 @@ def test_a_training_route_that_does_not_fit_is_refused_naming_why(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         with pytest.raises(ValueError, match=r"model.attention=auto with pe=cope resolves to math \(only math adds its "
                                              r"terms of the attention scores\), .* Ways out: a smaller data.batch_size"):
-            resolve("auto", pe, torch.device("cuda"), dtype, 0.1, grad=True, queries=1024, batch=16, layers=12)
+            resolve("auto", AttentionRequest(pe, torch.device("cuda"), dtype, 0.1, grad=True, queries=1024, batch=16,
+                                             layers=12))

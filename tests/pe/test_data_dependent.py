@@ -18,7 +18,7 @@ MODELS = {"fox": fox_model, "cope": cope_model}
 # (scheme, model.attention, window pattern): auto, and flex where it adds the scheme's terms (a full
 # layer and a windowed one: eager CPU flex costs about 1 s a model)
 CACHE_CASES = ([(s, "auto", pattern) for s in MODELS for pattern in (None, [3, None])]
-               + [(s, "flex", [3, None]) for s in MODELS if BACKENDS["flex"].adds(SCHEMES[s])])
+               + [(s, "flex", [3, None]) for s in MODELS if SCHEMES[s].terms in (None, *BACKENDS["flex"].terms)])
 
 
 @pytest.mark.parametrize("scheme", MODELS)

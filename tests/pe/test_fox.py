@@ -12,14 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model.attention import BACKENDS, resolve
+from model.attention import BACKENDS, AttentionRequest, resolve
 from model.attention.base import pair_terms
 from model.pe import SCHEMES
 from tests.tiny import attention_config, build, layer_output, tiny_gpt
 
 T = 9
 DOCUMENTS = [[0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 2, 2]]
-DECLARED = [name for name, b in BACKENDS.items() if b.layer_terms]
+DECLARED = [name for name, b in BACKENDS.items() if "layer" in b.terms]
 
 
 def fox_attention(x, attn, gate, window=None, documents=None, sink=None):
@@ -151,15 +151,15 @@ def test_flex_score_mod_exact_at_16x_the_training_length():
 
 def test_backends_declared_and_auto_routes():
     pe = SCHEMES["fox"](attention_config())
-    assert resolve("auto", pe, torch.device("cpu")).name == "sdpa"
-    assert resolve("auto", pe, torch.device("cpu"), grad=True).name == "sdpa"
-    assert resolve("sdpa_key", pe, torch.device("cpu")).name == "sdpa"
+    assert resolve("auto", AttentionRequest(pe, torch.device("cpu"))).name == "sdpa"
+    assert resolve("auto", AttentionRequest(pe, torch.device("cpu"), grad=True)).name == "sdpa"
+    assert resolve("sdpa_key", AttentionRequest(pe, torch.device("cpu"))).name == "sdpa"
     # on CUDA a float32 mask needs float32 SDPA: bf16 takes flex's score_mod, math with dropout (flex has none)
-    assert resolve("auto", pe, torch.device("cuda"), torch.bfloat16, grad=True).name == "flex"
-    assert resolve("auto", pe, torch.device("cuda"), torch.bfloat16, 0.1, grad=True).name == "math"
-    assert resolve("auto", pe, torch.device("cuda"), torch.float32, grad=True).name == "sdpa"
-    assert resolve("math", pe, torch.device("cpu")).name == "math"
-    assert resolve("flex", pe, torch.device("cpu")).name == "flex"
+    assert resolve("auto", AttentionRequest(pe, torch.device("cuda"), torch.bfloat16, grad=True)).name == "flex"
+    assert resolve("auto", AttentionRequest(pe, torch.device("cuda"), torch.bfloat16, 0.1, grad=True)).name == "math"
+    assert resolve("auto", AttentionRequest(pe, torch.device("cuda"), torch.float32, grad=True)).name == "sdpa"
+    assert resolve("math", AttentionRequest(pe, torch.device("cpu"))).name == "math"
+    assert resolve("flex", AttentionRequest(pe, torch.device("cpu"))).name == "flex"
 
 
 def test_bad_input():

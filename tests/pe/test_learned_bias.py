@@ -14,7 +14,7 @@ from model.attention.masks import attention_mask
 from pelab.lit import LitGPT
 from model.pe import SCHEMES
 from model.pe.base import distance_bias
-from model.positions import position_context
+from tests.position_context import position_context
 from tests.naive import leaf_params, naive_attention_loops, naive_scheme_bias
 from tests.tiny import LEARNED_BIAS, POSITIONS, build
 

@@ -7,7 +7,7 @@ import torch
 from model.attention.masks import attention_mask
 from model.gpt import GPT
 from model.pe import SCHEMES
-from model.positions import position_context
+from tests.position_context import position_context
 from tests.naive import naive_attention_loops
 from tests.tiny import POSITIONS, attention_config, build
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from model.attention import resolve
+from model.attention import AttentionRequest, resolve
 from model.generate import KVCache
 from model.pe import SCHEMES
 from model.pe.rope_scaling import RopeScaling
@@ -103,9 +103,9 @@ def test_backends_it_declares_and_auto():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert model.attention_backend(cpu) == model.attention_backend(cuda) == "sdpa"
     for device in (cpu, cuda):
-        assert resolve("flex", pe, device).name == "flex"
-        assert resolve("math", pe, device).name == "math"
-        assert resolve("sdpa_key", pe, device).name == "sdpa"
+        assert resolve("flex", AttentionRequest(pe, device)).name == "flex"
+        assert resolve("math", AttentionRequest(pe, device)).name == "math"
+        assert resolve("sdpa_key", AttentionRequest(pe, device)).name == "sdpa"
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])

@@ -14,7 +14,7 @@ from model.attention.masks import attention_mask
 from model.config import GPTConfig
 from pelab.lit import LitGPT
 from model.pe import SCHEMES
-from model.positions import position_context
+from tests.position_context import position_context
 from tests.naive import naive_attention_loops, naive_rope, naive_rope_vec
 from tests.tiny import POSITIONS, attention_config, build, rotate_single, tiny_config
 
