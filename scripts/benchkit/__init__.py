@@ -6,4 +6,5 @@
 - harness.py: one process per path, the baton, the rotating rounds, the step clock
 - probes.py: peak memory and evaluation, each in a fresh child
 - report.py: rows, paired ratios and their intervals, the table
+- overhead.py: the harness's Python cost per step, a near-free model in the plain loop and in pelab's fit
 """

@@ -241,3 +241,95 @@ def test_past_the_budget_training_stops_at_the_next_logging_step_naming_the_bad_
         trainer.fit(module, train_dataloaders=loader)
     for before, after in zip(snap.before[5], snap.after[5]):
         assert torch.equal(before, after)
+
+
+def test_log_every_n_steps_0_is_one_line_before_any_work(tmp_path):
+    """The steps that log are the steps that read the device: 0 would be none (and a modulo by 0)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_python(["train.py", f"hydra.run.dir={tmp_path}", "trainer.log_every_n_steps=0"], cwd=ROOT, env=env,
+                      timeout=300)
+    assert proc.returncode != 0
+    assert "trainer.log_every_n_steps must be >= 1, got 0" in proc.stderr.splitlines(), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_the_harness_cost_row_times_the_three_paths():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchkit.overhead import PATHS, measure
+
+    row = measure(steps=3, rounds=1, warmup=1)
+    assert all(row[f"{p}_us"] > 0 for p in PATHS)
+    assert row["pelab_minus_plain_us"] == pytest.approx(row["pelab_us"] - row["plain_us"], abs=0.2)
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+class CudaSyncs(L.Callback):
+    """Test-only (train.py ``+callbacks.cuda_syncs``): torch's own CUDA sync detector
+    (``set_sync_debug_mode("warn")``) on during the steps that do not log, every warning it
+    gives recorded by step and site, to ``out/rank{R}.json``."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.step = Path(out), -1
+        self.sites: dict[int, Counter] = defaultdict(Counter)
+        self._show = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import warnings
+
+        self._show = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing CUDA operation" in str(message):
+                inside = any(f.filename.endswith("grad_scaler.py") for f in traceback.extract_stack())
+                self.sites[self.step][("scaler " if inside else "") + where()] += 1
+            else:
+                self._show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = record
+        warnings.filterwarnings("always", message=".*synchronizing CUDA operation")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from pelab.callbacks import logging_step
+
+        self.step = trainer.global_step
+        torch.cuda.set_sync_debug_mode(0 if logging_step(trainer) else "warn")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import warnings
+
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._show
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({s: dict(c) for s, c in self.sites.items()}, indent=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_no_cuda_sync_in_a_step_that_does_not_log(tmp_path, precision):
+    out = tmp_path / "syncs"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    proc = run_python(["train.py", f"hydra.run.dir={tmp_path / 'run'}", *RUN, "trainer.accelerator=gpu",
+                       "trainer.devices=1", f"trainer.precision={precision}",
+                       "+callbacks.cuda_syncs._target_=tests.harness.test_host_syncs.CudaSyncs",
+                       f"+callbacks.cuda_syncs.out={out}"], cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sites = {int(s): c for s, c in json.loads((out / "rank0.json").read_text()).items()}
+    print(precision, sites)
+    quiet = [s for s in range(1, STEPS - 1) if not logging_step(s, EVERY)]  # step 0: CUDA's first-use work
+    found = {s: {site: n for site, n in sites.get(s, {}).items() if not site.startswith("scaler ")} for s in quiet}
+    assert not any(found.values()), found
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_end_of_training_evaluation_runs_on_the_gpu(tmp_path):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    proc = run_python(["train.py", f"hydra.run.dir={tmp_path}", *RUN[:-3], "trainer.accelerator=gpu",
+                       "trainer.devices=1", "eval.extrapolation.multipliers=[1,2]", "eval.extrapolation.max_tokens=512",
+                       "eval.probe.enabled=false"], cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[pelab] evaluation on cuda:0: extrapolation" in proc.stdout, proc.stdout[-3000:]
