@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from _cli import command_line
-from _common import checked_checkpoint, required
+from _common import bad_value, checked_checkpoint, required
 
 
 def main(argv: list[str]) -> int:
@@ -21,6 +21,8 @@ def main(argv: list[str]) -> int:
         return 0
     out = str(required(cfg, "out", "FILE"))
     ckpt = checked_checkpoint(required(cfg, "ckpt", "DIR"))
+    if not ckpt.is_dir():
+        bad_value("ckpt", str(ckpt), "a sharded checkpoint directory (trainer=fsdp); a file is one checkpoint already")
     from pelab.checkpoint import CheckpointError, consolidate
 
     try:

@@ -239,3 +239,99 @@ def test_evaluate_command_line_refuses_an_unknown_key_in_one_line(tmp_path):
                                   "(eval.extrapolation.multiplierz=[1]); valid options of eval.extrapolation: "
                                   "enabled, multipliers, lengths,"), proc.stderr
     assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())  # nothing written, no outputs/
+
+
+# ------------------------------------------------------------------ the one command line (scripts/_cli.py)
+SCRIPTS = sorted(p.stem for p in (ROOT / "conf" / "scripts").glob("*.yaml"))
+
+
+def test_every_script_has_its_config_and_every_script_its_keys():
+    """conf/scripts/<name>.yaml is scripts/<name>.py's; the scripts without one take train.py's tree
+    (prepare_data.py) or keep their flags (compare_runs.py)."""
+    without = {p.stem for p in (ROOT / "scripts").glob("[!_]*.py")} - set(SCRIPTS)
+    assert without == {"prepare_data", "compare_runs"}, without
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_lists_every_key_with_its_line_and_an_unknown_key_is_one_line(name, capsys, no_checkpoint_read):
+    from omegaconf import OmegaConf
+
+    from _cli import compose
+
+    tree = OmegaConf.to_container(compose(name), resolve=False)
+    keys = list(tree)
+    assert script(name).main(["--help"]) in (0, {}, None)
+    printed = capsys.readouterr().out
+    assert printed.startswith(script(name).__doc__.strip().splitlines()[0])
+    for key in keys:
+        if isinstance(tree[key], dict):  # a block (evaluate.py's eval): its keys, by sub-block
+            assert f"  {key}.KEY: {', '.join(k for k, v in tree[key].items() if not isinstance(v, dict))}" in printed
+            continue
+        (line,) = [line for line in printed.splitlines() if line.startswith(f"  {key} ")]
+        assert len(line.split(None, 1)) == 2, line  # the key, then its help
+    with pytest.raises(SystemExit) as exit_:
+        script(name).main(["nonsense_key=1"])
+    message = str(exit_.value.code)
+    assert message == f"unknown option 'nonsense_key' (nonsense_key=1); valid options: {', '.join(keys)}"
+
+
+def test_values_read_as_the_commands_typed_before_hydra():
+    from _cli import command_line
+
+    cfg = command_line("sample", ["prompt=It's one, (two) = ${three}", "tokens=7", "cache=false"], "")
+    assert (cfg.prompt, cfg.tokens, cfg.cache) == ("It's one, (two) = ${three}", 7, False)  # text: as typed
+    cfg = command_line("eval_extrapolation", ["ckpt=a.ckpt", "multipliers=1,2.5", "mode=sliding", "stride=null"], "")
+    assert (list(cfg.multipliers), cfg.mode, cfg.stride, cfg.ckpt) == ([1, 2.5], "sliding", None, "a.ckpt")
+    assert OmegaConfMissing(cfg, "lengths")  # not given: the run's
+    cfg = command_line("bench", ["variants=window_pattern=[256,null],window=256", "eval=false", "schemes=rope,alibi"], "")
+    assert (cfg.variants, cfg.eval, cfg.schemes) == ("window_pattern=[256,null],window=256", False, "rope,alibi")
+    cfg = command_line("eval_rolling", ["data=docs.jsonl", "max_length=64"], "")  # not the training tree's groups
+    assert (cfg.data, cfg.max_length) == ("docs.jsonl", 64)
+    with pytest.raises(SystemExit, match=r"^tokens=range\(1,3\): a sweep; a script runs once"):
+        command_line("sample", ["tokens=range(1,3)"], "")
+    with pytest.raises(SystemExit, match=r"^expected key=value, got 'oops'; keys: ckpt, prompt"):
+        command_line("sample", ["oops"], "")
+
+
+def OmegaConfMissing(cfg, key) -> bool:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.is_missing(cfg, key)
+
+
+def test_eval_scripts_run_evaluate_with_their_probe_alone(old_run, monkeypatch):
+    """eval_extrapolation.py's keys land on evaluate.py's eval.extrapolation, on top of the run's
+    block; every other probe is off; ckpt, device and out pass through."""
+    from _cli import script as loaded
+
+    seen = {}
+
+    def record(ckpt, run, options, device, out, log_wandb, seed):
+        seen.update(ckpt=ckpt, options=options, device=device.type, out=out, wandb=log_wandb)
+        return {}
+
+    monkeypatch.setattr(loaded("evaluate"), "evaluate_checkpoint", record)
+    assert script("eval_extrapolation").main([f"ckpt={old_run}", "multipliers=1,2", "mode=nonoverlapping,sliding",
+                                              "stride=64", "device=cpu", "out=somewhere"]) == 0
+    options = seen["options"]
+    assert [name for name, block in options.items() if isinstance(block, dict) and block.get("enabled") is True] == \
+        ["extrapolation"]
+    block = options["extrapolation"]
+    assert (block["multipliers"], block["lengths"], block["modes"], block["stride"]) == \
+        ([1.0, 2.0], [], ["nonoverlapping", "sliding"], 64)
+    assert block["max_tokens"] == OmegaConf_load(old_run).eval.extrapolation.max_tokens  # the run's
+    assert (seen["ckpt"], seen["device"], seen["out"], seen["wandb"]) == (old_run, "cpu", "somewhere", False)
+
+
+def OmegaConf_load(ckpt):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(ckpt.parent / "config.yaml")
+
+
+def test_consolidate_refuses_a_file_before_writing(old_run, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        script("consolidate").main([f"ckpt={old_run}", f"out={tmp_path / 'full.ckpt'}"])
+    assert str(exit_.value.code) == (f"ckpt='{old_run}' is not valid: expected a sharded checkpoint directory "
+                                     f"(trainer=fsdp); a file is one checkpoint already")
+    assert not (tmp_path / "full.ckpt").exists()
