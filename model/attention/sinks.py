@@ -8,7 +8,7 @@ attention to nothing, and its token weights sum to sigmoid(lse_i - s_h) < 1, lse
 of its logits. ``sink_learned``: s_h a parameter of each layer and head; ``sink_zero``: s_h = 0, the
 off-by-one softmax (Megatron's ``softmax_type=off-by-one``). Two forms, both applied by the
 normaliser around a backend (normalisers.py): a backend that returns its rows' LSE has its output
-rescaled by sigmoid(lse - s_h) (``rescale``, torchtitan's ``apply_attention_sink_rescale``); SDPA's
+rescaled by sigmoid(lse - s_h) (``sink_weight``, torchtitan's ``apply_attention_sink_rescale``); SDPA's
 backends, which return no differentiable LSE, attend one more key (``extra_key`` on their kernel call).
 """
 
@@ -25,19 +25,6 @@ from torch import Tensor
 from model.attention.features import pad_heads, split_exact
 
 SINKS = ("none", "learned", "zero")  # the values of model.sinks, the old spelling (model/config.py)
-
-
-def sink_probabilities(logits: Tensor, sink: Tensor) -> Tensor:
-    """(B, H, Tq, Tk) attention weights of float logits (-inf on hidden keys) with the (H,) sink
-    logits in every denominator; each row sums to less than 1."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return torch.exp(logits - torch.logaddexp(lse, sink.to(logits.dtype)[:, None, None]))
-
-
-def rescale(out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
-    """(B, H, Tq, hd) output of a plain softmax whose rows' log-sum-exp is ``lse`` (B, H, Tq),
-    as with the (H,) sink logits: out * sigmoid(lse - s_h), in out's dtype."""
-    return out * sink_weight(lse, sink).to(out.dtype)
 
 
 def sink_weight(lse: Tensor, sink: Tensor) -> Tensor:

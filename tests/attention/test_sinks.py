@@ -129,13 +129,19 @@ def test_every_backend_matches_the_gpt_oss_formula(name, backend, sinks, window,
 
 
 def test_zero_sink_is_the_off_by_one_softmax():
-    """sinks=zero: one query, logits typed in: p_j = e^z_j / (1 + sum_k e^z_k); sinks=none sums to 1."""
-    from model.attention.sinks import sink_probabilities
+    """sinks=zero: one query, logits typed in (head dim 1, q = 1, so z_j = k_j): the math backend's
+    recorded weights are p_j = e^z_j / (1 + sum_k e^z_k); a sink logit s_h = ln 3 joins e^s_h = 3."""
+    from model.attention.normalisers import NORMALISERS
 
-    z = torch.tensor([[[[0.0, math.log(2.0), -math.inf]]]], dtype=torch.float64)  # (1, 1, 1, 3): e^z = 1, 2, 0
-    torch.testing.assert_close(sink_probabilities(z, torch.zeros(1)), torch.tensor([[[[0.25, 0.5, 0.0]]]],
-                                                                                    dtype=torch.float64))
-    torch.testing.assert_close(sink_probabilities(z, torch.tensor([math.log(3.0)])),
+    q, v = torch.ones(1, 1, 1, 1, dtype=torch.float64), torch.zeros(1, 1, 3, 1, dtype=torch.float64)
+    k = torch.tensor([0.0, math.log(2.0), 5.0], dtype=torch.float64).view(1, 1, 3, 1)  # e^z = 1, 2, hidden
+    mask = torch.tensor([0.0, 0.0, -math.inf], dtype=torch.float64)
+
+    def weights(sink):
+        return NORMALISERS["sink_zero"].attend(BACKENDS["math"], q, k, v, mask, 0.0, sink)[1]
+
+    torch.testing.assert_close(weights(torch.zeros(1)), torch.tensor([[[[0.25, 0.5, 0.0]]]], dtype=torch.float64))
+    torch.testing.assert_close(weights(torch.tensor([math.log(3.0)])),
                                torch.tensor([[[[1 / 6, 2 / 6, 0.0]]]], dtype=torch.float64))
 
 
