@@ -135,3 +135,8 @@ def compiled_training_loss(model, seed: int = 11, length: int = 16):
     torch.testing.assert_close(loss, eager, atol=1e-5, rtol=1e-5)
     return loss
 
+
+# Options that only set a scheme's size, the smallest that still runs each of its branches: for
+# tests of masks, routes and compiles, where the default size (FIRE's 32 hidden units, unrolled
+# in flex's score_mod) only costs time. A scheme's own formula is tested at its defaults (tests/pe/).
+SMALL_OPTIONS = {"fire": {"mlp_width": 4}}
