@@ -3,11 +3,11 @@ devices and nodes onto the job's tasks, and a sweep through submitit's local exe
 same launcher code as on SLURM, with local processes) trains one run per job."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+
+from tests.cli import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [
@@ -43,10 +43,9 @@ def test_joblib_launcher_composes():
 
 def test_two_job_sweep_through_submitit_local_executor(tmp_path):
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(
-        [sys.executable, "train.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10",
-         "pe=rope,alibi", f"hydra.sweep.dir={tmp_path}", *FAST],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # the launching process forks from the test's forkserver (tests/cli.py); submitit starts each job's own
+    proc = run_python(["train.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10",
+                       "pe=rope,alibi", f"hydra.sweep.dir={tmp_path}", *FAST], cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = sorted(p.name for p in tmp_path.iterdir() if (p / "checkpoints" / "last.ckpt").is_file())
     assert [r.split("-")[:2] for r in runs] == [["0", "rope"], ["1", "alibi"]], sorted(tmp_path.iterdir())
