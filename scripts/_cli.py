@@ -116,6 +116,8 @@ def usage(doc: str, name: str | None = None) -> str:
     """What ``--help`` prints for every script: its docstring, then its keys with their help
     (conf/scripts/<name>.yaml's comments) and, for a key holding a block (evaluate.py's
     ``eval``), the keys of each block."""
+    from omegaconf import OmegaConf
+
     if name is None:
         return f"{doc.strip()}\n\noptions: train.py's overrides (conf/config.yaml), e.g. data=NAME data.KEY=VALUE"
     lines = [doc.strip(), "", "options (key=value; key=a,b is the list [a,b]):"]
@@ -127,8 +129,6 @@ def usage(doc: str, name: str | None = None) -> str:
             elif not (default in ("null", MISSING, '""', "false") or "default" in help or len(default) > 12):
                 help += f" (default {default})"
             lines.append(f"  {key:20s} {help}")
-    from omegaconf import OmegaConf
-
     tree = OmegaConf.to_container(compose(name), resolve=False)
     for key, node in tree.items():  # a block of keys (evaluate.py's eval): its keys, by sub-block
         if isinstance(node, dict):
