@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from _cli import as_override, command_line
-from _common import (ROOT, bad_value, checked_checkpoint, device_arg, evaluate_checkpoint, given, load_run_config,
+from _common import (ROOT, bad_value, checked_checkpoint, device_arg, evaluate_checkpoint, load_run_config,
                      run_eval_block)
 
 
@@ -52,13 +52,16 @@ def evaluate(cfg: DictConfig, overrides: list[str]) -> dict:
     return evaluate_checkpoint(ckpt, run, options, device, cfg.out, cfg.wandb, cfg.seed)
 
 
+PASSED = ("ckpt", "device", "out", "wandb", "seed")  # the keys a translator shares with this script
+
+
 def probe_alone(probe: str, cfg: DictConfig, options: dict) -> int:
     """What eval_extrapolation.py and eval_tasks.py run: this script with ``probe`` alone, ``options``
     (their keys, checked) on the run's ``eval.<probe>``, their other keys (ckpt, device, out, wandb,
     seed) as given. A message names the key the way the caller's command line spells it."""
     from evaluation.registry import PROBES
 
-    overrides = [as_override(key, cfg[key]) for key in ("ckpt", "device", "out", "wandb", "seed") if given(cfg, key)]
+    overrides = [as_override(key, cfg[key]) for key in PASSED if key in cfg and not OmegaConf.is_missing(cfg, key)]
     overrides += [as_override(f"eval.{name}.enabled", name == probe) for name in PROBES]
     overrides += [as_override(f"eval.{probe}.{key}", value) for key, value in options.items()]
     try:
@@ -66,7 +69,7 @@ def probe_alone(probe: str, cfg: DictConfig, options: dict) -> int:
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise
-        theirs = "|".join(key for key in cfg if key not in ("ckpt", "device", "out", "wandb", "seed"))
+        theirs = "|".join(key for key in cfg if key not in PASSED)
         raise SystemExit(re.sub(rf"\beval\.{probe}\.({theirs})\b", r"\1", str(e.code))) from None
 
 

@@ -323,6 +323,27 @@ def test_eval_scripts_run_evaluate_with_their_probe_alone(old_run, monkeypatch):
     assert (seen["ckpt"], seen["device"], seen["out"], seen["wandb"]) == (old_run, "cpu", "somewhere", False)
 
 
+def test_eval_tasks_passes_its_seed_and_names_its_own_keys(monkeypatch):
+    """seed=0 (falsy) reaches evaluate.py; an error evaluate.py raises about eval.tasks.samples says samples."""
+    from _cli import command_line
+    from _cli import script as loaded
+
+    evaluate, seen = loaded("evaluate"), []
+
+    def fake_main(overrides):
+        seen.extend(overrides)
+        raise SystemExit("eval.tasks.samples must be an integer >= 1, got 0; eval.tasks.enabled stays")
+
+    monkeypatch.setattr(evaluate, "main", fake_main)
+    cfg = command_line("eval_tasks", ["ckpt=x.ckpt", "seed=0", "samples=3"], "")
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.probe_alone("tasks", cfg, {"samples": 3})
+    assert str(exit_.value.code) == "samples must be an integer >= 1, got 0; eval.tasks.enabled stays"
+    assert seen[:3] == ["ckpt='x.ckpt'", "device=null", "out=null"] and "seed=0" in seen
+    assert "eval.tasks.enabled=true" in seen and "eval.extrapolation.enabled=false" in seen
+    assert "eval.tasks.samples=3" in seen
+
+
 def OmegaConf_load(ckpt):
     from omegaconf import OmegaConf
 
