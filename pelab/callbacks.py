@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
@@ -191,12 +191,12 @@ def logging_step(trainer: L.Trainer, stepped: bool = False) -> bool:
     return step % trainer.log_every_n_steps == 0 or trainer.should_stop
 
 
-class LoggedStepProgressBar(TQDMProgressBar):
-    """Lightning's progress bar, its metrics read at logging steps only; the step count moves
-    every step. Lightning turns every metric logged with ``prog_bar=True`` into a number at every
-    batch, logged that step or not (a host sync each), so the training loss is logged without it
-    and this bar shows ``SHOWN`` from ``trainer.callback_metrics`` when they are logged.
-    ``LitGPT.configure_callbacks`` puts it in place of Lightning's default bar."""
+class LoggedStepMetrics:
+    """For Lightning's progress bars: their metrics read at logging steps only; the step count
+    moves every step. Lightning turns every metric logged with ``prog_bar=True`` into a number at
+    every batch, logged that step or not (a host sync each), so the training loss is logged
+    without it and the bar shows ``SHOWN`` from ``trainer.callback_metrics`` when they are logged.
+    ``LitGPT.configure_callbacks`` puts the bar below in place of Lightning's default one."""
 
     SHOWN = ("train/loss",)
 
@@ -219,6 +219,22 @@ class LoggedStepProgressBar(TQDMProgressBar):
             self._shown = {**super().get_metrics(trainer, pl_module),
                            **{name: float(logged[name]) for name in self.SHOWN if name in logged}}
         return self._shown
+
+
+class LoggedStepProgressBar(LoggedStepMetrics, TQDMProgressBar):
+    @classmethod
+    def like(cls, bar: TQDMProgressBar) -> LoggedStepProgressBar:
+        return cls(refresh_rate=bar.refresh_rate, leave=bar._leave)
+
+
+class LoggedStepRichProgressBar(LoggedStepMetrics, RichProgressBar):
+    @classmethod
+    def like(cls, bar: RichProgressBar) -> LoggedStepRichProgressBar:
+        return cls(refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme, console_kwargs=bar._console_kwargs)
+
+
+# Lightning's default bars (Rich where rich is installed) and their logging-step versions
+LOGGED_STEP_BARS = {TQDMProgressBar: LoggedStepProgressBar, RichProgressBar: LoggedStepRichProgressBar}
 
 
 class NonFiniteError(RuntimeError):
@@ -259,6 +275,7 @@ class NonFiniteGuard(L.Callback):
         self._loss_ok: torch.Tensor | None = None
         self._unread: list[tuple[int, torch.Tensor]] = []  # (global step, [loss bad, gradients bad]) on the device
         self._trainer: L.Trainer | None = None
+        self._step = -1  # global_step at the previous batch: unchanged while gradients accumulate
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -299,9 +316,11 @@ class NonFiniteGuard(L.Callback):
                            batch_idx: int) -> None:
         for optimizer in trainer.optimizers:
             vars(optimizer).pop("found_inf", None)  # this step's flag, used
-        if self._unread and logging_step(trainer, stepped=True):
-            self._read(trainer)
-        if self.max_skipped_steps and logging_step(trainer, stepped=True):
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step  # not mid-accumulation
+        if not (stepped and logging_step(trainer, stepped=True)):
+            return
+        self._read(trainer)
+        if self.max_skipped_steps:
             pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torchmetrics import MeanMetric
@@ -19,7 +18,7 @@ from model.pe.scaling import apply_scaling, split_scaling
 from model.temperature import check_temperature
 from model.pe.schedule import (LAYER_KEYS, check_layer_bases, check_nope_layers, check_randomize_to, layer_positions,
                                 random_positions, split_schedule)
-from pelab.callbacks import LoggedStepProgressBar, logging_step
+from pelab.callbacks import LOGGED_STEP_BARS, logging_step
 from pelab.config import ConfigError, build, check_options, plain, target_class
 from pelab.optim import OptimConfig, adamw, cosine_schedule, decay_rule
 
@@ -131,12 +130,12 @@ class LitGPT(L.LightningModule):
                   f"{str(dtype).removeprefix('torch.')})")
 
     def configure_callbacks(self) -> list:
-        """Lightning's default progress bar, as ``LoggedStepProgressBar``: it reads the device at
-        logging steps only (a bar configured otherwise, or none, is left as it is)."""
-        if type(self.trainer.progress_bar_callback) is TQDMProgressBar:
-            bar = self.trainer.progress_bar_callback
-            return [LoggedStepProgressBar(refresh_rate=bar.refresh_rate, leave=bar._leave)]
-        return []
+        """Lightning's default progress bar in its logging-step version (pelab/callbacks.py
+        ``LoggedStepMetrics``): it reads the device at logging steps only. A bar of another
+        class, or none, is left as it is."""
+        bar = self.trainer.progress_bar_callback
+        logged = LOGGED_STEP_BARS.get(type(bar))
+        return [logged.like(bar)] if logged else []
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -152,7 +151,7 @@ class LitGPT(L.LightningModule):
             positions = self.training_positions(x, batch_idx)
         _, loss = self.model(x, y, positions, documents)
         if self._trainer is None or logging_step(self._trainer):  # read on the host only when logged
-            self.log("train/loss", loss)  # shown by LoggedStepProgressBar (prog_bar=True reads it every batch)
+            self.log("train/loss", loss)  # shown by LoggedStepMetrics' bars (prog_bar=True: read every batch)
             self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False)
         return loss
 

@@ -56,8 +56,8 @@ def on_training_device(trainer: L.Trainer, pl_module: L.LightningModule) -> Iter
 
 class EndOfTrainingEvaluation(L.Callback):
     """When fit ends: the probes ``eval.extrapolation`` / ``eval.tasks`` / ``eval.probe``
-    (conf/eval/default.yaml) enable, through the one runner (pelab/evaluate.py), then the
-    unigram baseline."""
+    (conf/eval/default.yaml) enable, through the one runner (pelab/evaluate.py), on the device
+    that trained (``on_training_device``), then the unigram baseline."""
 
     def __init__(self, options: dict | None = None, **probes: dict) -> None:
         """``options``: the ``eval`` section; ``probes``: probe blocks by name, on top of it."""

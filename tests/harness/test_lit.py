@@ -290,3 +290,44 @@ def test_constrained_scheme_parameters_are_projected_after_every_optimizer_step(
     assert len(seen) == 3  # once per optimizer step
     assert min(seen) < pe.eps  # an unprojected step did leave the range
     assert pe.r1.min() >= pe.eps and pe.r2.min() >= pe.eps
+
+
+@pytest.mark.parametrize("bar", ["default", "tqdm"])
+def test_the_progress_bar_shows_the_loss_read_at_logging_steps_only(bar):
+    """Lightning's default bar (Rich where rich is installed, else tqdm) becomes its logging-step
+    version: the loss it shows is the one logged at the last logging step (the loss is logged
+    without prog_bar, which Lightning reads every batch)."""
+    from pelab.callbacks import LOGGED_STEP_BARS, LoggedStepMetrics
+
+    class Shown(L.Callback):
+        """What the bar shows once a step's hooks have all run, by the global_step after it."""
+
+        def __init__(self) -> None:
+            self.shown, self.loss = {}, {}
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.loss[trainer.global_step] = float(outputs["loss"])
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            self.shown[trainer.global_step] = dict(trainer.progress_bar_callback._shown or {})
+
+        def on_train_end(self, trainer, module) -> None:
+            self.on_train_batch_start(trainer, module, None, 0)
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (32, 33))
+    loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
+    module = LitGPT(model=TINY, pe={"_target_": PE_TARGETS["rope"]}, optim={"warmup_steps": 0})
+    shown = Shown()
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    bars = [TQDMProgressBar()] if bar == "tqdm" else []
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", precision="32-true", logger=False, callbacks=[shown, *bars],
+                        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=3)
+    trainer.fit(module, loader)
+    assert isinstance(trainer.progress_bar_callback, LoggedStepMetrics)
+    assert type(trainer.progress_bar_callback) in LOGGED_STEP_BARS.values()
+    assert all("train/loss" not in shown.shown[step] for step in (1, 2))  # nothing logged yet
+    for step in (3, 4, 5):  # the loss of the step that logged (ending at global_step 3) until the next one
+        assert shown.shown[step]["train/loss"] == pytest.approx(shown.loss[3])
+    assert shown.shown[6]["train/loss"] == pytest.approx(shown.loss[6])
