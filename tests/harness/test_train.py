@@ -133,10 +133,12 @@ def test_eval_script_under_torchrun_shards_windows_and_gives_the_same_table(swee
     ckpt = next(out.glob("*-alibi-*")) / "checkpoints" / "last.ckpt"
     args = [f"ckpt={ckpt}", "multipliers=1,4", "mode=nonoverlapping,sliding", "max_tokens=2048", "precision=32"]
     tables = {}
-    for name, launcher in (("one", [sys.executable]),
-                           ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"])):
-        proc = subprocess.run([*launcher, "scripts/eval_extrapolation.py", *args, f"out={tmp_path / name}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # the one-process reference forks from the test's forkserver (tests/cli.py); torchrun is a real subprocess
+    for name, run in (("one", lambda cmd: run_python(cmd, cwd=ROOT, timeout=300)),
+                      ("two", lambda cmd: subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                                                          "--nproc_per_node=2", *cmd], cwd=ROOT,
+                                                         capture_output=True, text=True, timeout=300))):
+        proc = run(["scripts/eval_extrapolation.py", *args, f"out={tmp_path / name}"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         tables[name] = read_csv(tmp_path / name / "extrapolation.csv")
     assert [(r.mode, r.eval_length, r.tokens) for r in tables["two"]] == \

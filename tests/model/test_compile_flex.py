@@ -10,6 +10,7 @@ import torch
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
+from tests.tiny import SMALL_OPTIONS
 
 torch.set_num_threads(2)
 
@@ -20,7 +21,7 @@ def test_flex_compiles_fullgraph_without_recompiling(name):
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=32, block_size=128, n_layer=2, n_head=2, n_embd=32, attention="flex")
-    model = GPT(config, SCHEMES[name](config)).eval()
+    model = GPT(config, SCHEMES[name](config, **SMALL_OPTIONS.get(name, {}))).eval()  # tests/tiny.py
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     idx = torch.randint(0, 32, (2, 128), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
