@@ -20,8 +20,6 @@ from tests.tiny import tiny_gpt
 CUDA = torch.device("cuda")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DROPOUTS = (0.0, 0.2)
-# model.attention values a CUDA run can ask for (bias_grad is a CPU kernel)
-CUDA_CHOICES = ("auto", *(n for n, b in BACKENDS.items() if b.devices is None or "cuda" in b.devices))
 # fp16 losses are scaled before backward as GradScaler would (its first scale is 2^16; 2^10 keeps
 # these small models' gradients far from both fp16 underflow and overflow)
 FP16_LOSS_SCALE = 2.0**10
@@ -42,6 +40,16 @@ def config(attention: str = "auto", dropout: float = 0.0, vocab: int = 96, n_emb
 def scheme_instance(name: str, cfg: GPTConfig):
     with torch.random.fork_rng(devices=[]):  # at collection: leave the tests' random state alone
         return SCHEMES[name](cfg)
+
+
+def serves_cuda(backend) -> bool:
+    """Whether a backend serves some registered scheme in a CUDA training step (its own refusal)."""
+    return any(backend.refusal(AttentionRequest(scheme_instance(name, config()), CUDA, torch.bfloat16, grad=True))
+               is None for name in sorted(SCHEMES))
+
+
+# model.attention values a CUDA run can ask for (bias_grad is a CPU kernel)
+CUDA_CHOICES = ("auto", *(n for n, b in BACKENDS.items() if serves_cuda(b)))
 
 
 def routes() -> list[tuple[str, str, float, str, tuple[str, ...]]]:

@@ -38,7 +38,7 @@ def option_routes() -> list[tuple[str, str, str, str]]:
             for choice in CUDA_CHOICES:
                 try:
                     route = resolve(choice, AttentionRequest(pe, CUDA, torch.bfloat16, 0.0, grad=True,
-                                    sinks=values.get("sinks", "none") != "none",
+                                    normaliser=config(**values).normaliser,
                                     windows=any(k.startswith("window") for k in values))).name
                 except ValueError:  # a named backend that refuses the scheme (flex with CoPE)
                     continue
