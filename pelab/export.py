@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -67,7 +69,7 @@ def require_transformers():
 def export_hf(ckpt_path, out_dir, overwrite: bool = False) -> Exported:
     """The checkpoint ``ckpt_path`` (train.py's, with its run config beside it) as a transformers
     folder at ``out_dir``."""
-    out = check_out(out_dir, overwrite)
+    out = check_out(out_dir, overwrite, source=ckpt_path)
     require_transformers()
     lit = load_lit_gpt(ckpt_path, map_location="cpu")
     return export_model(lit.model.eval(), out, pe_config=dict(lit.hparams["pe"]),
@@ -96,7 +98,8 @@ def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: An
                      f"trust_remote_code=True")
     eot = getattr(tokenizer, "eot_token", None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
+    remove_stale_temps(out)
+    tmp = out.parent / f".{out.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # the pid: whose it is
     try:
         if native_refusal is None:
             save_model(hf_model, tmp, extra_config, eot)
@@ -119,12 +122,64 @@ def native_model(transformers, gpt: GPT) -> tuple[nn.Module, dict]:
     return hf_model, extra_config
 
 
-def check_out(out_dir, overwrite: bool) -> Path:
+def check_out(out_dir, overwrite: bool, source=None) -> Path:
+    """``out_dir`` checked before anything is read or written: never the checkpoint ``source``
+    (nor a folder holding it or inside it), never a folder holding any run's checkpoints (overwrite
+    would replace it whole); an existing non-empty one only with ``overwrite``."""
     out = Path(out_dir)
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()
+        if dst == src or dst in src.parents or src in dst.parents:
+            run = src.parent.parent if src.parent.name == "checkpoints" else src.parent
+            raise ExportError(f"out={out} {'is' if dst == src else 'contains' if dst in src.parents else 'is inside'} "
+                              f"the checkpoint ckpt={source} reads, which overwrite would delete; give out= a "
+                              f"new folder that holds no checkpoint, e.g. out={run / 'hf'}")
+    held = run_files_in(out)
+    if held is not None:
+        raise ExportError(f"out={out} holds a training run's files ({held}), which overwrite would delete; "
+                          f"give out= a new folder, or a previous export's folder, e.g. out={out / 'hf'}")
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         kind = "a non-empty directory" if out.is_dir() else "a file"
         raise ExportError(f"out={out} is {kind}; set overwrite=true to replace it")
     return out
+
+
+def run_files_in(path: Path) -> Path | None:
+    """The first training-run file at or under ``path``: a checkpoint (a ``.ckpt`` file or a
+    sharded checkpoint directory, meta.pt + .metadata) or a Hydra run dir's ``.hydra``; else None.
+    An export folder holds none of these."""
+    if path.is_symlink() or not path.exists():
+        return None
+    if path.name.endswith(".ckpt") or not path.is_dir():
+        return path if path.name.endswith(".ckpt") else None
+    for folder, dirs, files in os.walk(path):  # links are not followed: replacing out removes the link only
+        names = set(dirs) | set(files)
+        hit = next((n for n in sorted(names) if n.endswith(".ckpt") or n == ".hydra"), None)
+        if hit is None and {"meta.pt", ".metadata"} <= names:
+            return Path(folder)
+        if hit is not None:
+            return Path(folder) / hit
+    return None
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Remove what killed exports to ``out`` left beside it: ``.OUT.<pid>-<id>.tmp`` folders whose
+    process is gone (a live one may still be writing its own)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)-[0-9a-f]{{8}}\.tmp")
+    for entry in out.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and not process_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
 
 
 def run_tokenizer(ckpt: Path):

@@ -26,9 +26,10 @@ def main(argv: list[str]) -> int:
     out = str(required(cfg, "out", "DIR"))
     from pelab.export import ExportError, check_out, export_hf
 
+    ckpt = str(required(cfg, "ckpt", "PATH"))
     try:
-        check_out(out, overwrite)  # before the checkpoint is read
-        ckpt = checked_checkpoint(required(cfg, "ckpt", "PATH"))
+        check_out(out, overwrite, source=ckpt)  # before the checkpoint is read: never its own folder
+        ckpt = checked_checkpoint(ckpt)
         exported = export_hf(ckpt, out, overwrite=overwrite)
     except ExportError as e:
         raise SystemExit(str(e)) from None

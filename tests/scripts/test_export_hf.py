@@ -7,6 +7,7 @@ written. The references are pelab's own model and tokenizers run on the same inp
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -301,3 +302,84 @@ def test_overwrite_replaces_the_folder_whole_and_a_failed_export_keeps_the_old_o
     assert script().main([f"ckpt={ckpt}", f"out={out}", "overwrite=true"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones too) by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def train_run(folder: Path) -> Path:
+    """A run dir as train.py leaves it: .hydra/, checkpoints/last.ckpt + config.yaml, a log."""
+    ckpt = write_checkpoint(folder / "checkpoints", "learned", {}, dict(bias=True), "bytes")
+    (folder / ".hydra").mkdir()
+    (folder / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (folder / "train.log").write_text("step 1\n")
+    return ckpt
+
+
+@pytest.mark.parametrize("where,message", [
+    ("run", "contains the checkpoint ckpt="),
+    ("run/checkpoints", "contains the checkpoint ckpt="),
+    ("run/checkpoints/last.ckpt", "is the checkpoint ckpt="),
+])
+def test_an_out_holding_the_checkpoint_it_reads_is_refused_before_anything_is_read(tmp_path, monkeypatch, where,
+                                                                                   message):
+    """``out=RUN overwrite=true`` used to replace the whole run folder, checkpoints included."""
+    import pelab.checkpoint
+
+    ckpt = train_run(tmp_path / "run")
+    before = tree_bytes(tmp_path)
+    monkeypatch.setattr(pelab.checkpoint, "read_checkpoint", lambda *a, **k: pytest.fail("checkpoint read"))
+    out = tmp_path / where
+    with pytest.raises(SystemExit) as exit_:
+        script().main([f"ckpt={ckpt}", f"out={out}", "overwrite=true"])
+    assert str(exit_.value.code) == (f"out={out} {message}{ckpt} reads, which overwrite would delete; give out= a new "
+                                     f"folder that holds no checkpoint, e.g. out={tmp_path / 'run' / 'hf'}")
+    assert tree_bytes(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def sharded_dir(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "meta.pt").write_bytes(b"m")
+    (folder / ".metadata").write_bytes(b"d")
+
+
+@pytest.mark.parametrize("build,held", [
+    (lambda out: train_run(out), ".hydra"),  # another run's folder
+    (lambda out: (out / "a" / "checkpoints").mkdir(parents=True) or (out / "a" / "checkpoints" / "s.ckpt").write_text("x"),
+     "a/checkpoints/s.ckpt"),  # a folder of runs
+    (lambda out: sharded_dir(out / "checkpoints" / "step4"), "checkpoints/step4"),  # a sharded checkpoint, any name
+])
+def test_an_out_holding_any_runs_checkpoints_is_refused_with_or_without_overwrite(exported, tmp_path, build, held):
+    ckpt, _ = exported["learned"]
+    out = tmp_path / "other"
+    out.mkdir()
+    build(out)
+    before = tree_bytes(out)
+    for overwrite in ("true", "false"):
+        with pytest.raises(SystemExit) as exit_:
+            script().main([f"ckpt={ckpt}", f"out={out}", f"overwrite={overwrite}"])
+        assert str(exit_.value.code) == (f"out={out} holds a training run's files ({out / held}), which overwrite "
+                                         f"would delete; give out= a new folder, or a previous export's folder, "
+                                         f"e.g. out={out / 'hf'}")
+    assert tree_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+def test_an_export_clears_the_temp_folders_of_killed_exports_to_the_same_out_only(exported, tmp_path):
+    import subprocess
+
+    ckpt, _ = exported["learned"]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a process that has ended
+    stale = tmp_path / f".hf.{dead}-0123abcd.tmp"
+    kept = [tmp_path / f".hf.{os.getpid()}-0123abcd.tmp",  # a live export's (this process)
+            tmp_path / f".hf2.{dead}-0123abcd.tmp",  # another out's
+            tmp_path / ".hf.0123abcd.tmp",  # not the pattern (no owner to ask)
+            tmp_path / f".hf.{dead}-0123abcd.tmp.keep"]
+    for folder in (stale, *kept):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    assert script().main([f"ckpt={ckpt}", f"out={tmp_path / 'hf'}"]) == 0
+    assert not stale.exists() and all(folder.is_dir() for folder in kept)
+    assert (tmp_path / "hf" / "config.json").is_file()
