@@ -152,6 +152,7 @@ def _flatten(node, prefix: str = "") -> dict[str, str]:
 class RunInfo:
     seed: int | None = None
     setting: dict[str, str] | None = None  # the trained-for config without the seed; None: unknown
+    keys: frozenset[str] = frozenset()  # every config key (dotted), ignored ones too
 
 
 def run_info(run_dir: str, ignored: Sequence[str]) -> RunInfo:
@@ -164,8 +165,30 @@ def run_info(run_dir: str, ignored: Sequence[str]) -> RunInfo:
         return RunInfo()
     config = yaml.safe_load(path.read_text()) or {}
     groups = tuple(k for k in ignored if k.endswith("."))
-    setting = {k: v for k, v in _flatten(config).items() if k not in ignored and not k.startswith(groups)}
-    return RunInfo(config.get("seed"), setting)
+    flat = _flatten(config)
+    setting = {k: v for k, v in flat.items() if k not in ignored and not k.startswith(groups)}
+    return RunInfo(config.get("seed"), setting, frozenset(flat))
+
+
+def check_ignored(asked: Sequence[str], info: dict[str, RunInfo], option: str = "--ignore") -> None:
+    """Each key of ``asked`` (a ``KEY`` or a group ``PREFIX.``) in some run's config, else one line
+    naming it and the nearest keys there are: a misspelt key would silently split no group."""
+    import difflib
+
+    keys = set().union(*(i.keys for i in info.values()))
+    groups = {k[:i + 1] for k in keys for i, c in enumerate(k) if c == "."}
+    for key in asked:
+        if key in keys or (key.endswith(".") and key in groups):
+            continue
+        if not keys:
+            raise CompareError(f"{option} {key}: no compared run has a config (RUN/checkpoints/config.yaml), so no "
+                               "key can be ignored; drop it")
+        group = key.rstrip(".").rpartition(".")[0]  # the keys beside it, e.g. pe.* for pe.bse
+        siblings = sorted(k for k in keys if group and k.startswith(group + "."))
+        near = list(dict.fromkeys(difflib.get_close_matches(key, sorted(keys | groups), n=6, cutoff=0.5)
+                                  + siblings))[:10] or sorted(keys | groups)[:12]
+        raise CompareError(f"{option} {key}: no compared run's config has this key; nearest keys: {', '.join(near)} "
+                           "(a whole group: PREFIX. with the dot)")
 
 
 @dataclass
@@ -234,10 +257,11 @@ class Runs:
 
 
 def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[str],
-              options: dict[str, Any] | None = None) -> Runs:
+              options: dict[str, Any] | None = None, asked: Sequence[str] = ()) -> Runs:
     """Every table the ``probes`` compare (``Probe.compare``) under ``paths``, every file checked
     before any is read, each table's ``select`` applied with ``options``, runs grouped by seed
-    (``ignored``: config keys that do not split a group)."""
+    (``ignored``: config keys that do not split a group; ``asked``: those of them the user named,
+    each of which some run's config must have)."""
     options = dict(options or {})
     parts = [(probe.output, c) for probe in probes for c in probe.compare]
     folders = frozenset(output for output, _ in parts)
@@ -258,6 +282,7 @@ def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[s
         for run, r in table.pairs if table.comparison.grouped else ():
             runs_by_label.setdefault(base_label(r), set()).add(run)
     info = {run: run_info(run, ignored) for runs in runs_by_label.values() for run in runs}
+    check_ignored(asked, info)
     return Runs(tables, seed_groups(runs_by_label, info), folders, options)
 
 

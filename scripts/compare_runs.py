@@ -68,7 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        runs = compare.read_runs(args.paths, PROBES.values(), (*NOT_TRAINED, *args.ignore), vars(args))
+        runs = compare.read_runs(args.paths, PROBES.values(), (*NOT_TRAINED, *args.ignore), vars(args),
+                                 asked=args.ignore)
     except compare.CompareError as err:
         raise SystemExit(str(err)) from None
     first = Path(args.paths[0])

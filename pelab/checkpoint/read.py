@@ -4,6 +4,7 @@ the file and what is wrong: ``weights_only=True``, tensors memory-mapped (cheap)
 
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -109,6 +110,14 @@ def _read_sharded(path: Path, where: str, for_resume: bool, verify: bool) -> dic
     its ``meta.pt`` a pelab checkpoint's, its shards all there and as long as ``.metadata`` says,
     the optimizer state in it for a resume. torch.distributed.checkpoint stores no checksums, so
     ``verify`` adds nothing here."""
+    try:
+        names = os.listdir(path)
+    except OSError as e:
+        raise CheckpointError(f"{where} is a folder that cannot be read: {e.strerror}") from None
+    if not any(n in (META_FILE, DCP_METADATA) or n.endswith(".distcp") for n in names):
+        raise CheckpointError(f"{where} is a folder but not a checkpoint (no {META_FILE}, {DCP_METADATA} or shard "
+                              "file in it): expected a .ckpt file or a sharded checkpoint directory written by train.py "
+                              "(RUN_DIR/checkpoints/*.ckpt)")
     incomplete = sharded_complete(path)
     if incomplete:
         raise CheckpointError(f"{where} is {incomplete}; use another checkpoint such as a step*.ckpt next to it")

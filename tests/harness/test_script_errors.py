@@ -356,3 +356,54 @@ def test_consolidate_refuses_a_file_before_writing(old_run, tmp_path):
     assert str(exit_.value.code) == (f"ckpt='{old_run}' is not valid: expected a sharded checkpoint directory "
                                      f"(trainer=fsdp); a file is one checkpoint already")
     assert not (tmp_path / "full.ckpt").exists()
+
+
+def test_a_plain_folder_given_as_ckpt_is_not_a_checkpoint_not_a_half_written_one(tmp_path):
+    """A folder with no sharded checkpoint's file in it used to read as "a half-written sharded
+    checkpoint"; one that has some of them (a save cut short) still does."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("not weights")
+    with pytest.raises(SystemExit) as exit_:
+        script("export_hf").main([f"ckpt={folder}", f"out={tmp_path / 'hf'}"])
+    assert str(exit_.value.code) == (f"ckpt={folder} is a folder but not a checkpoint (no meta.pt, .metadata or "
+                                     "shard file in it): expected a .ckpt file or a sharded checkpoint directory "
+                                     "written by train.py (RUN_DIR/checkpoints/*.ckpt)")
+    (folder / "__0_0.distcp").write_bytes(b"shard")
+    with pytest.raises(SystemExit, match=r"is a half-written sharded checkpoint \(no \.metadata or meta\.pt"):
+        script("export_hf").main([f"ckpt={folder}", f"out={tmp_path / 'hf'}"])
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("under", ["", "x/y"])
+def test_gpu_check_refuses_an_out_that_is_a_file_or_under_one_before_anything_starts(tmp_path, monkeypatch, under):
+    import gpucheck.steps
+
+    monkeypatch.setattr(gpucheck.steps, "all_steps", lambda *a, **k: pytest.fail("steps built for a bad out="))
+    blocker = tmp_path / "report.md"
+    blocker.write_text("mine")
+    out = blocker / under if under else blocker
+    with pytest.raises(SystemExit) as exit_:
+        script("gpu_check").main([f"out={out}"])
+    where = f": {blocker} above it is" if under else " is"
+    assert str(exit_.value.code) == (f"out={out}{where} a file, not a folder; give out= a new folder, or an existing "
+                                     "folder this user can write, for the report")
+    assert blocker.read_text() == "mine"
+
+
+def test_compare_runs_refuses_an_ignore_key_no_run_has_naming_the_nearest(tmp_path):
+    from tests.evaluation.test_compare_runs import seed_run
+
+    sweep = tmp_path / "multirun"
+    for seed in (1, 2):
+        seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed})
+    for key, near in (("data.sed", "data.seed"), ("pe.bse", "pe._target_"), ("trainer", "trainer.")):
+        with pytest.raises(SystemExit) as exit_:
+            script("compare_runs").main([str(sweep), "--out", str(tmp_path / "report"), "--ignore", key])
+        message = str(exit_.value.code)
+        assert message.startswith(f"--ignore {key}: no compared run's config has this key; nearest keys: "), message
+        assert near in message.split("nearest keys: ")[1] and message.endswith("(a whole group: PREFIX. with the dot)")
+    assert not (tmp_path / "report").exists()
+    # a key and a group that the runs have are taken
+    assert script("compare_runs").main([str(sweep), "--out", str(tmp_path / "report"), "--ignore", "data.task",
+                                        "--ignore", "trainer."]) == 0
