@@ -19,6 +19,7 @@ from model.temperature import check_temperature
 from model.pe.schedule import (LAYER_KEYS, check_layer_bases, check_nope_layers, check_randomize_to, layer_positions,
                                 random_positions, split_schedule)
 from pelab.callbacks import LOGGED_STEP_BARS, logging_step
+from pelab.checkpoint.tokenizer import RECORD as TOKENIZER_RECORD, tokenizer_record
 from pelab.config import ConfigError, build, check_options, plain, target_class
 from pelab.optim import OptimConfig, adamw, cosine_schedule, decay_rule
 
@@ -123,11 +124,19 @@ class LitGPT(L.LightningModule):
             self.model = torch.compile(self.model)
 
     def on_fit_start(self) -> None:
+        # the tokenizer this fit reads, kept in every checkpoint (pelab/checkpoint/tokenizer.py)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self.tokenizer_record = (tokenizer_record(datamodule.tokenizer)
+                                 if getattr(datamodule, "tokenizer_name", None) is not None else None)
         if self.global_rank == 0:  # the attention backend that runs, once per fit
             dtype = COMPUTE_DTYPES.get(str(self.trainer.precision).split("-")[0], torch.float32)
             print(f"[pelab] attention: {uncompiled(self.model).attention_backend(self.device, dtype=dtype)} "
                   f"(model.attention={self.config.attention}, pe={self.pe_name}, {self.device.type}, "
                   f"{str(dtype).removeprefix('torch.')})")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if getattr(self, "tokenizer_record", None):  # none: a synthetic task, or saved outside a fit
+            checkpoint[TOKENIZER_RECORD] = self.tokenizer_record
 
     def configure_callbacks(self) -> list:
         """Lightning's default progress bar in its logging-step version (pelab/callbacks.py

@@ -33,11 +33,11 @@ def join_torchrun_group(device) -> bool:
 def checked_checkpoint(path) -> Path:
     """``ckpt=PATH`` checked to be a readable pelab checkpoint (not truncated, not a foreign file)
     before any data is read; load it with ``pelab.checkpoint.load_lit_gpt``."""
-    from pelab.checkpoint import CheckpointError, read_checkpoint
+    from pelab.checkpoint import CheckpointError, check_tokenizer, read_checkpoint
 
     ckpt = Path(str(path))
     try:
-        read_checkpoint(ckpt, key="ckpt")
+        check_tokenizer(read_checkpoint(ckpt, key="ckpt"), f"ckpt={ckpt}")  # and its tokenizer unchanged since
     except CheckpointError as e:
         raise SystemExit(str(e)) from None
     return ckpt

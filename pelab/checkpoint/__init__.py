@@ -10,6 +10,8 @@
 - ``resume``: ``check_resume`` (``ckpt_path=`` against the run's config, before any data or
   compute) and ``resume_from_run_dir`` (``resume=auto``: the newest intact checkpoint of the run dir).
 - ``init_from``: ``check_init_from`` / ``init_state`` / ``load_init_weights`` for ``init_from=``.
+- ``tokenizer``: ``tokenizer_record`` (the tokenizer's fingerprint every checkpoint keeps) and
+  ``check_tokenizer`` (refused where it no longer matches: resume, init_from, the scripts).
 - ``load``: ``load_lit_gpt`` for the scripts (checked, ``weights_only=True``; a sharded directory
   gathered on the one CPU process) and ``consolidate`` (a sharded directory as one file).
 """
@@ -23,11 +25,13 @@ from pelab.checkpoint.read import EXPECTED, read_checkpoint, verified
 from pelab.checkpoint.resume import check_resume, checkpoints_newest_first, resume_from_run_dir
 from pelab.checkpoint.sharded import (
     SHARDED_ABOVE_BYTES, FSDPStrategy, auto_state_dict_type, replace_dir, sharded_complete, sharded_state)
+from pelab.checkpoint.tokenizer import check_tokenizer, tokenizer_record
 
 __all__ = [
     "EXPECTED", "INIT_FREE", "SHARDED_ABOVE_BYTES", "AtomicCheckpointIO", "CheckpointError", "FSDPStrategy",
-    "atomic_torch_save", "auto_state_dict_type", "check_init_from", "check_resume", "checkpoints_newest_first",
+    "atomic_torch_save", "auto_state_dict_type", "check_init_from", "check_resume", "check_tokenizer",
+    "checkpoints_newest_first",
     "config_mismatches", "consolidate", "disk_full_error", "init_state", "load_init_weights", "load_lit_gpt",
     "read_checkpoint", "refuse_non_finite_init", "replace_dir", "resume_from_run_dir", "sharded_complete",
-    "sharded_state", "verified",
+    "sharded_state", "tokenizer_record", "verified",
 ]

@@ -13,6 +13,7 @@ from pelab.checkpoint.compare import config_mismatches, describe
 from pelab.checkpoint.errors import CheckpointError
 from pelab.checkpoint.read import read_checkpoint
 from pelab.checkpoint.sharded import sharded_state
+from pelab.checkpoint.tokenizer import check_tokenizer
 
 
 # What init_from may change: the training length, regularisation, the attention backend and
@@ -40,6 +41,9 @@ def check_init_from(path, cfg) -> dict[str, Any]:
             f"{', '.join(describe(k, s) for k, s, _ in diffs)}, this run has "
             f"{', '.join(describe(k, r) for k, _, r in diffs)}; a run started from it may change only "
             f"{', '.join(INIT_FREE)}, the pe options (not the scheme), optim and data")
+    spec = OmegaConf.select(cfg, "data.tokenizer")
+    if spec is not None:  # another tokenizer: its token embeddings would be read as other tokens
+        check_tokenizer(ckpt, f"init_from={path}", spec, "use the data.tokenizer it was trained with")
     return ckpt
 
 

@@ -12,6 +12,7 @@ from pelab.checkpoint.compare import config_mismatches, describe, scheme_choice
 from pelab.checkpoint.errors import CheckpointError
 from pelab.checkpoint.read import verified
 from pelab.checkpoint.sharded import META_FILE, sharded_complete
+from pelab.checkpoint.tokenizer import check_tokenizer
 from pelab.config import ConfigError, fail
 
 
@@ -53,6 +54,10 @@ def check_resume(ckpt_path, cfg) -> dict[str, Any]:
             f"ckpt_path={ckpt_path} was trained with {', '.join(describe(k, s) for k, s, _ in diffs)}, "
             f"this run has {', '.join(describe(k, r) for k, _, r in diffs)}; "
             f"resume with {fixes} or start a new run")
+    spec = OmegaConf.select(cfg, "data.tokenizer")
+    if spec is not None:  # a changed tokenizer file: the old weights would train on other ids
+        check_tokenizer(ckpt, f"ckpt_path={ckpt_path}", spec,
+                        "restore the tokenizer file it was trained with, or start a new run")
     return ckpt
 
 
