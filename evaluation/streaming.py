@@ -106,10 +106,13 @@ class StreamingConfig(LengthSweepOptions):
                 f"a non-empty list of {', '.join(CACHE_POSITIONS)}")
 
     def window_of(self, train_length: int) -> int:
-        window = self.window if self.window is not None else train_length - self.sinks
-        require(window >= 1, "eval.streaming.window", self.window, f"an integer >= 1 (with sinks={self.sinks} and "
-                f"training length {train_length}, null leaves no recent token)")
-        return window
+        """W for a model trained at ``train_length``; validation asks it before training (pelab/validate.py)."""
+        if self.window is not None:
+            return self.window
+        require(self.sinks < train_length, "eval.streaming.sinks", self.sinks,
+                f"less than the training length {train_length} when eval.streaming.window is null (the window is "
+                f"the training length minus the sinks, and none would be left); lower it or set eval.streaming.window")
+        return train_length - self.sinks
 
 
 @dataclass

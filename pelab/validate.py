@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 import hydra
 import lightning as L
+import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.registry import PROBES, enabled_probes
+from model.attention import AttentionRequest, resolve
 from model.config import GPTConfig
 from model.temperature import check_init_temperature
 from model.pe.scaling import scaling_of
@@ -28,7 +30,7 @@ from pelab.config import (ConfigError, build, check_options, describe, fail, mat
                           target_class)
 from pelab.datamodule import build_datamodule, data_options
 from pelab.hf_import import PREFIX as HF_PREFIX, check_hf_init
-from pelab.lit import Position, build_position, model_config, position_options
+from pelab.lit import COMPUTE_DTYPES, Position, build_position, model_config, position_options
 from pelab.loggers import check_log_model
 from pelab.optim import OptimConfig
 
@@ -79,6 +81,7 @@ def validate_config(cfg: DictConfig) -> Checked:
         build("ckpt_path", check_resume, cfg.ckpt_path, cfg)
     L.seed_everything(cfg.seed, workers=True)  # the scheme below takes its initial weights from the seed
     position = build_position(pe, model)
+    check_attention(cfg, model, position, datamodule)
     # a resumed fine-tune (resume=auto) restores its own checkpoint, not the weights it started from
     state = build("init_from", init_state, init, position.scheme, cfg.init_from) if init and not cfg.ckpt_path else None
     return Checked(datamodule, position, callbacks, state)
@@ -109,6 +112,31 @@ def build_data(cfg: DictConfig, model: GPTConfig) -> L.LightningDataModule:
         require(data["block_size"] == model.block_size, "data.block_size", data["block_size"],
                 f"model.block_size={model.block_size} (set model.block_size; data follows it)")
     return build("data", build_datamodule, data)  # reads nothing: the tokenizer loads on first use
+
+
+def training_device(accelerator) -> torch.device | None:
+    """The device Lightning trains on for ``trainer.accelerator`` ("auto": CUDA where there is
+    one, else MPS, else the CPU); None for another kind (Lightning checks it itself)."""
+    name = {"gpu": "cuda"}.get(str(accelerator), str(accelerator))
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(name) if name in ("cpu", "cuda", "mps") else None
+
+
+def check_attention(cfg: DictConfig, model: GPTConfig, position: Position, datamodule: L.LightningDataModule) -> None:
+    """``model.attention`` resolved for the request a training step makes (``GPT.request``:
+    device, compute dtype, dropout, autograd, documents, normaliser, windows): a named backend
+    that refuses it (flex on a CPU, or with CoPE's terms of the scores) fails now, not at the
+    first forward after the data is read."""
+    trainer = plain(cfg.trainer)
+    device = training_device(trainer.get("accelerator", "auto"))
+    if device is None:
+        return
+    dtype = COMPUTE_DTYPES.get(str(trainer.get("precision", "32")).split("-")[0], torch.float32)
+    request = AttentionRequest(position.scheme, device, dtype, model.dropout, True,
+                               documents=bool(getattr(datamodule, "document_mask", False)), layers=model.n_layer,
+                               normaliser=model.normaliser, windows=model.windowed)
+    build("model.attention", resolve, model.attention, request)
 
 
 def check_documents(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:
@@ -158,7 +186,12 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
     """``eval.*``, run when fit ends, checked now rather than after the training: which probes
     run (``enabled_probes``, the rule the runner follows) and the options of each."""
     evaluation = plain(cfg.get("eval")) or {}
-    running = build("eval", enabled_probes, evaluation, getattr(datamodule, "held_out_text", True))
+    held_out_text = getattr(datamodule, "held_out_text", True)
+    running = build("eval", enabled_probes, evaluation, held_out_text)
+    for name, probe in PROBES.items():  # asked for by name, yet off (``Probe.runs``): said, not skipped silently
+        if (evaluation.get(name) or {}).get("enabled") is True and name not in running and probe.needs == "text":
+            print(f"[pelab] eval.{name}.enabled=true is skipped: it scores held-out text and this run's data "
+                  f"(a synthetic task) has none; eval.tasks scores a synthetic run", flush=True)
     if str(evaluation.get("positions", "sequential")) == "randomized" and (cfg.get("pe") or {}).get("randomize_to") is None:
         raise ConfigError("eval.positions=randomized evaluates a model trained with pe.randomize_to=N (positions drawn "
                           "from [0, N)), and pe.randomize_to is null: set it, or eval.positions=sequential")
@@ -180,6 +213,9 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
                  f"another one on top is refused")
     if extrapolation:
         check_stride(extrapolation, cfg.model.block_size)
+    streaming = configs.get("streaming")
+    if streaming:  # the probe's own rule for its cache's window (evaluate_streaming), at this run's length
+        build("eval.streaming", streaming.window_of, cfg.model.block_size)
 
 
 def check_stride(config: ExtrapolationConfig, train_length: int, key: str = "eval.extrapolation.stride") -> None:

@@ -95,7 +95,11 @@ class Flex(AttentionBackend):
         pe = request.pe
         if pe.uses_bias and pe.bias_score() is None:
             return f"model.attention={self.name}: pe={pe.name} gives no elementwise bias (bias_score)"
-        return super().refusal(request)
+        why = super().refusal(request)
+        if why is None and request.grad and request.device.type == "cpu":  # torch's flex_attention has no CPU backward
+            why = (f"model.attention={self.name} has no backward on cpu (FlexAttention trains on CUDA only); use "
+                   f"model.attention=auto, sdpa or math to train there")
+        return why
 
     def prepare(self, terms: Terms, chunked: bool = False) -> FlexState:
         score = terms.pe.bias_score() if terms.with_bias else None

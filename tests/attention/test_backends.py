@@ -64,14 +64,15 @@ def test_backend_layer_matches_naive_forward_and_gradients(backend, name, opts, 
     positions = torch.tensor(rows[0]) if pos == "offset" else torch.tensor(rows)
     x = torch.randn(2, 9, cfg.n_embd, requires_grad=True)
     weights = torch.randn(2, 9, cfg.n_embd, dtype=torch.float64)
-    ctx = contexts(model, positions)[0]
+    grad = backend != "flex"
+    with torch.set_grad_enabled(grad):  # the route is asked in the forward's grad mode (CPU flex: no backward)
+        ctx = contexts(model, positions)[0]
     expected = backend if backend != "sdpa_key" or model.pe.key_only_slopes() is not None else "sdpa"
     if expected in ("sdpa", "bias_grad") and name in LEARNED_BIAS:  # CPU training: the learned-bias kernel
         expected = "bias_grad"
     elif expected == "bias_grad":  # no learned bias: plain SDPA
         expected = "sdpa"
     assert ctx.backend.name == expected
-    grad = backend != "flex"
     with torch.set_grad_enabled(grad):
         y = attn(x, ctx)
     x64 = x.detach().double().requires_grad_(True)

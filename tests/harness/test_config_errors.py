@@ -143,6 +143,11 @@ CASES = [
     ("eval.extrapolation.modes=[sliding] eval.extrapolation.stride=100000",
      ["eval.extrapolation.stride must be null (half the eval length) or at most the longest eval length, 4096",
       "got 100000"]),
+    # issue 51 (fourth list): refusals that came after the compute (tests/harness/test_refusals_before_compute.py)
+    ("pe=cope model.attention=flex", ["model.attention=flex cannot add pe=cope's terms of the attention scores"]),
+    ("model.attention=flex trainer.accelerator=cpu", ["model.attention=flex has no backward on cpu"]),
+    ("eval.streaming.enabled=true eval.streaming.sinks=256", ["eval.streaming.sinks must be less than the training "
+                                                              "length 256", "got 256"]),
 ]
 
 # Refused by Hydra while composing (struct mode, unknown group option): its own messages.
