@@ -110,3 +110,21 @@ def run_python(args: list, cwd: Path | str = ROOT, env: dict | None = None,
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)
+
+
+def kill_at_marker(child: subprocess.Popen, marker: Path, timeout_s: float) -> None:
+    """SIGKILL ``child`` as soon as it has written ``marker`` (its point of no return), failing with
+    its output if it never does; the child is reaped either way."""
+    import signal
+    import time
+
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), child.communicate(timeout=30)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning
@@ -18,6 +17,7 @@ import yaml
 pytest.importorskip("transformers")
 
 from pelab.lit import LitGPT  # noqa: E402
+from tests.cli import kill_at_marker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,16 +75,7 @@ def test_kill_during_an_overwrite_export_keeps_the_previous_folder_and_the_next_
     child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(marker), f"ckpt={second}", f"out={out}",
                               "overwrite=true"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert marker.exists(), child.communicate(timeout=30)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
+    kill_at_marker(child, marker, 240)
     assert child.returncode == -signal.SIGKILL
     # the previous export, whole; the killed one's weights in its temp folder, named by its pid
     assert tree_bytes(out) == previous

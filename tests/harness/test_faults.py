@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +28,7 @@ from omegaconf import OmegaConf
 from pelab.checkpoint import (AtomicCheckpointIO, CheckpointError, check_resume, load_lit_gpt, read_checkpoint,
                               resume_from_run_dir)
 from pelab.lit import LitGPT
-from tests.cli import run_python
+from tests.cli import kill_at_marker, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -250,15 +249,8 @@ def test_kill_during_save_keeps_the_previous_last_ckpt(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(out), str(marker)], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert marker.exists(), child.communicate(timeout=30)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
+        kill_at_marker(child, marker, 90)
     finally:
-        if child.poll() is None:
-            child.kill()
         if tmpdir:
             subprocess.run(["rm", "-rf", tmpdir], check=False)
     assert child.returncode == -signal.SIGKILL
