@@ -3,6 +3,8 @@ compute dtype (sdpa_key's ALiBi term, the SDPA sink logit) and the padding of th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,3 +34,8 @@ def pad_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if pad:
         q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
     return q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+
+
+def default_scale(q: Tensor) -> float:
+    """SDPA's default logit scale, 1 / sqrt(q's head dim)."""
+    return 1.0 / math.sqrt(q.shape[-1])

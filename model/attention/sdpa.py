@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.base import AttentionBackend, Terms
+from model.attention.features import default_scale
 from model.attention.request import AttentionRequest
 
 
@@ -37,10 +37,6 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, c
         out = F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask_dtype(mask, v.dtype),
                                              dropout_p=dropout, is_causal=causal, scale=scale)
     return out if out.shape[-1] == width else out[..., :width]
-
-
-def default_scale(q: Tensor) -> float:
-    return 1.0 / math.sqrt(q.shape[-1])
 
 
 @dataclass

@@ -14,7 +14,6 @@ backends, which return no differentiable LSE, attend one more key (``extra_key``
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention.features import pad_heads, split_exact
+from model.attention.features import default_scale, pad_heads, split_exact
 
 SINKS = ("none", "learned", "zero")  # the values of model.sinks, the old spelling (model/config.py)
 
@@ -64,7 +63,7 @@ def sink_key(q: Tensor, k: Tensor, v: Tensor, sink: Tensor, scale: float, mask: 
 def extra_key(call: Any, sink: Tensor) -> Any:
     """An SDPA kernel call (sdpa.py's ``KernelCall``) with the sink as one more key (``sink_key``),
     at the scale of the call's own q; a mask's gradient target (``bias``) gets the key's column too."""
-    scale = call.scale if call.scale is not None else 1.0 / math.sqrt(call.q.shape[-1])
+    scale = call.scale if call.scale is not None else default_scale(call.q)
     q, k, v, mask, causal = sink_key(call.q, call.k, call.v, sink, scale, call.mask, call.causal, call.row_shift)
     bias = None if call.bias is None else F.pad(call.bias, (1, 0))
     return replace(call, q=q, k=k, v=v, mask=mask, causal=causal, scale=scale, bias=bias, row_shift=None)
