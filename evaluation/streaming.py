@@ -175,10 +175,6 @@ def evaluate_streaming(gpt: nn.Module, texts_of, train_length: int, config: Stre
     return rows
 
 
-def read_csv(path: Path) -> list[StreamingRow]:
-    return read_rows(path, StreamingRow)
-
-
 def series_label(r: StreamingRow) -> str:
     return f"{r.cache_positions}, S={r.sinks} W={r.window}" + ("" if r.model_sinks == "none" else
                                                                f", model.sinks={r.model_sinks}")

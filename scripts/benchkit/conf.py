@@ -23,7 +23,7 @@ def _load(*parts: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(ROOT.joinpath("conf", *parts)), resolve=True)
 
 
-def _composed(group: str, option: str) -> dict:
+def composed(group: str, option: str) -> dict:
     """conf/GROUP/OPTION.yaml as train.py gets it: composed by Hydra, its defaults list applied."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -38,7 +38,7 @@ def model_config(config: str, block_size: int | None) -> dict:
     if vocab not in VOCABS or not (ROOT / "conf" / "model" / f"{size}.yaml").is_file():
         raise SystemExit(f"config {config!r}: expected VOCAB-SIZE with VOCAB in {sorted(VOCABS)} and SIZE a "
                          f"file of conf/model/")
-    model = _composed("model", size)  # its defaults list pulls in conf/model/common
+    model = composed("model", size)  # its defaults list pulls in conf/model/common
     model["vocab_size"], model["pad_vocab_multiple"] = VOCABS[vocab]
     if block_size:
         model["block_size"] = block_size
@@ -50,7 +50,7 @@ def pe_config(scheme: str, **overrides) -> dict:
     from model.pe import SCHEMES
 
     if (ROOT / "conf" / "pe" / f"{scheme}.yaml").is_file():
-        pe = _composed("pe", scheme)
+        pe = composed("pe", scheme)
     else:
         cls = SCHEMES[scheme]
         pe = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}

@@ -38,8 +38,7 @@ def t5_timing(out: Path) -> dict:
     cache after a 512-token prompt, cold then warm. Graphs dynamo compiled are counted per phase."""
     import numpy as np
     import torch
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from benchkit.conf import composed
     from torch._dynamo.utils import counters
 
     from evaluation.extrapolation import ExtrapolationConfig, evaluate_extrapolation
@@ -51,8 +50,7 @@ def t5_timing(out: Path) -> dict:
     device = torch.device(DEVICE)
     counted = _Count()
     logging.getLogger("torch._dynamo").addHandler(counted)
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        options = OmegaConf.to_container(compose("config", overrides=[f"model={MODEL}"]).model, resolve=True)
+    options = composed("model", MODEL)
     cfg = GPTConfig(vocab_size=50257, **options)
     torch.manual_seed(0)
     model = GPT(cfg, SCHEMES["t5"](cfg)).to(device).eval()
