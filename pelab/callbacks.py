@@ -377,7 +377,7 @@ class NonFiniteGuard(L.Callback):
 
 
 def sharded_gradients(trainer: L.Trainer) -> bool:
-    """True under strategies whose ranks hold gradient shards (FSDP, model parallel)."""
+    """True under strategies that shard weights and gradients across ranks (FSDP, model parallel)."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))

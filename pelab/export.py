@@ -37,7 +37,6 @@ from torch import nn
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe.schedule import split_schedule
-from model.pe import SCHEMES
 from pelab.checkpoint import load_lit_gpt, replace_dir
 from pelab.hf_classes import EXPORTERS, LATER, Exporter, ExportError, to_hf_state
 from pelab.hf_remote import ARCHITECTURE, remote_refusal, save_remote
@@ -238,10 +237,6 @@ def scheme_refusal(name: str) -> str | None:
     return f"pe={name} {LATER} (native exports: {', '.join(native)})"
 
 
-def scheme_name(pe_config: dict) -> str:
-    """The registered name of a ``pe`` config's class (its ``_target_``)."""
-    by_target = {f"{cls.__module__}.{cls.__qualname__}": name for name, cls in SCHEMES.items()}
-    return by_target.get(pe_config.get("_target_"), str(pe_config.get("_target_")))
 
 
 # ---------------------------------------------------------------------------------------------

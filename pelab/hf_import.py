@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from model.pe import SCHEMES
 from pelab.checkpoint import INIT_FREE, CheckpointError, refuse_non_finite_init
-from pelab.export import scheme_name
+from pelab.checkpoint.compare import scheme_choice
 from pelab.hf_classes import EXPORTERS, ExportError, Folder, to_pelab_state
 from pelab.hf_remote import ARCHITECTURE as REMOTE, FORMAT
 from pelab.lit import model_config
@@ -66,14 +66,14 @@ def check_hf_init(spec: str, cfg) -> dict[str, Any]:
     model = model_config({**OmegaConf.to_container(cfg.model, resolve=True), "vocab_size": folder.model["vocab_size"]})
     pe = OmegaConf.to_container(cfg.pe, resolve=True)
     check_model(folder, model, architecture, where)
-    same = scheme_name(pe) == folder.scheme
+    same = scheme_choice(pe) == folder.scheme
     if same:
         check_positions(folder, pe, model.block_size, where)
     for note in folder.notes:
         print(f"[pelab] {where}: {note}", flush=True)
     if not same:
         print(f"[pelab] {where}: its positions are pe={folder.scheme} ({architecture}), this run's "
-              f"pe={scheme_name(pe)}: {'its position table is dropped and ' if folder.scheme == 'learned' else ''}"
+              f"pe={scheme_choice(pe)}: {'its position table is dropped and ' if folder.scheme == 'learned' else ''}"
               f"the run's scheme starts from its own initialisation", flush=True)
 
     hf, info = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32, output_loading_info=True)
@@ -132,7 +132,7 @@ def check_remote_init(path: Path, cfg, where: str) -> dict[str, Any]:
             f"{where} holds another model: the folder ({REMOTE}) has "
             f"{', '.join(f'model.{k}={folder[k]}' for k in diffs)}, this run has "
             f"{', '.join(f'model.{k}={run[k]}' for k in diffs)}; set the run's to the folder's")
-    scheme, ours = config["pe"]["scheme"], scheme_name(OmegaConf.to_container(cfg.pe, resolve=True))
+    scheme, ours = config["pe"]["scheme"], scheme_choice(OmegaConf.to_container(cfg.pe, resolve=True))
     if scheme != ours:
         print(f"[pelab] {where}: its positions are pe={scheme} ({REMOTE}), this run's pe={ours}: the run's scheme "
               "starts from its own initialisation", flush=True)

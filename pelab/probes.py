@@ -30,15 +30,14 @@ from evaluation.position_functions import plot_functions
 from evaluation.registry import enabled_probes
 from evaluation.sweep import eval_mode
 from model.gpt import uncompiled
+from pelab.callbacks import sharded_gradients
 from pelab.evaluate import run_evaluations, subject_of
 
 
 def sharded_parameters(trainer: L.Trainer) -> bool:
     """True under strategies that shard the weights across ranks (FSDP, model parallel): a
     forward of the bare module outside the strategy's wrapper would see only shards."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
-    return isinstance(getattr(trainer, "strategy", None), (FSDPStrategy, ModelParallelStrategy))
+    return getattr(trainer, "strategy", None) is not None and sharded_gradients(trainer)
 
 
 @contextmanager
