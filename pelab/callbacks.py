@@ -335,7 +335,7 @@ class NonFiniteGuard(L.Callback):
         steps, flags = zip(*self._unread)
         self._unread = []
         flags = torch.stack(flags).float()
-        if trainer.world_size > 1:  # the loss flags are per rank
+        if trainer.world_size > 1 and not sharded_gradients(trainer):  # per rank (sharded: summed every step)
             flags = trainer.strategy.reduce(flags, reduce_op="sum")
         spread = self._spreads_loss(trainer)
         found = False
