@@ -206,6 +206,10 @@ class LoggedStepMetrics:
         self._step = -1  # global_step at the previous batch: unchanged while gradients accumulate
         self._fresh = True
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._step = trainer.global_step  # a resumed run's or accumulation's first batch is not a step's end
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         stepped, self._step = trainer.global_step != self._step, trainer.global_step
@@ -279,6 +283,9 @@ class NonFiniteGuard(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step = trainer.global_step  # a resumed run's or accumulation's first batch is not a step's end
 
     @staticmethod
     def _spreads_loss(trainer: L.Trainer) -> bool:
