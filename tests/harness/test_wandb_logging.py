@@ -15,6 +15,7 @@ import wandb
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from google.protobuf.message import DecodeError
 from wandb.proto import wandb_internal_pb2
 
 from evaluation.extrapolation import ExtrapolationRow, loggable
@@ -44,7 +45,12 @@ def records(root: Path, wait: float = 20.0) -> list:
     (``exit``): the ``.wandb`` file is written by another process, after ``finish`` returns."""
     deadline = time.monotonic() + wait
     while True:
-        out = read_records(next(root.rglob("*.wandb")))
+        try:
+            out = read_records(next(root.rglob("*.wandb")))
+        except DecodeError:  # read while the service was writing the record: read again
+            if time.monotonic() > deadline:
+                raise
+            out = []
         if any(r.WhichOneof("record_type") == "exit" for r in out) or time.monotonic() > deadline:
             return out
         time.sleep(0.1)
@@ -62,6 +68,8 @@ def read_records(path: Path) -> list:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # the chunk the writer is still writing
+            break
         chunks += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
