@@ -72,6 +72,10 @@ the answers (so the last answer token is a target, never an input):
   each chain's assignments in order at uniform depths of the passkey filler; then ``QUERY
   v1..vk`` and the variables of the chain that holds that value, in chain order. Answer: the
   variables. No depth (the chain is spread over the context).
+- ``state_tracking``, ``graphwalks``, ``babilong``, ``multi_query``, ``common_words``: the 2025–26
+  long-context tasks, laid out in data/tasks_2025.py (``state_tracking``'s targets label the
+  inputs rather than being the next tokens; ``graphwalks`` and ``common_words`` answer sets,
+  scored by exact match and F1).
 
 The harness's ``SyntheticDataModule`` (pelab/datamodule.py) serves training samples of length
 ``block_size`` keyed by the global sample index, as text data is (data/stream.py: sample g of
@@ -110,7 +114,8 @@ NIAH_NEEDLE = b" The pass key is "  # + key + NIAH_END
 NIAH_END = b"."  # the haystack after it starts at a word break (a space)
 NIAH_QUESTION = b"\nWhat is the pass key? The pass key is "
 TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop", "niah", "counting", "selective_copy",
-                   "indirect_indexing", "multi_key", "multi_value", "variable_tracking"]
+                   "indirect_indexing", "multi_key", "multi_value", "variable_tracking", "state_tracking",
+                   "graphwalks", "babilong", "multi_query", "common_words"]
 TASKS: tuple[str, ...] = TaskName.__args__
 SPLITS = ("train", "val", "test")
 _TASK_CODE = {name: code for code, name in enumerate(TASKS, start=1)}  # fixed: changing one changes every sample
@@ -132,11 +137,17 @@ class Task:
     num_needles: int = 4  # multi_key, multi_value: needles in the filler (<= 26 distinct keys)
     num_chains: int = 1  # variable_tracking: chains of assignments (one asked, the others distractors)
     num_hops: int = 4  # variable_tracking: assignments after the first in each chain
+    group: str = "S5"  # state_tracking: the permutation group (data/tasks_2025.py's GROUPS)
+    walk_depth: int = 2  # graphwalks: breadth-first searches go 1 .. walk_depth deep (one digit)
+    max_answer: int = 6  # graphwalks: nodes in an answer at most (queries with more are not asked)
+    qa: int = 1  # babilong: bAbI task 1, 2 or 3 (supporting facts)
+    num_facts: int = 4  # babilong: fact sentences in the text (the supporting ones and distractors)
+    num_common: int = 3  # common_words: words that occur more often than the others, all asked
 
     def __post_init__(self) -> None:
         require(self.name in TASKS, "data.task", self.name, f"one of {', '.join(TASKS)}")
         for key in ("key_length", "num_pairs", "num_queries", "num_vars", "num_tokens", "max_offset", "num_needles",
-                    "num_chains", "num_hops"):
+                    "num_chains", "num_hops", "walk_depth", "max_answer", "qa", "num_facts", "num_common"):
             value = getattr(self, key)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"data.{key}", value,
                     "an integer >= 1")
@@ -153,10 +164,26 @@ class Task:
                 f"<= {names} (num_chains x (data.num_hops={self.num_hops} + 1) distinct variables 'A'-'Z')")
         require(self.num_chains <= 10**min(self.key_length, 3), "data.num_chains", self.num_chains,
                 f"<= {10**min(self.key_length, 3)} (distinct values of data.key_length={self.key_length} digits)")
+        from data.tasks_2025 import GROUPS  # below this module: it lays out samples with its helpers
+
+        require(self.group in GROUPS, "data.group", self.group,
+                f"one of {', '.join(GROUPS)} (symmetric and alternating groups whose elements fit one id each)")
+        require(self.walk_depth <= 9, "data.walk_depth", self.walk_depth, "<= 9 (the depth is one digit)")
+        require(self.max_answer <= 128, "data.max_answer", self.max_answer, "<= 128 (a graph's nodes at most)")
+        require(self.qa <= 3, "data.qa", self.qa, "1, 2 or 3 (bAbI's qa1-qa3)")
+        require(self.num_facts >= self.qa, "data.num_facts", self.num_facts,
+                f">= data.qa={self.qa} (the supporting facts of qa{self.qa})")
+        if self.name == "multi_query":  # assoc_recall's num_queries is bound by num_pairs instead
+            require(self.num_queries <= self.num_needles, "data.num_queries", self.num_queries,
+                    f"<= data.num_needles={self.num_needles} (asked keys are distinct needles)")
 
     @property
     def min_length(self) -> int:
         """The shortest input length whose layout fits."""
+        from data import tasks_2025
+
+        if self.name in tasks_2025.LAYOUTS:
+            return tasks_2025.min_length(self)
         k, needles = self.key_length, self.num_needles
         niah = len(NIAH_NEEDLE) + len(NIAH_END) + len(NIAH_QUESTION) + 2 * k - 1
         chains = self.num_chains * (2 + k + 3 * self.num_hops) + k + self.num_hops + 1
@@ -165,6 +192,20 @@ class Task:
                 "selective_copy": 2 * self.num_tokens, "indirect_indexing": self.max_offset + 5,
                 "multi_key": needles * (k + 2) + k + 1, "multi_value": needles * (2 * k + 2) + 1,
                 "variable_tracking": chains}[self.name]
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest input length whose layout fits (None: any)."""
+        from data import tasks_2025
+
+        return tasks_2025.max_length(self)
+
+    @property
+    def set_valued(self) -> bool:
+        """The answer is a set (elements, then an end marker): scored by F1 beside exact match."""
+        from data.tasks_2025 import SET_ELEMENT_WIDTH
+
+        return self.name in SET_ELEMENT_WIDTH
 
     @property
     def has_depth(self) -> bool:
@@ -179,6 +220,9 @@ class Task:
         require(split in SPLITS, "split", split, f"one of {', '.join(SPLITS)}")
         require(isinstance(length, (int, np.integer)) and length >= self.min_length, "length", length,
                 f"an integer >= {self.min_length} (the shortest {self.name} sample)")
+        longest = self.max_length
+        require(longest is None or length <= longest, "length", length,
+                f"an integer <= {longest} (the longest {self.name} sample with these options)")
         for key, value in (("seed", seed), ("rank", rank), ("index", index)):
             require(int(value) == value and value >= 0, key, value, "an integer >= 0")
         if depth is not None:
@@ -189,11 +233,19 @@ class Task:
         # neighbouring seeds or indices give unrelated samples.
         rng = np.random.default_rng([_TASK_CODE[self.name], SPLITS.index(split), int(seed), int(rank), int(index),
                                      int(length)])
-        if self.name == "niah":  # its haystack depends on the split (held-out text outside training)
+        from data import tasks_2025
+
+        if self.name in tasks_2025.LAYOUTS:
+            laid = tasks_2025.LAYOUTS[self.name](self, rng, int(length) + 1, depth, split)
+            if isinstance(laid, tasks_2025.Labelled):  # targets label the inputs
+                assert len(laid.inputs) == len(laid.targets) == length, (self.name, len(laid.inputs), length)
+                return laid.inputs.astype(np.int64), laid.targets.astype(np.int64)
+            seq, answers = laid
+        elif self.name == "niah":  # its haystack depends on the split (held-out text outside training)
             seq, answers = self._niah(rng, int(length) + 1, depth, split)
         else:
             seq, answers = getattr(self, f"_{self.name}")(rng, int(length) + 1, depth)
-        assert len(seq) == length + 1, (self.name, len(seq), length)
+        assert len(seq) == length + 1 and answers[-1] == length, (self.name, len(seq), length)  # the answer is whole
         targets = np.full(length, -1, dtype=np.int64)
         targets[answers - 1] = seq[answers]  # target t predicts seq[t + 1]
         return seq[:-1].astype(np.int64), targets

@@ -8,6 +8,9 @@ prediction is their argmax. That is exactly greedy decoding for the exact-match 
 every answer token is the argmax given the true prefix, greedy decoding reproduces the answer,
 and if one is not, greedy decoding fails at the first such token. ``token_accuracy`` is the
 fraction of answer tokens right given the true prefix (teacher-forced, pooled over samples).
+Tasks whose answer is a set (``Task.set_valued``: graphwalks, common_words) also get ``f1``, the
+mean over samples of the F1 of the predicted elements against the true set, teacher-forced too
+(``set_f1``): GraphWalks' score; NaN for every other task.
 
 Rows follow ``evaluation/extrapolation.py``: learned PE past its table is "not applicable"
 (never clamped), a length shorter than the task's layout is "skipped", nothing is estimated
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from data.synthetic import Task
+from data.tasks_2025 import END, SET_ELEMENT_WIDTH
 from evaluation.compare import Runs, base_label, group_points, label_rows, make_cells
 from evaluation.compare_report import plot_bands, save_figure, stats_sections, write_stats_csv
 from evaluation.plots import length_axis
@@ -60,9 +64,11 @@ class TaskEvalConfig(LengthSweepOptions):
     rope_scaling_factor: float | None = None  # None = eval length / train length (1 for dynamic_ntk)
     # packed documents: a task sample is one document with no separator, so only "none" applies
     documents: str | None = None
+    f1: bool | None = None  # F1 of set-valued answers: null = for tasks with set answers; true = required
 
     def __post_init__(self) -> None:
         key = "eval.tasks"
+        require(self.f1 in (None, True, False), f"{key}.f1", self.f1, "null (for set-valued tasks), true or false")
         require(self.positions in POSITION_MODES, "eval.positions", self.positions, " or ".join(POSITION_MODES))
         require(self.documents in (None, "none"), f"{key}.documents", self.documents,
                 "null or none (a synthetic task sample is a single document, with no separator to pack by)")
@@ -78,6 +84,15 @@ class TaskEvalConfig(LengthSweepOptions):
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"{key}.{name}", value,
                     "an integer >= 1")
         self.rope_scaling = rope_scalings(self.rope_scaling, self.rope_scaling_factor, key)
+
+    def check_task(self, task: Task) -> None:
+        """F1 asked of a task whose answers are single (not sets) is refused, naming both."""
+        require(self.f1 is not True or task.set_valued, "eval.tasks.f1", self.f1,
+                f"null or false for data.task={task.name}: its answer is a single one, and F1 scores set-valued "
+                f"answers (graphwalks, common_words)")
+
+    def scores_f1(self, task: Task) -> bool:
+        return self.f1 is not False and task.set_valued
 
 
 
@@ -97,6 +112,7 @@ class TaskRow:
     learned: str = ""  # "yes" / "no": the run's exact match at its training length >= LEARNED_THRESHOLD; "" unknown
     documents: str = "none"  # packed documents read: always none (one sample, one document)
     rope_scaling: str = "none"  # evaluation-time RoPE scaling (factor: eval length / train length unless given)
+    f1: float = math.nan  # set-valued tasks: mean F1 of the predicted set (teacher-forced); NaN otherwise
 
     @property
     def ok(self) -> bool:
@@ -118,20 +134,48 @@ def task_batch(task: Task, length: int, indices: Sequence[int], seed: int, depth
 
 
 @torch.no_grad()
-def score_batch(gpt: GPT, inputs: torch.Tensor, targets: torch.Tensor, q_chunk: int | None = 1024,
-                precision: str = "bf16-mixed", positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
-    """(per-sample exact match (B,) bool, answer tokens right, answer tokens) of one batch;
-    targets are -1 except at the answers. ``positions``: (B, T), default 0..T-1."""
+def predict_answers(gpt: GPT, inputs: torch.Tensor, targets: torch.Tensor, q_chunk: int | None = 1024,
+                    precision: str = "bf16-mixed", positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) argmax predictions at the answer positions (targets >= 0), -1 elsewhere, on the
+    targets' device; ``positions``: (B, T), default 0..T-1."""
     device = next(gpt.parameters()).device
     inputs, targets = inputs.to(device), targets.to(device)
     answer = targets >= 0
     with autocast(precision, device):
         h = gpt.hidden(inputs, positions, how=Pass(q_chunk=q_chunk))
         predicted = gpt.logits(h[answer]).argmax(dim=-1)  # only the answer positions reach the LM head
-    right = predicted == targets[answer]
-    wrong = torch.zeros_like(answer)
-    wrong[answer] = ~right
-    return ~wrong.any(dim=1), int(right.sum()), int(answer.sum())
+    out = torch.full_like(targets, -1)
+    out[answer] = predicted
+    return out
+
+
+def score_batch(gpt: GPT, inputs: torch.Tensor, targets: torch.Tensor, q_chunk: int | None = 1024,
+                precision: str = "bf16-mixed", positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
+    """(per-sample exact match (B,) bool, answer tokens right, answer tokens) of one batch;
+    targets are -1 except at the answers. ``positions``: (B, T), default 0..T-1."""
+    predicted = predict_answers(gpt, inputs, targets, q_chunk, precision, positions)
+    return _exact(predicted, targets.to(predicted.device))
+
+
+def _exact(predicted: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    answer = targets >= 0
+    wrong = answer & (predicted != targets)
+    return ~wrong.any(dim=1), int((answer & ~wrong).sum()), int(answer.sum())
+
+
+def set_f1(predicted: Sequence[int], target: Sequence[int], width: int, end: int) -> float:
+    """F1 of one set-valued answer, teacher-forced: ``target`` is the answer's tokens (elements of
+    ``width`` tokens, then ``end``), ``predicted`` the argmax at each of them given the true
+    prefix. Predicted elements are the predictions at the element positions that hold no
+    ``end``; a prediction other than ``end`` at the end position is one element too many. Both
+    sets empty: 1."""
+    true = {tuple(target[i : i + width]) for i in range(0, len(target) - 1, width)}
+    guessed = [tuple(predicted[i : i + width]) for i in range(0, len(predicted) - 1, width)]
+    chosen = {g for g in guessed if end not in g}
+    extra = int(predicted[-1] != end)
+    if not true and not chosen and not extra:
+        return 1.0
+    return 2 * len(chosen & true) / (len(chosen) + extra + len(true))
 
 
 def evaluate_tasks(gpt: GPT, task: Task, train_length: int, config: TaskEvalConfig, seed: int,
@@ -139,6 +183,7 @@ def evaluate_tasks(gpt: GPT, task: Task, train_length: int, config: TaskEvalConf
     """Every (length, depth) row for one model on one task, each marked with whether the model
     learned the task at ``train_length`` (``mark_learned``). ``randomize_to``: the model's
     ``pe.randomize_to`` (for ``config.positions == "randomized"``)."""
+    config.check_task(task)
     gpt = uncompiled(gpt)
     was_training = gpt.training
     gpt.eval()
@@ -180,6 +225,8 @@ def _why_not_scored(pe, task: Task, length: int) -> str | None:
         return f"not applicable: pe={pe.name} has {pe.max_positions} positions"
     if length < task.min_length:
         return f"skipped: a {task.name} sample needs at least {task.min_length} tokens"
+    if task.max_length is not None and length > task.max_length:
+        return f"skipped: a {task.name} sample holds at most {task.max_length} tokens"
     return None
 
 
@@ -188,7 +235,7 @@ def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed:
     t0 = time.perf_counter()
     depth = None if math.isnan(row.depth) else row.depth
     batch = max(1, config.tokens_per_batch // row.eval_length)
-    exact, right, total = 0, 0, 0
+    exact, right, total, f1 = 0, 0, 0, []
     scaling = scaling_at(row.rope_scaling, config.rope_scaling_factor, row.eval_length, row.train_length)
     with scaled(gpt.pe, scaling):  # on for this row only
         for start in range(0, config.samples, batch):
@@ -196,10 +243,15 @@ def _score_row(gpt: GPT, task: Task, row: TaskRow, config: TaskEvalConfig, seed:
             inputs, targets = task_batch(task, row.eval_length, indices, seed, depth)
             where = eval_positions(config.positions, indices, row.eval_length, randomize_to, config.positions_seed,
                                    next(gpt.parameters()).device)
-            ok, r, n = score_batch(gpt, inputs, targets, config.q_chunk, config.precision, where)
+            predicted = predict_answers(gpt, inputs, targets, config.q_chunk, config.precision, where).cpu()
+            ok, r, n = _exact(predicted, targets)
             exact, right, total = exact + int(ok.sum()), right + r, total + n
+            if config.scores_f1(task):
+                f1 += [set_f1(p[t >= 0].tolist(), t[t >= 0].tolist(), SET_ELEMENT_WIDTH[task.name], END)
+                       for p, t in zip(predicted, targets)]
     row.seconds = time.perf_counter() - t0
     row.samples, row.accuracy, row.token_accuracy = config.samples, exact / config.samples, right / total
+    row.f1 = sum(f1) / len(f1) if f1 else math.nan
 
 
 def format_row(row: TaskRow) -> str:
@@ -210,7 +262,8 @@ def format_row(row: TaskRow) -> str:
             + ("" if row.positions == "sequential" else f" positions={row.positions}"))
     if not row.ok:
         return f"{head}: {row.status}"
-    return (f"{head}: accuracy {row.accuracy:.3f} (tokens {row.token_accuracy:.3f}) over {row.samples} samples "
+    f1 = "" if math.isnan(row.f1) else f", F1 {row.f1:.3f}"
+    return (f"{head}: accuracy {row.accuracy:.3f} (tokens {row.token_accuracy:.3f}{f1}) over {row.samples} samples "
             f"in {row.seconds:.1f}s")
 
 
@@ -298,7 +351,7 @@ def plot_rows(rows: Sequence[TaskRow], title: str = "Task accuracy"):
 
 def _cell(r: TaskRow) -> str:
     if r.ok:
-        return f"{100 * r.accuracy:.1f}"
+        return f"{100 * r.accuracy:.1f}" + ("" if math.isnan(r.f1) else f" (F1 {100 * r.f1:.1f})")
     return "n/a" if r.status.startswith("not applicable") else "—"
 
 
@@ -330,7 +383,7 @@ def save_results(rows: Sequence[TaskRow], out_dir: Path, title: str) -> dict[str
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    text = "Exact-match accuracy (%) by evaluation length (tokens).\n\n" + markdown_table(rows)
+    text = "Exact-match accuracy (%) by evaluation length (tokens).\n\n" + F1_NOTE * _has_f1(rows) + markdown_table(rows)
     paths["md"].write_text(text + (f"\n{LEARNED_NOTE}" if any(r.not_learned for r in rows) else ""))
     if any(r.ok and not math.isnan(r.depth) for r in rows):
         paths["heatmap_csv"] = write_heatmap_csv(rows, out_dir / "heatmap.csv")
@@ -432,6 +485,8 @@ def summary_metrics(rows: Sequence[TaskRow], prefix: str = "tasks") -> dict[str,
         if r.ok:
             metrics[f"{key(r)}/accuracy@{r.eval_length}"] = r.accuracy
             metrics[f"{key(r)}/token_accuracy@{r.eval_length}"] = r.token_accuracy
+            if not math.isnan(r.f1):
+                metrics[f"{key(r)}/f1@{r.eval_length}"] = r.f1
     return metrics
 
 
@@ -463,6 +518,12 @@ def announce(rows: Sequence[TaskRow], paths: dict[str, Path]) -> str:
 # --- across runs: scripts/compare_runs.py ----------------------------------------------------
 
 TASK_CAPTION = "Exact-match accuracy (%) by evaluation length (tokens), mean over depths."
+F1_CAPTION = "F1 (%) of the set-valued answer by evaluation length (tokens), teacher-forced, mean over samples."
+F1_NOTE = "Set-valued answers: (F1 %) beside the exact match, teacher-forced, mean over samples.\n\n"
+
+
+def _has_f1(rows: Sequence[TaskRow]) -> bool:
+    return any(not math.isnan(r.f1) for r in rows)
 
 
 def label_task_rows(pairs: list[tuple[str, TaskRow]], groups: dict | None = None) -> list[TaskRow]:
@@ -523,8 +584,8 @@ def comparison_sections(runs: Runs, pairs: list[tuple[str, TaskRow]], out: Path)
         write_csv(rows, out / "comparison_tasks.csv")
         save_figure(plot_rows(mean_over_depths(rows), title="Task accuracy vs evaluation length"),
                     out / "comparison_tasks.png")
-        sections = [f"### {task}\n\n{TASK_CAPTION}\n\n{single_seed_task_table(rows, task)}"
-                    for task in sorted({r.task for r in rows})]
+        sections = [f"### {task}\n\n{TASK_CAPTION}\n\n{F1_NOTE * _has_f1(mine)}{single_seed_task_table(rows, task)}"
+                    for task in sorted({r.task for r in rows}) for mine in [[r for r in rows if r.task == task]]]
     else:
         by_run: dict[str, list[TaskRow]] = {}
         for run, r in pairs:
@@ -533,13 +594,18 @@ def comparison_sections(runs: Runs, pairs: list[tuple[str, TaskRow]], out: Path)
         points = group_points(runs, merged, lambda r: (r.task, r.train_length, r.eval_length),
                               lambda r: 100 * r.accuracy)  # percent in tables and plots
         cells = make_cells(points, lower_is_better=False)
+        # set-valued tasks: their F1 as a section of its own, "TASK F1", right after the task's
+        f1_cells = make_cells(group_points(runs, [(run, m) for run, m in merged if not math.isnan(m.f1)],
+                                           lambda r: (f"{r.task} F1", r.train_length, r.eval_length),
+                                           lambda r: 100 * r.f1), lower_is_better=False)
         marks = not_learned_marks(runs, pairs)
-        for c in cells:
-            c.label += marks.get(c.label, "")
-        write_stats_csv(cells, out / "comparison_tasks.csv", "task")
+        for c in cells + f1_cells:
+            c.label += marks.get(c.label, "")  # once, on the group's label
+        write_stats_csv(cells + f1_cells, out / "comparison_tasks.csv", "task")
         save_figure(plot_bands(cells, "exact-match accuracy (%)", "Task accuracy vs evaluation length"),
                     out / "comparison_tasks.png")
-        sections = stats_sections(cells, "{:.1f}", lambda task: f"### {task}\n\n{TASK_CAPTION}")
+        sections = stats_sections(cells + f1_cells, "{:.1f}", lambda task: f"### {task}\n\n" + (
+            F1_CAPTION if task.endswith(" F1") else TASK_CAPTION))
     grid = heatmap_rows(runs, pairs)
     if grid:
         write_heatmap_csv(grid, out / "comparison_heatmap.csv")

@@ -211,6 +211,8 @@ def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
             fail(f"eval.{name}.rope_scaling", evaluation[name]["rope_scaling"],
                  f"[null] when pe.scaling.kind={trained}: the trained scaling applies to every evaluation, and "
                  f"another one on top is refused")
+    if configs.get("tasks") is not None and getattr(datamodule, "task", None) is not None:  # eval.tasks.f1 vs the task
+        build("eval.tasks", configs["tasks"].check_task, datamodule.task)
     if extrapolation:
         check_stride(extrapolation, cfg.model.block_size)
     streaming = configs.get("streaming")
