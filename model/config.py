@@ -6,6 +6,7 @@ from dataclasses import InitVar, dataclass
 from typing import Any
 
 from model.attention import BACKENDS, CHOICES, NORMALISERS, SINKS
+from model.output_ops import OUTPUTS
 from model.temperature import TEMPERATURES
 
 NORMS = ("layernorm", "rmsnorm")  # the values of model.norm
@@ -99,6 +100,10 @@ class GPTConfig:
     # (docs/design.md, "Attention sinks"), sink_learned (a logit per head and layer) or sink_zero
     # (off-by-one); or stick_breaking (docs/design.md, "Stick-breaking attention"; math only).
     normaliser: str = "softmax"
+    # Operations on each head's attention output (model/output_ops/): a kind, or a list of kinds per
+    # layer repeating as window_pattern. Gated attention: none | headwise | elementwise.
+    output_gate: str | list[str] = "none"
+    xsa: str | list[str] = "none"  # exclusive self-attention: none | plain | gated (modded-nanogpt's)
     # The old spelling of the sink normalisers: learned or zero is normaliser=sink_learned|sink_zero.
     sinks: InitVar[str | None] = None
 
@@ -128,6 +133,8 @@ class GPTConfig:
                 or self.block_size >= 2, "model.block_size", self.block_size, f">= 2 with {self.attn_temperature}")
         check_windows(self)
         check_normaliser(self)
+        for op in OUTPUTS:
+            op.check(self)
         backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
         require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),
                 "model.attention", self.attention,

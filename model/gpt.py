@@ -18,6 +18,7 @@ from model.attention import AttentionRequest, Terms, attend, resolve
 from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, generate
 from model.loss import chunked_cross_entropy, use_chunked_loss
+from model.output_ops import OUTPUTS
 from model.pe.base import PositionEncoding
 from model.pe.schedule import check_layer_bases, check_nope_layers
 from model.positions import Pass, PositionContext, layer_contexts, resolve_positions
@@ -40,7 +41,7 @@ def norm_layer(config: GPTConfig, dim: int) -> nn.Module:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         self.kv_dim = self.n_kv_head * self.head_dim
@@ -56,14 +57,19 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("sinks", torch.zeros(config.n_head), persistent=False)
         else:
             self.sinks = None
+        # this layer's operations on each head's output (model/output_ops/: XSA, the output gate), in order
+        self.output_ops = nn.ModuleList(op for op in (kind.build(config, layer) for kind in OUTPUTS) if op is not None)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.layer = 0  # its index in the model, set by GPT: a data-dependent scheme's gates are per layer
+        self.layer = layer  # its index in the model: a data-dependent scheme's gates are per layer
 
-    def init_sinks(self, layer: int) -> None:
-        """torchtitan's gpt-oss init of the learned sinks: truncated normal, std 0.02 / sqrt(2 (layer + 1))."""
+    def init_layer(self, layer: int) -> None:
+        """The inits that follow GPT-2's: torchtitan's gpt-oss init of the learned sinks (truncated
+        normal, std 0.02 / sqrt(2 (layer + 1))) and the output operations' own."""
         if isinstance(self.sinks, nn.Parameter):
             nn.init.trunc_normal_(self.sinks, std=0.02 / math.sqrt(2 * (layer + 1)))
+        for op in self.output_ops:
+            op.init_weights(layer)
 
     def qkv(self, x: Tensor, ctx: PositionContext) -> tuple[Tensor, Tensor, Tensor]:
         """Heads-first q (B, H, T, hd) and k, v (B, n_kv_head, T, hd), normalised (qk_norm) and
@@ -95,6 +101,8 @@ class CausalSelfAttention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         score_terms = partial(ctx.pe.score_terms, layer=self.layer) if ctx.terms.with_score_terms else None
         y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks, layer_terms, score_terms)
+        for op in self.output_ops:  # the new tokens' own values are the last T
+            y = op(y, x, v[:, :, -T:])
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -126,10 +134,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = norm_layer(config, config.n_embd)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = norm_layer(config, config.n_embd)
         self.mlp = MLP(config)
 
@@ -151,7 +159,7 @@ class GPT(nn.Module):
         self.pe = pe  # shared by all layers; its tables are computed once per forward
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_f = norm_layer(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
@@ -164,9 +172,8 @@ class GPT(nn.Module):
         for name, p in self.blocks.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        for layer, block in enumerate(self.blocks):  # last: the other weights are those of a model without sinks
-            block.attn.layer = layer
-            block.attn.init_sinks(layer)
+        for layer, block in enumerate(self.blocks):  # last: the other weights are those of a model without them
+            block.attn.init_layer(layer)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from model.output_ops import OUTPUTS  # noqa: E402
 from model.pe import SCHEMES  # noqa: E402
 from model.pe.schedule import SCHEDULE_KEYS  # noqa: E402
 from pelab.config import ConfigError  # noqa: E402
@@ -32,8 +33,10 @@ YARN = {"kind": "yarn", "factor": 2.0, "original_length": 16}
 LLAMA3 = {"kind": "llama3", "factor": 4.0, "original_length": 16, "low_freq_factor": 1.5, "high_freq_factor": 6.0}
 LONGROPE = {"kind": "longrope", "factor": 2.0, "short_factor": [1.0 + k / 8 for k in range(PAIRS)],
             "long_factor": [1.0 + k for k in range(PAIRS)]}
-# every attention option at once: a window pattern, learned sinks, GQA and QK-norm
-ATTENTION = dict(window_pattern=[8, None], sinks="learned", n_kv_head=2, qk_norm=True)
+# every attention option at once: a window pattern, learned sinks, GQA, QK-norm and each operation on
+# the attention output (model/output_ops/) as a per-layer list of its kinds
+ATTENTION = dict(window_pattern=[8, None], sinks="learned", n_kv_head=2, qk_norm=True,
+                 **{op.key: list(op.kinds[1:]) for op in OUTPUTS})
 SKIPPED: dict[str, list[str]] = {}  # scheme -> the ATTENTION options its model refuses (none today)
 
 # name: (pe scheme, its options, model options): the options no native class holds
