@@ -40,6 +40,7 @@ whatever the corpus size. ``build/`` is deleted at the end, so only the files ab
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -54,9 +55,12 @@ from pathlib import Path
 import numpy as np
 from filelock import FileLock, Timeout
 
+from data.paths import PathError, disk_full, folder_problem, no_space
+
 FORMAT_VERSION = 3  # 2: hashes in meta.json, bytes separator 0x1E; 3: offsets .npy, corpus_stat, .bin sha256
 SPLITS = ("train", "val")
 BATCH_DOCUMENTS = 1000  # documents per encode call
+MOVE_IT = "data.data_dir (or $PELAB_CACHE)"  # the options that say where the cache lives
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -77,6 +81,21 @@ def file_sha256(path: Path) -> str:
 
 def offsets_path(out_dir: Path, split: str) -> Path:
     return out_dir / f"{split}.offsets.npy"
+
+
+def check_cache_folder(out_dir: Path, key: str | None = None, given=None, built: bool = True) -> None:
+    """``out_dir`` can hold this cache: a folder this user can write (or create), or (``built``)
+    one holding a built cache (meta.json), read as it is. Else one line (``key=given`` first where
+    given), before any data is read: a build would fail on its first write."""
+    out_dir = Path(out_dir).absolute()
+    if built and (out_dir / "meta.json").is_file() and os.access(out_dir, os.R_OK | os.X_OK):
+        return  # a read-only copy of a built cache serves as it is; a rebuild is checked again
+    problem = folder_problem(out_dir)
+    if problem is not None:
+        existing, what = problem
+        said = f"{key}={'null' if given is None else given}: " if key else ""
+        raise PathError(f"{said}the token cache's folder {out_dir} cannot be written: {existing} is {what}; point "
+                        f"{MOVE_IT} at a folder this user can write")
 
 
 def read_meta(out_dir: Path) -> tuple[dict | None, str | None]:
@@ -273,12 +292,13 @@ def write_split(dataset, tokenizer, dtype: np.dtype, separate: bool, out_dir: Pa
     path, offsets = out_dir / f"{split}.bin", offsets_path(out_dir, split)
     tmp, offsets_tmp = path.with_name(path.name + ".partial"), offsets.with_name(split + ".offsets.partial.npy")
     starts = np.lib.format.open_memmap(offsets_tmp, mode="w+", dtype=np.int64, shape=(len(dataset) + 1,))
+    reserve(offsets_tmp)  # its blocks now: a full disk is an error here, not a SIGBUS in the mapped writes
     starts[0] = 0
     digest, total, docs, max_id = hashlib.sha256(), 0, 0, -1
     with open(tmp, "wb") as out, tqdm(total=len(dataset), unit="doc", desc=f"tokenizing {split} ({tokenizer.name})",
                                       dynamic_ncols=True) as bar:
         for ids, lengths in encoded_batches(dataset, tokenizer, dtype, separate, num_proc, stats):
-            ids.tofile(out)
+            out.write(ids)
             digest.update(ids)
             starts[docs + 1 : docs + 1 + len(lengths)] = total + np.cumsum(lengths)
             total, docs = total + len(ids), docs + len(lengths)
@@ -296,6 +316,29 @@ def write_split(dataset, tokenizer, dtype: np.dtype, separate: bool, out_dir: Pa
     os.replace(tmp, path)
     return {"num_tokens": total, "num_documents": docs, "max_id": max_id, "sha256": digest.hexdigest(),
             "mtime_ns": path.stat().st_mtime_ns}
+
+
+def reserve(path: Path) -> None:
+    """Allocate ``path``'s blocks (a memmap's file is sparse until its pages are written)."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # a filesystem without it
+                raise
+
+
+def remove_token_files(out_dir: Path) -> None:
+    """What a failed build wrote: its ``.partial`` files and the token files it had renamed
+    (meta.json is gone since the build began: they are no cache)."""
+    for split in SPLITS:
+        path, offsets = out_dir / f"{split}.bin", offsets_path(out_dir, split)
+        for file in (path, path.with_name(path.name + ".partial"), offsets,
+                     offsets.with_name(split + ".offsets.partial.npy")):
+            file.unlink(missing_ok=True)
+    (out_dir / "meta.json.partial").unlink(missing_ok=True)
 
 
 def build(corpus, tokenizer, out_dir: Path, num_proc: int | None, tokenizer_hash: str, stats: Throughput) -> dict:
@@ -317,9 +360,14 @@ def build(corpus, tokenizer, out_dir: Path, num_proc: int | None, tokenizer_hash
             meta["splits"][split] = write_split(splits[split], tokenizer, dtype, separate, out_dir, split, num_proc,
                                                 stats)
         del splits
+        write_meta(meta, out_dir)
+    except BaseException as err:
+        remove_token_files(out_dir)  # nothing half-written stays (and a full disk gets its space back)
+        if disk_full(err):
+            raise no_space(out_dir, f"building the token cache of {corpus.cache_name}", MOVE_IT) from None
+        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the corpus's Arrow copies: only the token files stay
-    write_meta(meta, out_dir)
     stats.built = True
     print(f"[pelab] tokenized {corpus.cache_name} ({tokenizer.name}): {stats.line()}", flush=True)
     return meta
@@ -340,6 +388,7 @@ def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None =
         why, _ = cache_mismatch(meta, out_dir, tokenizer, tokenizer_hash, stat)
         if why is None:
             return with_offsets(meta, out_dir)
+    check_cache_folder(out_dir, built=False)  # the lock and a build write: one line, before the corpus is read
     out_dir.mkdir(parents=True, exist_ok=True)
     with build_lock(out_dir):
         meta, why = read_meta(out_dir)  # another process may have built it while this one waited

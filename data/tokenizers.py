@@ -12,8 +12,8 @@
   nothing else, ``encode_documents`` deletes every U+001E character from document text
   before encoding (``encode``, used for prompts, keeps text as given).
 
-A path works too (``data.tokenizer=PATH``; ``tokenizer_file`` checks it, a directory standing
-for its tokenizer.json):
+A path works too (``data.tokenizer=PATH``; ``tokenizer_file`` checks it by reading it, a
+directory standing for its tokenizer.json):
 
 - a Hugging Face ``tokenizer.json`` (suffix ``.json``), run by the ``tokenizers`` library
   (``HFTokenizer``); its end-of-text token is the first of ``EOT_NAMES`` among its special
@@ -23,9 +23,10 @@ for its tokenizer.json):
   ``<|endoftext|>`` added after the last rank as its end-of-text token (a ranks file carries
   no pattern and no special tokens: for a tokenizer's own, give its tokenizer.json).
 
-Above 65,536 ids the token files are uint32 (data/cache.py). A path that does not exist, a file
-that is neither, or ids that do not fit the vocabulary are refused with one line naming
-``data.tokenizer`` before any data is read.
+Above 65,536 ids the token files are uint32 (data/cache.py). A path that does not exist, a
+folder without a tokenizer.json, a file that is empty, unreadable, garbled or neither, or ids
+that do not fit the vocabulary are refused with one line naming ``data.tokenizer``, the path,
+what is wrong and what to give, during validation (before any data is read).
 
 Documents are separated by appending ``eot_token`` after each one (gpt2: ``<|endoftext|>``,
 bytes: 0x1E). ``fingerprint()`` identifies what a tokenizer produces (vocabulary, ranks,
@@ -243,17 +244,26 @@ class HFTokenizer(DocumentEncoder):
     the text are encoded as ordinary text (like tiktoken's ``encode_ordinary``): only the
     separator the cache appends marks a document boundary."""
 
-    def __init__(self, path: Path, key: str = "data.tokenizer") -> None:
+    def __init__(self, path: Path, key: str = "data.tokenizer", data: bytes | None = None) -> None:
         try:
             from tokenizers import Tokenizer as Backend
         except ImportError as err:
             raise ValueError(f"{key}={str(path)!r} is a tokenizer.json: that needs the `tokenizers` package "
                              f"(pip install tokenizers)") from err
+        data = path.read_bytes() if data is None else data
+        unreadable = f"{key}={str(path)!r} is not a readable Hugging Face tokenizer.json"
+        try:  # the library's own parse errors say where, not what: plain JSON first
+            content = json.loads(data)
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{unreadable}: not valid JSON ({err}); {what_to_give(key)}") from None
+        if not isinstance(content, dict) or not isinstance(content.get("model"), dict):
+            found = f"keys {', '.join(list(content)[:6]) or 'none'}" if isinstance(content, dict) else \
+                f"a JSON {type(content).__name__}"
+            raise ValueError(f"{unreadable}: JSON, but no \"model\" object ({found}); {what_to_give(key)}")
         try:
-            self.backend = Backend.from_file(str(path))
+            self.backend = Backend.from_str(data.decode())
         except Exception as err:
-            raise ValueError(f"{key}={str(path)!r} is not a readable Hugging Face tokenizer.json: "
-                             f"{type(err).__name__}: {err}") from err
+            raise ValueError(f"{unreadable}: {type(err).__name__}: {err}; {what_to_give(key)}") from None
         self.backend.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, not a separator
         self.name, self.path, self.eot_char = str(path), path, None
         vocab = self.backend.get_vocab(with_added_tokens=True)
@@ -301,26 +311,27 @@ class HFTokenizer(DocumentEncoder):
         self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
 
 
-def ranks_file_tokenizer(path: Path, key: str = "data.tokenizer") -> Tokenizer:
+def ranks_file_tokenizer(path: Path, key: str = "data.tokenizer", data: bytes | None = None) -> Tokenizer:
     """A tiktoken ranks file (lines ``BASE64 RANK``, ranks 0..N-1) split with GPT-2's pattern;
     ``<|endoftext|>`` = N is its end-of-text token. Read here, not by tiktoken's loader, which
     caches local files by path and would miss an edit."""
     from tiktoken_ext.openai_public import r50k_pat_str
 
     ranks: dict[bytes, int] = {}
+    data = path.read_bytes() if data is None else data
     try:
-        with open(path, "rb") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token, validate=True)] = int(rank)
-    except (ValueError, binascii.Error) as err:
+        for number, line in enumerate(data.splitlines(), 1):
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (ValueError, binascii.Error):
         raise ValueError(f"{key}={str(path)!r} is neither a Hugging Face tokenizer.json (suffix .json) nor a tiktoken "
-                         f"ranks file (lines 'BASE64 RANK'): line {number}: {line[:60]!r}") from err
+                         f"ranks file (lines 'BASE64 RANK'): line {number}: {line[:60]!r}; "
+                         f"{what_to_give(key)}") from None
     values = sorted(ranks.values())
     if not values or values != list(range(len(values))):
         raise ValueError(f"{key}={str(path)!r}: the ranks must be 0..N-1, each once; found {len(values)} distinct "
-                         f"tokens with ranks {values[:1]}..{values[-1:]}")
+                         f"tokens with ranks {values[:1]}..{values[-1:]}; {what_to_give(key)}")
     eot = len(ranks)
     encoding = tiktoken.Encoding(name=path.name, pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={"<|endoftext|>": eot}, explicit_n_vocab=eot + 1)
@@ -344,10 +355,14 @@ _BUILDERS = {
 TOKENIZERS = tuple(_BUILDERS)
 
 
-def tokenizer_file(spec: str, key: str = "data.tokenizer") -> Path | None:
+def what_to_give(key: str = "data.tokenizer") -> str:
+    return (f"give {key}= one of {', '.join(TOKENIZERS)} or the path of a Hugging Face tokenizer.json or a "
+            f"tiktoken ranks file")
+
+
+def tokenizer_path(spec: str, key: str = "data.tokenizer") -> Path | None:
     """None for a registered name; else the tokenizer file ``spec`` names (a directory stands
-    for its tokenizer.json). A clear error, naming ``key``, for anything else: cheap (no file
-    is parsed), so configs are checked before any data is read."""
+    for its tokenizer.json), unread. A clear error, naming ``key``, for a path that is none."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"{key} must be one of {', '.join(TOKENIZERS)} or the path of a tokenizer file, got {spec!r}")
     if spec in _BUILDERS:
@@ -355,15 +370,41 @@ def tokenizer_file(spec: str, key: str = "data.tokenizer") -> Path | None:
     path = Path(os.path.expanduser(spec)).resolve()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
+    if path.is_dir():
+        raise ValueError(f"{key}={spec!r} is a folder without a tokenizer.json ({path}); {what_to_give(key)}")
     if not path.is_file():
         raise ValueError(f"{key} must be one of {', '.join(TOKENIZERS)} or the path of a tokenizer file (a Hugging "
                          f"Face tokenizer.json or a tiktoken ranks file), got {spec!r}: no such file ({path})")
     return path
 
 
+def tokenizer_file(spec: str, key: str = "data.tokenizer") -> Path | None:
+    """``tokenizer_path``, the file read as a tokenizer: configs are checked before any data is
+    read, and a file that is not a tokenizer (empty, garbled, another JSON, unreadable) fails
+    here in one line naming ``key``, not when the data module first tokenizes."""
+    path = tokenizer_path(spec, key)
+    if path is not None:
+        read_tokenizer_file(path, key)
+    return path
+
+
+def read_tokenizer_file(path: Path, key: str = "data.tokenizer") -> DocumentEncoder:
+    """The tokenizer in the file ``path``: a tokenizer.json by its suffix, else a ranks file."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{key}={str(path)!r} cannot be read ({err.strerror or err}); {what_to_give(key)}") from None
+    if not data.strip():
+        raise ValueError(f"{key}={str(path)!r} is empty ({len(data)} bytes{', all blank' if data else ''}); "
+                         f"{what_to_give(key)}")
+    if path.suffix.lower() == ".json":
+        return HFTokenizer(path, key, data)
+    return ranks_file_tokenizer(path, key, data)
+
+
 def tokenizer_slug(spec: str) -> str:
     """The token cache's folder for tokenizer ``spec``: the name, or a file's stem and a hash of its path."""
-    path = tokenizer_file(spec)
+    path = tokenizer_path(spec)
     if path is None:
         return spec
     stem = re.sub(r"[^A-Za-z0-9]+", "_", path.stem).strip("_")[:40]
@@ -372,9 +413,5 @@ def tokenizer_slug(spec: str) -> str:
 
 def get_tokenizer(spec: str, key: str = "data.tokenizer") -> DocumentEncoder:
     """A registered tokenizer by name, or a tokenizer file by path (see the module docstring)."""
-    path = tokenizer_file(spec, key)
-    if path is None:
-        return _BUILDERS[spec]()
-    if path.suffix.lower() == ".json":
-        return HFTokenizer(path, key)
-    return ranks_file_tokenizer(path, key)
+    path = tokenizer_path(spec, key)
+    return _BUILDERS[spec]() if path is None else read_tokenizer_file(path, key)

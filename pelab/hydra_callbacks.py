@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from data.paths import PathError, folder_problem
 from pelab.config import ConfigError
 from pelab.redact import redact_yaml_file
 
@@ -20,17 +22,20 @@ HOW_TO_MOVE = "choose a writable directory with hydra.run.dir=PATH (hydra.sweep.
 
 
 def check_writable_dir(path: Path) -> None:
-    """``path`` is, or can be created as, a writable directory. Creates nothing."""
-    existing = Path(path).absolute()
-    while not existing.exists():
-        existing = existing.parent
+    """``path`` is, or can be created as, a writable directory (data/paths.py's check of every
+    output folder). Creates nothing."""
+    problem = folder_problem(Path(path).absolute())
+    if problem is None:
+        return
+    existing, what = problem
     if not existing.is_dir():
         raise ConfigError(f"output directory {path} cannot be created: {existing} is a file; {HOW_TO_MOVE}")
-    try:  # a real write: permission bits say nothing for root or read-only mounts
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as err:
-        raise ConfigError(f"output directory {path} is not writable ({existing}: {err.strerror or err}); "
-                          f"{HOW_TO_MOVE}") from None
+    raise ConfigError(f"output directory {path} is not writable ({existing} is {what}); {HOW_TO_MOVE}")
+
+
+class PathFailure(CompactHydraException, ValueError):
+    """A ``data.paths.PathError`` (a path option, or a write the filesystem refused) that reached
+    the top of a job: Hydra prints it as its one line, as a ``ConfigError``."""
 
 
 def _stop_unless_writable(path: Path) -> None:
@@ -72,3 +77,10 @@ class PelabCallback(Callback):
                 redact_yaml_file(Path(hc.runtime.output_dir) / hc.output_subdir / name)
         if hc.mode == RunMode.MULTIRUN:
             redact_yaml_file(Path(hc.sweep.dir) / "multirun.yaml")
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        # data/ and evaluation/ sit below Hydra and cannot raise its compact errors: their path
+        # errors (a full disk under the token cache) reach the user as the one line they are
+        error = job_return._return_value
+        if job_return.status == JobStatus.FAILED and isinstance(error, PathError):
+            job_return.return_value = PathFailure(str(error))

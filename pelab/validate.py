@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from data.cache import check_cache_folder
 from data.packing import MODES as DOCUMENT_MODES
 from evaluation.extrapolation import ExtrapolationConfig
 from evaluation.registry import PROBES, enabled_probes
@@ -111,7 +112,10 @@ def build_data(cfg: DictConfig, model: GPTConfig) -> L.LightningDataModule:
     if "block_size" in data:
         require(data["block_size"] == model.block_size, "data.block_size", data["block_size"],
                 f"model.block_size={model.block_size} (set model.block_size; data follows it)")
-    return build("data", build_datamodule, data)  # reads nothing: the tokenizer loads on first use
+    datamodule = build("data", build_datamodule, data)  # reads no data (a tokenizer file is read, as a check)
+    if hasattr(datamodule, "token_dir"):  # the token cache's folder: writable, or holding a built cache
+        build("data.data_dir", check_cache_folder, datamodule.token_dir, "data.data_dir", data.get("data_dir"))
+    return datamodule
 
 
 def training_device(accelerator) -> torch.device | None:

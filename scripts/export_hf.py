@@ -13,6 +13,7 @@ holds it; what that cannot compute either is refused in one line before anything
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from _cli import command_line
 from _common import checked_checkpoint, flag, required
@@ -24,15 +25,21 @@ def main(argv: list[str]) -> int:
         return 0
     overwrite = flag("overwrite", cfg.overwrite)
     out = str(required(cfg, "out", "DIR"))
+    from data.paths import PathError, disk_full, no_space, output_folder
     from pelab.export import ExportError, check_out, export_hf
 
     ckpt = str(required(cfg, "ckpt", "PATH"))
     try:
         check_out(out, overwrite, source=ckpt)  # before the checkpoint is read: never its own folder
+        output_folder("out", out, beside=True)  # written beside out, then renamed: its folder must be writable
         ckpt = checked_checkpoint(ckpt)
         exported = export_hf(ckpt, out, overwrite=overwrite)
-    except ExportError as e:
+    except (ExportError, PathError) as e:
         raise SystemExit(str(e)) from None
+    except Exception as e:  # the export's temp folder is gone already; a previous out is untouched
+        if not disk_full(e):
+            raise
+        raise SystemExit(str(no_space(Path(out).absolute().parent, f"exporting to {out}", "out="))) from None
     for note in exported.notes:
         print(f"[pelab] {note}", file=sys.stderr)
     print(f"wrote {exported.path} ({exported.architecture})")

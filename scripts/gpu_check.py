@@ -18,7 +18,6 @@ machine without network, each step, what it asserts and its tolerances: docs/gpu
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time
@@ -124,16 +123,15 @@ def preflight(gpus: int):
     return Outcome(step, "fail" if problems else "pass", "; ".join(problems), time.monotonic() - t0, numbers)
 
 
-def check_folder(key: str, given, path: Path) -> None:
-    """``path`` (``key=given``) usable as a folder to write into: it, or the nearest part of it that
-    exists, is a writable folder; else one line saying which part is wrong and what to give."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    what = ("a file, not a folder" if not existing.is_dir() else
-            "a folder this user cannot write" if not os.access(existing, os.W_OK | os.X_OK) else None)
-    if what:
-        where = "" if existing == path else f": {existing} above it is"
-        raise SystemExit(f"{key}={given}{where or ' is'} {what}; give {key}= a new folder, or an existing "
-                         "folder this user can write, for the report")
+def check_folder(key: str, given) -> Path:
+    """``key=given`` usable as a folder to write into (data/paths.py's check of every output
+    folder), else the script's one line saying which part is wrong and what to give."""
+    from data.paths import PathError, output_folder
+
+    try:
+        return output_folder(key, given, ", for the report" if key == "out" else ", for the steps' files")
+    except PathError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -157,9 +155,10 @@ def main(argv: list[str]) -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    out = Path(str(args.out or ROOT / "outputs" / "gpu_check" / stamp)).resolve()
-    check_folder("out", args.out, out)  # before anything starts: a borrowed GPU's time is not spent on it
-    work = Path(str(args.work or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}")).resolve()
+    # every path checked before anything starts: a borrowed GPU's time is not spent on a bad one
+    out = check_folder("out", args.out or ROOT / "outputs" / "gpu_check" / stamp).resolve()
+    work = Path(str(args.work or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}"))
+    work = check_folder("work", work).resolve()
     workers = integer("workers", args.workers, minimum=1)
     every = all_steps(work, sorted(SCHEMES), gpus, workers)
     part = None if args.part is None else str(args.part)

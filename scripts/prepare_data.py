@@ -59,13 +59,16 @@ def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from data.cache import Throughput, prepare_token_files
+    from data.cache import Throughput, check_cache_folder, prepare_token_files
     from pelab.datamodule import build_datamodule
     from pelab.config import ConfigError, build
 
     try:
         cfg = compose(argv)
         datamodule = build("data", build_datamodule, cfg.data)
+        if hasattr(datamodule, "token_dir"):  # where the cache is built: writable (checked as train.py does)
+            build("data.data_dir", check_cache_folder, datamodule.token_dir, "data.data_dir", cfg.data.get("data_dir"),
+                  built=False)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         print(f"prepare_data.py: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 
+from data.paths import aside_name, remove_dead_leftovers
 from pelab.checkpoint.atomic import disk_full_error, fsync_dir
 from pelab.checkpoint.errors import CheckpointError
 
@@ -109,15 +110,17 @@ def auto_state_dict_type(parameters: int) -> str:
 def replace_dir(new: Path, path: Path) -> None:
     """Put the directory ``new`` at ``path``, whatever is there (a file, a directory, a link).
     A directory cannot be renamed over a non-empty one, so the old one is renamed aside first:
-    a kill between the two renames leaves it as ``.NAME.<id>.old``, complete."""
+    a kill between the two renames leaves it as ``.NAME.<pid>-<id>.old``, complete, which the
+    next replacement of ``path`` removes once its own is in place (its process is gone)."""
     aside = None
     if os.path.lexists(path):
-        aside = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.old"
+        aside = aside_name(path, "old")
         os.rename(path, aside)
     os.rename(new, path)
     fsync_dir(path.parent)
     if aside is not None:
         shutil.rmtree(aside) if aside.is_dir() and not aside.is_symlink() else aside.unlink()
+    remove_dead_leftovers(path, ("old",))
 
 
 def sharded_complete(path: Path) -> str | None:
