@@ -87,7 +87,6 @@ accuracy at longer lengths on the ``test`` stream.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -95,14 +94,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from data import tasks_2025
+from data.task_parts import (DIGITS, FILLER, LOWER, NEEDLE, PAD, QUERY, SEP, SPECIAL_IDS, UPPER, _ids,  # noqa: F401
+                             _in_filler, haystack)
 from model.config import require
 
 VOCAB_SIZE = 256
-PAD, NEEDLE, SEP, QUERY = 0x00, 0x1C, 0x1D, 0x1F
-SPECIAL_IDS = {"PAD": PAD, "NEEDLE": NEEDLE, "SEP": SEP, "QUERY": QUERY}
-DIGITS, LOWER, UPPER = ord("0"), ord("a"), ord("A")
-FILLER = np.frombuffer(b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
-                       dtype=np.uint8).astype(np.int64)
 WRITE, IGNORE, READ = ord("w"), ord("i"), ord("r")
 SET_ZERO, INCREMENT, PASS = ord("="), ord("+"), ord(".")  # counting: "v=" sets v to 0, "v+" adds 1, ".." passes
 #: counting: relative odds of set, pass and increment statements (RAM's count_data_gen.py OP_WEIGHTS)
@@ -164,10 +161,9 @@ class Task:
                 f"<= {names} (num_chains x (data.num_hops={self.num_hops} + 1) distinct variables 'A'-'Z')")
         require(self.num_chains <= 10**min(self.key_length, 3), "data.num_chains", self.num_chains,
                 f"<= {10**min(self.key_length, 3)} (distinct values of data.key_length={self.key_length} digits)")
-        from data.tasks_2025 import GROUPS  # below this module: it lays out samples with its helpers
-
-        require(self.group in GROUPS, "data.group", self.group,
-                f"one of {', '.join(GROUPS)} (symmetric and alternating groups whose elements fit one id each)")
+        require(self.group in tasks_2025.GROUPS, "data.group", self.group,
+                f"one of {', '.join(tasks_2025.GROUPS)} (symmetric and alternating groups whose elements fit one id "
+                "each)")
         require(self.walk_depth <= 9, "data.walk_depth", self.walk_depth, "<= 9 (the depth is one digit)")
         require(self.max_answer <= 128, "data.max_answer", self.max_answer, "<= 128 (a graph's nodes at most)")
         require(self.qa <= 3, "data.qa", self.qa, "1, 2 or 3 (bAbI's qa1-qa3)")
@@ -180,8 +176,6 @@ class Task:
     @property
     def min_length(self) -> int:
         """The shortest input length whose layout fits."""
-        from data import tasks_2025
-
         if self.name in tasks_2025.LAYOUTS:
             return tasks_2025.min_length(self)
         k, needles = self.key_length, self.num_needles
@@ -196,16 +190,12 @@ class Task:
     @property
     def max_length(self) -> int | None:
         """The longest input length whose layout fits (None: any)."""
-        from data import tasks_2025
-
         return tasks_2025.max_length(self)
 
     @property
     def set_valued(self) -> bool:
         """The answer is a set (elements, then an end marker): scored by F1 beside exact match."""
-        from data.tasks_2025 import SET_ELEMENT_WIDTH
-
-        return self.name in SET_ELEMENT_WIDTH
+        return self.name in tasks_2025.SET_ELEMENT_WIDTH
 
     @property
     def has_depth(self) -> bool:
@@ -233,8 +223,6 @@ class Task:
         # neighbouring seeds or indices give unrelated samples.
         rng = np.random.default_rng([_TASK_CODE[self.name], SPLITS.index(split), int(seed), int(rank), int(index),
                                      int(length)])
-        from data import tasks_2025
-
         if self.name in tasks_2025.LAYOUTS:
             laid = tasks_2025.LAYOUTS[self.name](self, rng, int(length) + 1, depth, split)
             if isinstance(laid, tasks_2025.Labelled):  # targets label the inputs
@@ -394,36 +382,6 @@ class Task:
 
 
 DEPTH_TASKS = ("passkey", "niah", "multi_key")
-
-
-def _ids(text: bytes) -> np.ndarray:
-    return np.frombuffer(text, dtype=np.uint8).astype(np.int64)
-
-
-def _in_filler(pieces: list[np.ndarray], places: np.ndarray, size: int) -> np.ndarray:
-    """``size`` filler tokens (the passkey sentences) with each piece inserted after
-    round(place x size) of them; pieces at the same token keep the order of their places (ties:
-    the order of ``pieces``)."""
-    filler = FILLER[np.arange(size) % len(FILLER)]
-    order = np.argsort(places, kind="stable")
-    cuts = np.rint(places[order] * size).astype(int)
-    parts, start = [], 0
-    for cut, i in zip(cuts, order):
-        parts += [filler[start:cut], pieces[i]]
-        start = cut
-    return np.concatenate([*parts, filler[start:]])
-
-
-@functools.lru_cache(maxsize=2)
-def haystack(split: str) -> np.ndarray:
-    """The embedded Gutenberg corpus (data/corpus.py, held-out = the last 10% of every book) as
-    byte ids, ``train`` or ``val`` split; control bytes become spaces, so no text byte is one of
-    the structural ids above."""
-    from data.corpus import GutenbergCorpus
-
-    text = "\n\n".join(body for _, body in GutenbergCorpus(0.1).documents()[split])
-    ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-    return np.where((ids < 0x20) & (ids != ord("\n")), ord(" "), ids)
 
 
 class TaskSamples(Dataset):

@@ -1,5 +1,6 @@
 """The synthetic long-context tasks of the 2025–26 papers, as layouts of ``data/synthetic.py``'s
-``Task`` (which validates their options and draws their samples): a pure function of (task,
+``Task`` (which validates their options and draws their samples; a layout reads the options it
+needs from the task): a pure function of (task,
 options, split, seed, index, length), lengths counted in pelab's own (byte) tokens, the answer
 always whole at the end (asserted in every layout).
 
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.synthetic import (FILLER, LOWER, NEEDLE, PAD, QUERY, UPPER, DIGITS, _ids, _in_filler, haystack)
+from data.task_parts import DIGITS, LOWER, NEEDLE, PAD, QUERY, UPPER, _ids, _in_filler, haystack
 
 GROUPS = ("S2", "S3", "S4", "S5", "A3", "A4", "A5")  # the largest whose elements fit ids 0x80..0xFF
 GROUP_BASE = 0x80  # state_tracking: group element i is id GROUP_BASE + i

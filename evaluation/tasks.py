@@ -383,7 +383,8 @@ def save_results(rows: Sequence[TaskRow], out_dir: Path, title: str) -> dict[str
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    text = "Exact-match accuracy (%) by evaluation length (tokens).\n\n" + F1_NOTE * _has_f1(rows) + markdown_table(rows)
+    text = ("Exact-match accuracy (%) by evaluation length (tokens).\n\n" + F1_NOTE * _has_f1(rows)
+            + markdown_table(rows))
     paths["md"].write_text(text + (f"\n{LEARNED_NOTE}" if any(r.not_learned for r in rows) else ""))
     if any(r.ok and not math.isnan(r.depth) for r in rows):
         paths["heatmap_csv"] = write_heatmap_csv(rows, out_dir / "heatmap.csv")

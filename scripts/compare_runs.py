@@ -20,7 +20,11 @@ is bold, and ``*`` marks a group whose values differ from the best group's at th
 Welch's two-sided t-test at α = 0.05 (p-values in the CSV); the plot draws the intervals as
 bands. With one run per group (or no config.yaml) the output is one line per run; two runs of
 one scheme are named by the settings that differ (else by run directory). Task accuracy is the
-exact-match accuracy of a run averaged over its passkey depths.
+exact-match accuracy of a run averaged over its passkey depths; tasks with set-valued answers
+(graphwalks, common_words) show their F1 beside it (single runs: ``62.5 (F1 80.0)`` in a cell;
+seed groups: a section ``TASK F1`` after the task's). A run below the learned criterion at its
+training length is marked once: ``[not learned at L]`` after its label (seed groups: ``[k/n not
+learned at L]``), with the criterion below the tables.
 
 Writes comparison.{csv,md,png} (perplexity; markdown with every section) and, when there are
 task results, comparison_tasks.{csv,png}. Loss by token position (``position_loss.csv``) of
