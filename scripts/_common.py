@@ -43,6 +43,18 @@ def checked_checkpoint(path) -> Path:
     return ckpt
 
 
+def path_option(check: str, key: str, value, *args, **kwargs) -> Path:
+    """``key=value`` through data/paths.py's ``check`` (input_path, output_folder, output_file:
+    exists, right kind, readable or writable, not the command's own input), before anything is
+    read; a refusal is the script's one line."""
+    import data.paths
+
+    try:
+        return getattr(data.paths, check)(key, value, *args, **kwargs)
+    except data.paths.PathError as e:
+        raise SystemExit(str(e)) from None
+
+
 def required(cfg, key: str, what: str):
     """``cfg[key]``, or one line saying it is required (its value in conf/scripts is ``???``)."""
     from omegaconf import OmegaConf

@@ -18,7 +18,7 @@ import sys
 import time
 
 from _cli import command_line
-from _common import choice, flag, integer, items, split_list
+from _common import choice, flag, integer, items, path_option, split_list
 
 SMOKE = ["configs=byte-tiny", "schemes=learned,alibi", "precision=32", "compile=false", "rounds=1", "steps=2",
          "warmup=1", "batch_size=4", "eval_factor=2"]
@@ -153,6 +153,8 @@ def main(argv: list[str]) -> int:
             "variants": variants, "variant_schemes": variant_schemes,
             "warmup_parallel": integer("warmup_parallel", args.warmup_parallel, minimum=1),
             "device": str(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), "eval_cache": {}}
+    if args.out is not None:  # a file this user can write (data/paths.py), before anything is timed
+        path_option("output_file", "out", args.out)
     # the matmul peak is measured first, on a machine the bench has not loaded yet
     opts["peaks"] = {p: peak_flops(opts["device"], p) for p in precisions}
     children = Children()

@@ -14,7 +14,7 @@ import json
 import sys
 
 from _cli import command_line
-from _common import choice, integer
+from _common import choice, integer, path_option
 
 SMOKE = ["T=256", "W=32", "batch=1", "rounds=1", "calls=1"]
 
@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
     rounds = integer("rounds", cfg.rounds, minimum=1)
     calls = integer("calls", cfg.calls, minimum=1)
     precision = choice("precision", cfg.precision or ("32" if device == "cpu" else "bf16-mixed"), ("bf16-mixed", "32"))
+    if cfg.out is not None:  # a file this user can write (data/paths.py), before anything is timed
+        path_option("output_file", "out", cfg.out)
     from benchkit.attention import CPU_CASES, CPU_RATIOS, GPU_CASES, GPU_RATIOS, time_attention
 
     cases, ratios = (GPU_CASES, GPU_RATIOS) if device == "cuda" else (CPU_CASES, CPU_RATIOS)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from _cli import command_line
-from _common import bad_value, checked_checkpoint, required
+from _common import bad_value, checked_checkpoint, path_option, required
 
 
 def main(argv: list[str]) -> int:
@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
     if cfg is None:
         return 0
     out = str(required(cfg, "out", "FILE"))
+    path_option("output_file", "out", out, inputs={"ckpt": required(cfg, "ckpt", "DIR")})  # never into what it reads
     ckpt = checked_checkpoint(required(cfg, "ckpt", "DIR"))
     if not ckpt.is_dir():
         bad_value("ckpt", str(ckpt), "a sharded checkpoint directory (trainer=fsdp); a file is one checkpoint already")

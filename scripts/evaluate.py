@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from _cli import as_override, command_line
 from _common import (ROOT, bad_value, checked_checkpoint, device_arg, evaluate_checkpoint, load_run_config,
-                     run_eval_block)
+                     path_option, run_eval_block)
 
 
 def main(argv: list[str]) -> int:
@@ -41,6 +41,8 @@ def evaluate(cfg: DictConfig, overrides: list[str]) -> dict:
         bad_value("wandb", cfg.wandb, "true or false")
     if cfg.seed is not None and not (isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and cfg.seed >= 0):
         bad_value("seed", cfg.seed, "an integer >= 0, or null (the run's data.seed)")
+    if cfg.out is not None:  # a folder this user can write (data/paths.py), before the checkpoint is read
+        path_option("output_folder", "out", cfg.out)
     ckpt = Path(str(cfg.ckpt))
     if not ckpt.is_file():
         raise SystemExit(f"ckpt={ckpt} is not a file: give a checkpoint written by train.py "

@@ -419,3 +419,29 @@ def test_export_refuses_an_out_under_a_file_before_the_checkpoint_is_read(tmp_pa
         script("export_hf").main([f"ckpt={tmp_path / 'run' / 'last.ckpt'}", f"out={blocker / 'hf'}"])
     assert str(exit_.value.code) == (f"out={blocker / 'hf'}: {blocker} above it is a file, not a folder; give out= a "
                                      f"new folder, or an existing folder this user can write")
+
+
+def test_every_scripts_output_path_is_checked_before_anything_is_read(tmp_path, monkeypatch):
+    """evaluate.py (and its translators) out= under a file, consolidate.py out= inside the sharded
+    checkpoint it reads, bench_attention.py out= a folder: each refused by the same check before
+    a checkpoint is read or anything timed. Before: a traceback after the work (or, for
+    consolidate, a file written into the checkpoint's own folder)."""
+    import benchkit.attention
+
+    monkeypatch.setattr(benchkit.attention, "time_attention", lambda *a, **k: pytest.fail("timed for a bad out="))
+    blocker = tmp_path / "blocker"
+    blocker.write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        script("evaluate").main([f"ckpt={tmp_path / 'never-read.ckpt'}", f"out={blocker / 'eval'}"])
+    assert str(exit_.value.code) == (f"out={blocker / 'eval'}: {blocker} above it is a file, not a folder; give out= "
+                                     f"a new folder, or an existing folder this user can write")
+    sharded = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    sharded.mkdir(parents=True)
+    with pytest.raises(SystemExit) as exit_:
+        script("consolidate").main([f"ckpt={sharded}", f"out={sharded / 'full.ckpt'}"])
+    assert str(exit_.value.code) == (f"out={sharded / 'full.ckpt'} lies inside ckpt={sharded}, which the command "
+                                     f"reads; give out= a path apart from it")
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_attention").main(["smoke=true", f"out={tmp_path}"])
+    assert str(exit_.value.code) == f"out={tmp_path} is a folder, not a file; give out= a file's path"
+    assert blocker.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "run"]
