@@ -25,15 +25,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from torch import nn
 
+from data.paths import aside_name, remove_dead_leftovers
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe.schedule import split_schedule
@@ -98,7 +97,7 @@ def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: An
     eot = getattr(tokenizer, "eot_token", None)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
-    tmp = out.parent / f".{out.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # the pid: whose it is
+    tmp = aside_name(out, "tmp")  # named by its pid: whose it is
     try:
         if native_refusal is None:
             save_model(hf_model, tmp, extra_config, eot)
@@ -164,21 +163,7 @@ def run_files_in(path: Path) -> Path | None:
 def remove_stale_temps(out: Path) -> None:
     """Remove what killed exports to ``out`` left beside it: ``.OUT.<pid>-<id>.tmp`` folders whose
     process is gone (a live one may still be writing its own)."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)-[0-9a-f]{{8}}\.tmp")
-    for entry in out.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and not process_alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by another user
-        return True
-    return True
+    remove_dead_leftovers(out, ("tmp",))
 
 
 def run_tokenizer(ckpt: Path):

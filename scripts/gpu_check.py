@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from _cli import command_line, compose
-from _common import ROOT, flag, integer, number
+from _common import ROOT, flag, integer, number, path_option
 
 OPTIONS = compose("gpu_check")  # its keys and defaults: conf/scripts/gpu_check.yaml
 BUDGET_S = 1200
@@ -123,17 +123,6 @@ def preflight(gpus: int):
     return Outcome(step, "fail" if problems else "pass", "; ".join(problems), time.monotonic() - t0, numbers)
 
 
-def check_folder(key: str, given) -> Path:
-    """``key=given`` usable as a folder to write into (data/paths.py's check of every output
-    folder), else the script's one line saying which part is wrong and what to give."""
-    from data.paths import PathError, output_folder
-
-    try:
-        return output_folder(key, given, ", for the report" if key == "out" else ", for the steps' files")
-    except PathError as e:
-        raise SystemExit(str(e)) from None
-
-
 def _version(text: str) -> tuple[int, ...]:
     import re
 
@@ -156,9 +145,10 @@ def main(argv: list[str]) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     # every path checked before anything starts: a borrowed GPU's time is not spent on a bad one
-    out = check_folder("out", args.out or ROOT / "outputs" / "gpu_check" / stamp).resolve()
+    out = path_option("output_folder", "out", args.out or ROOT / "outputs" / "gpu_check" / stamp, ", for the report")
+    out = out.resolve()
     work = Path(str(args.work or Path(tempfile.gettempdir()) / "pelab-gpu-check" / f"{out.name}-{stamp}"))
-    work = check_folder("work", work).resolve()
+    work = path_option("output_folder", "work", work, ", for the steps' files").resolve()
     workers = integer("workers", args.workers, minimum=1)
     every = all_steps(work, sorted(SCHEMES), gpus, workers)
     part = None if args.part is None else str(args.part)
