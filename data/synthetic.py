@@ -72,8 +72,8 @@ the answers (so the last answer token is a target, never an input):
   each chain's assignments in order at uniform depths of the passkey filler; then ``QUERY
   v1..vk`` and the variables of the chain that holds that value, in chain order. Answer: the
   variables. No depth (the chain is spread over the context).
-- ``state_tracking``, ``graphwalks``, ``babilong``, ``multi_query``, ``common_words``: the 2025–26
-  long-context tasks, laid out in data/tasks_2025.py (``state_tracking``'s targets label the
+- ``state_tracking``, ``graphwalks``, ``babilong``, ``multi_query``, ``common_words``,
+  ``find_block``: the 2025–26 long-context tasks, laid out in data/tasks_2025.py (``state_tracking``'s targets label the
   inputs rather than being the next tokens; ``graphwalks`` and ``common_words`` answer sets,
   scored by exact match and F1).
 
@@ -112,7 +112,7 @@ NIAH_END = b"."  # the haystack after it starts at a word break (a space)
 NIAH_QUESTION = b"\nWhat is the pass key? The pass key is "
 TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop", "niah", "counting", "selective_copy",
                    "indirect_indexing", "multi_key", "multi_value", "variable_tracking", "state_tracking",
-                   "graphwalks", "babilong", "multi_query", "common_words"]
+                   "graphwalks", "babilong", "multi_query", "common_words", "find_block"]
 TASKS: tuple[str, ...] = TaskName.__args__
 SPLITS = ("train", "val", "test")
 _TASK_CODE = {name: code for code, name in enumerate(TASKS, start=1)}  # fixed: changing one changes every sample
@@ -140,11 +140,14 @@ class Task:
     qa: int = 1  # babilong: bAbI task 1, 2 or 3 (supporting facts)
     num_facts: int = 4  # babilong: fact sentences in the text (the supporting ones and distractors)
     num_common: int = 3  # common_words: words that occur more often than the others, all asked
+    block_length: int = 5  # find_block: distinct letters in a block (MTA's N = 5)
+    query_length: int = 2  # find_block: letters of the target block asked (MTA's L = 2)
 
     def __post_init__(self) -> None:
         require(self.name in TASKS, "data.task", self.name, f"one of {', '.join(TASKS)}")
         for key in ("key_length", "num_pairs", "num_queries", "num_vars", "num_tokens", "max_offset", "num_needles",
-                    "num_chains", "num_hops", "walk_depth", "max_answer", "qa", "num_facts", "num_common"):
+                    "num_chains", "num_hops", "walk_depth", "max_answer", "qa", "num_facts", "num_common", "block_length",
+                    "query_length"):
             value = getattr(self, key)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"data.{key}", value,
                     "an integer >= 1")
@@ -169,6 +172,9 @@ class Task:
         require(self.qa <= 3, "data.qa", self.qa, "1, 2 or 3 (bAbI's qa1-qa3)")
         require(self.num_facts >= self.qa, "data.num_facts", self.num_facts,
                 f">= data.qa={self.qa} (the supporting facts of qa{self.qa})")
+        require(self.block_length <= 26, "data.block_length", self.block_length, "<= 26 (distinct letters 'a'-'z')")
+        require(self.query_length <= self.block_length, "data.query_length", self.query_length,
+                f"<= data.block_length={self.block_length} (the letters asked are the target block's)")
         if self.name == "multi_query":  # assoc_recall's num_queries is bound by num_pairs instead
             require(self.num_queries <= self.num_needles, "data.num_queries", self.num_queries,
                     f"<= data.num_needles={self.num_needles} (asked keys are distinct needles)")
@@ -381,7 +387,7 @@ class Task:
         return np.concatenate([hay, [QUERY], values[0], names[0]]), np.arange(n - hops - 1, n)
 
 
-DEPTH_TASKS = ("passkey", "niah", "multi_key")
+DEPTH_TASKS = ("passkey", "niah", "multi_key", "find_block")
 
 
 class TaskSamples(Dataset):

@@ -42,6 +42,12 @@ data/synthetic.py, except state_tracking, whose targets are labels of the inputs
   contexts), all shuffled; W = (n - 2 - 3c) // 4, s = n - 2 - 3c - 4W < 4. Then ``QUERY`` and the
   answer: the common words in alphabetical order (three letters each, no separator), then END.
   A set: scored by exact match and F1 (RULER scores recall of the words).
+- ``find_block`` (MTA's toy task, Golovneva et al. 2025, after RAM's ``toy_task/generate_data.py``):
+  ``[PAD]*s`` then B blocks of ``block_length`` distinct letters 'a'-'z' joined by '.', then
+  ``QUERY`` and ``query_length`` distinct letters of the target block in a random order, then
+  the answer: the target block. No other block holds every query letter. B = (n - q - N) // (N + 1)
+  (N = block_length, q = query_length: every block whole, where RAM cuts the text to length),
+  s = the rest; the target is block round(depth x (B - 1)) (uniform with no depth).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ FORWARD, BACKWARD = ord(">"), ord("<")  # graphwalks: an edge u > v; a query's d
 END = ord(".")  # graphwalks, common_words: after the last element of a set-valued answer
 COMMON_TIMES = 3  # common_words: occurrences of each common word (the others occur once)
 WORD = 3  # common_words: letters in a word
+BLOCK_END = ord(".")  # find_block: between two blocks
 PERSONS = ("Mary", "John", "Daniel", "Sandra")  # babilong: bAbI's people, places, objects and verbs
 PLACES = ("bathroom", "hallway", "kitchen", "garden", "office", "bedroom")
 OBJECTS = ("football", "apple", "milk")
@@ -260,9 +267,31 @@ def common_words(task, rng: np.random.Generator, n: int, depth: None, split: str
     return np.concatenate([[PAD] * pad, listed, [QUERY], answer]), np.arange(n - len(answer), n)
 
 
+# --- find_block ----------------------------------------------------------------------------
+
+def find_block(task, rng: np.random.Generator, n: int, depth: float | None, split: str):
+    size, asked = task.block_length, task.query_length
+    blocks = (n - asked - size) // (size + 1)
+    target = rng.choice(26, size, replace=False)
+    query = rng.choice(target, asked, replace=False)
+    at = int(round((rng.random() if depth is None else depth) * (blocks - 1)))
+    letters = np.argsort(rng.random((blocks, 26)), axis=1)[:, :size]  # distinct letters per block
+    while True:  # a block with every query letter would be a second answer: drawn again (RAM's rule)
+        clash = np.isin(letters, query).sum(axis=1) == asked
+        if not clash.any():
+            break
+        letters[clash] = np.argsort(rng.random((int(clash.sum()), 26)), axis=1)[:, :size]
+    letters[at] = target
+    text = np.concatenate([letters + LOWER, np.full((blocks, 1), BLOCK_END)], axis=1).reshape(-1)[:-1]
+    pad = n - len(text) - 1 - asked - size
+    assert 0 <= pad <= size, pad  # every block whole, the answer too
+    seq = np.concatenate([[PAD] * pad, text, [QUERY], query + LOWER, target + LOWER])
+    return seq, np.arange(n - size, n)
+
+
 #: name -> layout(task, rng, n, depth, split): (seq, answer indices) or Labelled
 LAYOUTS = {"state_tracking": state_tracking, "graphwalks": graphwalks, "babilong": babilong,
-           "multi_query": multi_query, "common_words": common_words}
+           "multi_query": multi_query, "common_words": common_words, "find_block": find_block}
 
 
 def min_length(task) -> int:
@@ -270,7 +299,8 @@ def min_length(task) -> int:
     k = task.key_length
     return {"state_tracking": 1, "graphwalks": 10 + task.max_answer, "babilong": babilong_min_length(task),
             "multi_query": task.num_needles * (k + 2) + task.num_queries * (k + 1),
-            "common_words": (WORD + 1) * COMMON_TIMES * task.num_common + WORD * task.num_common + 1}[task.name]
+            "common_words": (WORD + 1) * COMMON_TIMES * task.num_common + WORD * task.num_common + 1,
+            "find_block": 2 * task.block_length + task.query_length}[task.name]
 
 
 def max_length(task) -> int | None:

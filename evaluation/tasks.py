@@ -1,6 +1,6 @@
 """Synthetic-task accuracy against length: a model trained on ``data/synthetic.py`` samples of
 length L answers fresh samples (the ``test`` stream) of lengths L·{1, 2, 4, 8} and, for
-the retrieval tasks with a depth (passkey, niah, multi_key), with the key at several depths.
+the retrieval tasks with a depth (passkey, niah, multi_key, find_block), with the key at several depths.
 
 One teacher-forced forward per batch: the answer tokens' logits come from ``GPT.hidden`` and
 ``GPT.logits`` at the answer positions only (so (B, T, V) logits never exist), and the

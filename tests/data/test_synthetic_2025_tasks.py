@@ -24,7 +24,7 @@ from tests.data.test_synthetic_diagnostic_tasks import needles
 from tests.tiny import tiny_gpt
 
 Q = bytes([QUERY])
-NEW = ("state_tracking", "graphwalks", "babilong", "multi_query", "common_words")
+NEW = ("state_tracking", "graphwalks", "babilong", "multi_query", "common_words", "find_block")
 
 
 # --- naive readers ------------------------------------------------------------------------------
@@ -131,6 +131,19 @@ def read_common_words(x: bytes, common: int) -> list[int]:
     return list(answer)
 
 
+def read_find_block(x: bytes, size: int, asked: int) -> list[int]:
+    body = x.lstrip(bytes([PAD]))
+    assert len(x) - len(body) <= size
+    text, tail = body.split(Q)
+    blocks = text.split(b".")
+    assert all(len(b) == size == len(set(b)) and b.isalpha() and b.islower() for b in blocks)
+    query = tail[:asked]
+    hits = [b for b in blocks if set(query) <= set(b)]
+    assert len(query) == len(set(query)) == asked and len(hits) == 1  # one block holds every query letter
+    assert tail[asked:] == hits[0][:-1]
+    return list(hits[0])
+
+
 def test_readers_on_hand_made_sequences():
     # S3 sorted: 0 (0,1,2), 1 (0,2,1), 2 (1,0,2), 3 (1,2,0), 4 (2,0,1), 5 (2,1,0); (0,2,1) then (1,0,2)
     # = (1,2,0) (p[i] = b[a[i]]); then (0,2,1) again: (2,1,0)
@@ -148,6 +161,9 @@ def test_readers_on_hand_made_sequences():
     assert read_babilong(story + b"\nWhere was the milk before the hallway? offic", 6) == list(b"office")
     assert read_multi_query(b"T\x1cA1h\x1cB2e\x1cC3\x1fCA3", 1, 3, 2) == list(b"31")
     assert read_common_words(b"\x00abc xyz abc abc qrs \x1fabc", 1) == list(b"abc.")
+    assert read_find_block(b"\x00abc.bcd.cde\x1fdbbc", 3, 2) == list(b"bcd")
+    with pytest.raises(AssertionError):
+        read_find_block(b"abc.bcd.cbe\x1fcbbc", 3, 2)  # two blocks hold b and c
     with pytest.raises(AssertionError):
         read_common_words(b"abc xyz abc abc xyz \x1fabc", 1)  # a word twice: neither common nor rare
 
@@ -156,7 +172,7 @@ TASKS = [Task("state_tracking"), Task("state_tracking", group="A5"), Task("state
          Task("graphwalks"), Task("graphwalks", walk_depth=3, max_answer=2), Task("babilong"),
          Task("babilong", qa=2, num_facts=3), Task("babilong", qa=3), Task("multi_query"),
          Task("multi_query", num_needles=6, num_queries=2, key_length=2), Task("common_words"),
-         Task("common_words", num_common=1)]
+         Task("common_words", num_common=1), Task("find_block"), Task("find_block", block_length=3, query_length=3)]
 
 
 def answers_of(task: Task, x: np.ndarray, y: np.ndarray) -> list[int]:
@@ -165,7 +181,8 @@ def answers_of(task: Task, x: np.ndarray, y: np.ndarray) -> list[int]:
             "graphwalks": lambda: read_graphwalks(raw, task.max_answer),
             "babilong": lambda: read_babilong(raw, int((y >= 0).sum())),
             "multi_query": lambda: read_multi_query(raw, task.key_length, task.num_needles, task.num_queries),
-            "common_words": lambda: read_common_words(raw, task.num_common)}[task.name]()
+            "common_words": lambda: read_common_words(raw, task.num_common),
+            "find_block": lambda: read_find_block(raw, task.block_length, task.query_length)}[task.name]()
 
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t.name)
@@ -182,8 +199,8 @@ def test_every_length_has_the_layout_and_only_answers_are_targets(task):
                 assert np.array_equal(y[answer[:-1]], x[answer[:-1] + 1])
 
 
-def layout(task: Task, length: int, index: int = 0):
-    x, y = task.sample(length, index, seed=1)
+def layout(task: Task, length: int, index: int = 0, depth: float | None = None):
+    x, y = task.sample(length, index, seed=1, depth=depth)
     return list(x), list(y)
 
 
@@ -209,6 +226,12 @@ def test_shortest_layouts_written_out_by_hand():
     x, y = layout(Task("common_words", num_common=1), 16)
     word = x[:3]
     assert x == [*word, 32] * 3 + [QUERY, *word] and y == [-1] * 12 + [*word, ord(".")]
+    # find_block, blocks of 3, 1 asked, length 11: b1 . b2 QUERY q t1 t2 -> t1 t2 t3 (the block holding q)
+    for depth, at in ((0.0, 0), (1.0, 4)):
+        x, y = layout(Task("find_block", block_length=3, query_length=1), 11, depth=depth)
+        hit, other = x[at : at + 3], x[4 - at : 7 - at]
+        assert x[3] == ord(".") and x[7] == QUERY and x[8] in hit and x[8] not in other and x[9:] == hit[:2]
+        assert y == [-1] * 8 + hit and len(set(hit)) == len(set(other)) == 3
     # babilong qa1, 1 fact: the text around the fact, then the question and the place
     x, y = layout(Task("babilong", num_facts=1), 200)
     raw = bytes(x + [y[-1]]).decode("latin-1")
@@ -297,6 +320,9 @@ def test_f1_is_scored_for_set_valued_tasks_only(monkeypatch):
     (lambda: Task("multi_query", num_needles=20).sample(100, 0),
      "length must be an integer >= 164 (the shortest multi_query sample)"),
     (lambda: Task("common_words", num_common=0), "data.num_common must be an integer >= 1, got 0"),
+    (lambda: Task("find_block", query_length=6), "data.query_length must be <= data.block_length=5 (the letters "
+                                                 "asked are the target block's), got 6"),
+    (lambda: Task("find_block", block_length=27), "data.block_length must be <= 26 (distinct letters 'a'-'z')"),
     (lambda: SyntheticDataModule("common_words", block_size=32), "data.block_size must be an integer >= 46"),
     (lambda: SyntheticDataModule("graphwalks", depth=0.5), "data.depth must be null for data.task=graphwalks"),
     (lambda: TaskEvalConfig(f1=True).check_task(Task("passkey")),
@@ -398,3 +424,32 @@ def test_compare_runs_shows_f1_beside_exact_match_and_marks_unlearned_runs_once(
     assert "| rope [1/2 not learned at L] (2) | 85.0 ± " in md[f1:] and " | 30.0 ± " in md[f1:]
     assert "| rope [1/2 not learned at L] (2) | 75.0 ± " in md[exact:f1]
     assert all(line.count("not learned") <= 1 for line in md.splitlines())
+
+
+def test_find_block_depth_places_the_target_block_and_keeps_the_query():
+    task = Task("find_block")
+    # length 64: 65 ids = 9 blocks of 5 + 8 '.', QUERY, 2 letters, 5 answer, 4 PADs; the target is block round(8 d)
+    seen = set()
+    for depth, block in ((0.0, 0), (0.5, 4), (1.0, 8)):
+        x, y = task.sample(64, 3, seed=1, depth=depth)
+        raw = bytes(x.tolist()).lstrip(bytes([PAD]))
+        assert len(x) - len(raw) == 4
+        blocks = raw.split(Q)[0].split(b".")
+        assert len(blocks) == 9 and list(blocks[block]) == list(y[y >= 0])
+        seen.add((bytes(y[y >= 0].tolist()), raw.split(Q)[1]))
+    assert len(seen) == 1  # the same target and query at every depth
+    spots = Counter(bytes(task.sample(64, i)[0].tolist()).lstrip(b"\0").split(Q)[0].split(b".").index(
+        bytes(task.sample(64, i)[1][-5:].tolist())) for i in range(90))
+    assert set(spots) == set(range(9))  # no depth given: every block
+
+
+def test_task_evaluation_scores_depth_rows_only_for_find_block():
+    """At L x {1, 2}: find_block by depth (its heatmap), the others one row a length."""
+    gpt = tiny_gpt("alibi", config=GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    config = TaskEvalConfig(multipliers=[1, 2], depths=[0.0, 1.0], samples=2, precision="32")
+    for name in NEW:
+        rows = evaluate_tasks(gpt, Task(name), 200, config, seed=0, log=lambda _: None)
+        depth = name == "find_block"
+        assert [(r.eval_length, r.ok) for r in rows] == [(n, True) for n in (200, 400) for _ in range(1 + depth)]
+        assert all(math.isnan(r.depth) != depth for r in rows)
+        assert all(math.isnan(r.f1) != Task(name).set_valued for r in rows)

@@ -255,7 +255,7 @@ def test_samples_are_pure_functions_of_their_arguments():
     (lambda: Task("variable_tracking").sample(28, 0),
      "length must be an integer >= 29 (the shortest variable_tracking"),
     (lambda: Task("multi_value").sample(64, 0, depth=0.5), "depth must be null for task=multi_value (only passkey, "
-                                                           "niah, multi_key have a depth)"),
+                                                           "niah, multi_key, find_block have a depth)"),
     (lambda: SyntheticDataModule("multi_value", block_size=32, num_needles=4),
      "data.block_size must be an integer >= 49 (the shortest multi_value sample with these options), got 32"),
     (lambda: SyntheticDataModule("variable_tracking", depth=0.5),
