@@ -73,7 +73,7 @@ the answers (so the last answer token is a target, never an input):
   v1..vk`` and the variables of the chain that holds that value, in chain order. Answer: the
   variables. No depth (the chain is spread over the context).
 - ``state_tracking``, ``graphwalks``, ``babilong``, ``multi_query``, ``common_words``,
-  ``find_block``: the 2025–26 long-context tasks, laid out in data/tasks_2025.py (``state_tracking``'s targets label the
+  ``find_block``, ``latent_list``: the 2025–26 long-context tasks, laid out in data/tasks_2025.py (``state_tracking``'s targets label the
   inputs rather than being the next tokens; ``graphwalks`` and ``common_words`` answer sets,
   scored by exact match and F1).
 
@@ -112,7 +112,7 @@ NIAH_END = b"."  # the haystack after it starts at a word break (a space)
 NIAH_QUESTION = b"\nWhat is the pass key? The pass key is "
 TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop", "niah", "counting", "selective_copy",
                    "indirect_indexing", "multi_key", "multi_value", "variable_tracking", "state_tracking",
-                   "graphwalks", "babilong", "multi_query", "common_words", "find_block"]
+                   "graphwalks", "babilong", "multi_query", "common_words", "find_block", "latent_list"]
 TASKS: tuple[str, ...] = TaskName.__args__
 SPLITS = ("train", "val", "test")
 _TASK_CODE = {name: code for code, name in enumerate(TASKS, start=1)}  # fixed: changing one changes every sample
@@ -142,12 +142,13 @@ class Task:
     num_common: int = 3  # common_words: words that occur more often than the others, all asked
     block_length: int = 5  # find_block: distinct letters in a block (MTA's N = 5)
     query_length: int = 2  # find_block: letters of the target block asked (MTA's L = 2)
+    num_ops: int = 4  # latent_list: operations on the asked list (the others act on a distractor list)
 
     def __post_init__(self) -> None:
         require(self.name in TASKS, "data.task", self.name, f"one of {', '.join(TASKS)}")
         for key in ("key_length", "num_pairs", "num_queries", "num_vars", "num_tokens", "max_offset", "num_needles",
                     "num_chains", "num_hops", "walk_depth", "max_answer", "qa", "num_facts", "num_common", "block_length",
-                    "query_length"):
+                    "query_length", "num_ops"):
             value = getattr(self, key)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"data.{key}", value,
                     "an integer >= 1")

@@ -48,6 +48,13 @@ data/synthetic.py, except state_tracking, whose targets are labels of the inputs
   the answer: the target block. No other block holds every query letter. B = (n - q - N) // (N + 1)
   (N = block_length, q = query_length: every block whole, where RAM cuts the text to length),
   s = the rest; the target is block round(depth x (B - 1)) (uniform with no depth).
+- ``latent_list`` (after Michelangelo's Latent List, Vodrahalli et al. 2024, whose generator is
+  not public: a list tracked through operations among irrelevant ones; this grammar is pelab's):
+  ``[PAD]*s`` then S three-token statements ``v op x`` on list v = 'a' (``num_ops`` of them, at
+  uniform places) or 'b' (the distractors): ``+d`` appends digit d, ``<d`` puts d first, ``-.``
+  drops the last item (only of a non-empty list), ``~.`` reverses; both lists start empty. Then
+  ``QUERY`` and the answer: list a's digits, first to last, then END (empty: END alone). S =
+  (n - 2 - num_ops) // 3, s = n - 2 - |a| - 3S absorbs the answer's size.
 """
 
 from __future__ import annotations
@@ -289,9 +296,40 @@ def find_block(task, rng: np.random.Generator, n: int, depth: float | None, spli
     return seq, np.arange(n - size, n)
 
 
+# --- latent_list ---------------------------------------------------------------------------
+
+APPEND, PREPEND, DROP, REVERSE = ord("+"), ord("<"), ord("-"), ord("~")  # latent_list's operations
+
+
+def latent_list(task, rng: np.random.Generator, n: int, depth: None, split: str):
+    statements = (n - 2 - task.num_ops) // 3
+    relevant = set(rng.choice(statements, task.num_ops, replace=False).tolist())
+    lists: dict[int, list[int]] = {ord("a"): [], ord("b"): []}
+    text = np.empty((statements, 3), dtype=np.int64)
+    ops, digits = rng.integers(0, 4, statements), rng.integers(0, 10, statements) + DIGITS
+    for i in range(statements):  # a few hundred statements: a plain loop is clear and fast enough
+        name = ord("a") if i in relevant else ord("b")
+        items = lists[name]
+        op = (APPEND, PREPEND, DROP, REVERSE)[ops[i] if items or ops[i] < 2 else ops[i] - 2]  # no drop of nothing
+        if op == APPEND:
+            items.append(int(digits[i]))
+        elif op == PREPEND:
+            items.insert(0, int(digits[i]))
+        elif op == DROP:
+            items.pop()
+        else:
+            items.reverse()
+        text[i] = name, op, digits[i] if op in (APPEND, PREPEND) else END
+    answer = np.array([*lists[ord("a")], END], dtype=np.int64)
+    pad = n - 1 - len(answer) - 3 * statements
+    assert 0 <= pad <= task.num_ops + 2, pad  # the answer is never cut off
+    return np.concatenate([[PAD] * pad, text.reshape(-1), [QUERY], answer]), np.arange(n - len(answer), n)
+
+
 #: name -> layout(task, rng, n, depth, split): (seq, answer indices) or Labelled
 LAYOUTS = {"state_tracking": state_tracking, "graphwalks": graphwalks, "babilong": babilong,
-           "multi_query": multi_query, "common_words": common_words, "find_block": find_block}
+           "multi_query": multi_query, "common_words": common_words, "find_block": find_block,
+           "latent_list": latent_list}
 
 
 def min_length(task) -> int:
@@ -300,7 +338,7 @@ def min_length(task) -> int:
     return {"state_tracking": 1, "graphwalks": 10 + task.max_answer, "babilong": babilong_min_length(task),
             "multi_query": task.num_needles * (k + 2) + task.num_queries * (k + 1),
             "common_words": (WORD + 1) * COMMON_TIMES * task.num_common + WORD * task.num_common + 1,
-            "find_block": 2 * task.block_length + task.query_length}[task.name]
+            "find_block": 2 * task.block_length + task.query_length, "latent_list": 4 * task.num_ops + 1}[task.name]
 
 
 def max_length(task) -> int | None:

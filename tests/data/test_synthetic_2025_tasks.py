@@ -24,7 +24,7 @@ from tests.data.test_synthetic_diagnostic_tasks import needles
 from tests.tiny import tiny_gpt
 
 Q = bytes([QUERY])
-NEW = ("state_tracking", "graphwalks", "babilong", "multi_query", "common_words", "find_block")
+NEW = ("state_tracking", "graphwalks", "babilong", "multi_query", "common_words", "find_block", "latent_list")
 
 
 # --- naive readers ------------------------------------------------------------------------------
@@ -144,6 +144,30 @@ def read_find_block(x: bytes, size: int, asked: int) -> list[int]:
     return list(hits[0])
 
 
+def read_latent_list(x: bytes, ops: int) -> list[int]:
+    body = x.lstrip(bytes([PAD]))
+    text, tail = body.split(Q)
+    assert len(x) - len(body) <= ops + 2 and len(text) % 3 == 0
+    items, count = [], 0
+    for i in range(0, len(text), 3):
+        name, op, arg = text[i : i + 3]
+        assert name in b"ab" and (chr(arg).isdigit() if op in b"+<" else (op in b"-~" and arg == ord(".")))
+        if name != ord("a"):
+            continue
+        count += 1
+        if op == ord("+"):
+            items = items + [arg]
+        elif op == ord("<"):
+            items = [arg] + items
+        elif op == ord("-"):
+            assert items  # never dropped from an empty list
+            items = items[:-1]
+        else:
+            items = items[::-1]
+    assert count == ops and tail == bytes(items)
+    return items + [ord(".")]
+
+
 def test_readers_on_hand_made_sequences():
     # S3 sorted: 0 (0,1,2), 1 (0,2,1), 2 (1,0,2), 3 (1,2,0), 4 (2,0,1), 5 (2,1,0); (0,2,1) then (1,0,2)
     # = (1,2,0) (p[i] = b[a[i]]); then (0,2,1) again: (2,1,0)
@@ -162,6 +186,7 @@ def test_readers_on_hand_made_sequences():
     assert read_multi_query(b"T\x1cA1h\x1cB2e\x1cC3\x1fCA3", 1, 3, 2) == list(b"31")
     assert read_common_words(b"\x00abc xyz abc abc qrs \x1fabc", 1) == list(b"abc.")
     assert read_find_block(b"\x00abc.bcd.cde\x1fdbbc", 3, 2) == list(b"bcd")
+    assert read_latent_list(b"a+1b+2a<3a~.b-.a-.\x1f1", 4) == list(b"1.")  # [1] [3 1] [1 3] [1]
     with pytest.raises(AssertionError):
         read_find_block(b"abc.bcd.cbe\x1fcbbc", 3, 2)  # two blocks hold b and c
     with pytest.raises(AssertionError):
@@ -172,7 +197,8 @@ TASKS = [Task("state_tracking"), Task("state_tracking", group="A5"), Task("state
          Task("graphwalks"), Task("graphwalks", walk_depth=3, max_answer=2), Task("babilong"),
          Task("babilong", qa=2, num_facts=3), Task("babilong", qa=3), Task("multi_query"),
          Task("multi_query", num_needles=6, num_queries=2, key_length=2), Task("common_words"),
-         Task("common_words", num_common=1), Task("find_block"), Task("find_block", block_length=3, query_length=3)]
+         Task("common_words", num_common=1), Task("find_block"), Task("find_block", block_length=3, query_length=3),
+         Task("latent_list"), Task("latent_list", num_ops=12)]
 
 
 def answers_of(task: Task, x: np.ndarray, y: np.ndarray) -> list[int]:
@@ -182,7 +208,8 @@ def answers_of(task: Task, x: np.ndarray, y: np.ndarray) -> list[int]:
             "babilong": lambda: read_babilong(raw, int((y >= 0).sum())),
             "multi_query": lambda: read_multi_query(raw, task.key_length, task.num_needles, task.num_queries),
             "common_words": lambda: read_common_words(raw, task.num_common),
-            "find_block": lambda: read_find_block(raw, task.block_length, task.query_length)}[task.name]()
+            "find_block": lambda: read_find_block(raw, task.block_length, task.query_length),
+            "latent_list": lambda: read_latent_list(raw, task.num_ops)}[task.name]()
 
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t.name)
@@ -232,6 +259,10 @@ def test_shortest_layouts_written_out_by_hand():
         hit, other = x[at : at + 3], x[4 - at : 7 - at]
         assert x[3] == ord(".") and x[7] == QUERY and x[8] in hit and x[8] not in other and x[9:] == hit[:2]
         assert y == [-1] * 8 + hit and len(set(hit)) == len(set(other)) == 3
+    # latent_list, one operation, length 5: 6 ids = "a" op arg QUERY answer END, the op on the empty list
+    x, y = layout(Task("latent_list", num_ops=1), 5)
+    assert x[:2] in ([ord("a"), ord("+")], [ord("a"), ord("<")]) and x[3] == QUERY and x[4] == x[2]
+    assert y == [-1] * 3 + [x[2], ord(".")]
     # babilong qa1, 1 fact: the text around the fact, then the question and the place
     x, y = layout(Task("babilong", num_facts=1), 200)
     raw = bytes(x + [y[-1]]).decode("latin-1")
@@ -322,6 +353,8 @@ def test_f1_is_scored_for_set_valued_tasks_only(monkeypatch):
     (lambda: Task("common_words", num_common=0), "data.num_common must be an integer >= 1, got 0"),
     (lambda: Task("find_block", query_length=6), "data.query_length must be <= data.block_length=5 (the letters "
                                                  "asked are the target block's), got 6"),
+    (lambda: Task("latent_list", num_ops=0), "data.num_ops must be an integer >= 1, got 0"),
+    (lambda: Task("latent_list", num_ops=8).sample(32, 0), "length must be an integer >= 33 (the shortest latent_list"),
     (lambda: Task("find_block", block_length=27), "data.block_length must be <= 26 (distinct letters 'a'-'z')"),
     (lambda: SyntheticDataModule("common_words", block_size=32), "data.block_size must be an integer >= 46"),
     (lambda: SyntheticDataModule("graphwalks", depth=0.5), "data.depth must be null for data.task=graphwalks"),
