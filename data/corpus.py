@@ -37,6 +37,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 
+from data.paths import PathError
+
 # Gutenberg headers in big.txt look like "*** START OF THE PROJECT GUTENBERG EBOOK, WAR AND PEACE ***"
 # (or "THIS PROJECT ..."). Everything outside START..END is licence text or word lists.
 _START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? (?P<title>.+?) ?\*\*\*\s*$", re.M)
@@ -331,6 +333,9 @@ def find_corpus_files(paths: list[str]) -> list[Path]:
             if not match.is_file():
                 continue
             if match.suffix.lower() in FILE_FORMATS:
+                if not os.access(match, os.R_OK):  # now, not when the token cache is built
+                    raise PathError(f"data.paths: {match} cannot be read by this user (permission denied); make it "
+                                    f"readable, or leave it out of data.paths")
                 found.add(match.resolve())
             else:
                 skipped.append(str(match))
@@ -339,6 +344,45 @@ def find_corpus_files(paths: list[str]) -> list[Path]:
                 + (", ..." if len(skipped) > 5 else "")) if skipped else "found no files at all"
         raise ValueError(f"data.paths={list(paths)} names no corpus file ({seen}); supported: {_FORMAT_HELP}")
     return sorted(found)
+
+
+def jsonl_rows(data: bytes):
+    """(line number, the line's JSON value; None for a blank line) of a JSON lines file's bytes. A
+    line that is not UTF-8 or not JSON raises ValueError("line N is not ...: what and where")."""
+    for n, raw in enumerate(data.splitlines(), 1):
+        if not raw.strip():
+            yield n, None
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"line {n} is not UTF-8: byte {raw[err.start]:#04x} at column {err.start + 1}") from None
+        except ValueError as err:
+            raise ValueError(f"line {n} is not JSON: {err}") from None
+        yield n, row
+
+
+def file_problem(path: Path, builder: str) -> str | None:
+    """What keeps ``path`` from being read as a corpus file of ``builder`` (text, json), naming
+    the line, and what to do; None when nothing is found (parquet: not looked into)."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err}); make it readable"
+    try:
+        if builder == "text":
+            data.decode("utf-8")
+        elif builder == "json":
+            for n, row in jsonl_rows(data):
+                if row is not None and not isinstance(row, dict):
+                    return f"line {n} is a JSON {type(row).__name__}, not an object; fix that line"
+    except UnicodeDecodeError as err:  # a .txt file: the line and column of the first bad byte
+        line, line_start = data.count(b"\n", 0, err.start) + 1, data.rfind(b"\n", 0, err.start) + 1
+        return (f"line {line} is not UTF-8: byte {data[err.start]:#04x} at column {err.start - line_start + 1}; "
+                f"save it as UTF-8")
+    except ValueError as err:
+        return f"{err}; fix that line"
+    return None
 
 
 def document_key(text: str) -> int:
@@ -433,6 +477,10 @@ class TextFilesCorpus:
             dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                             cache_dir=str(cache), download_mode="force_redownload", **options)
         except Exception as err:
+            # the builder's own error names neither the file nor the line: found here, then said
+            found = next(((f, why) for f in files if (why := file_problem(f, builder))), None)
+            if found:
+                raise PathError(f"data.paths: {found[0]} {found[1]}, or leave the file out of data.paths") from None
             raise ValueError(f"data.paths: could not read the {kind} files ({', '.join(map(str, files[:3]))}"
                              f"{', ...' if len(files) > 3 else ''}): {type(err).__name__}: {err}") from err
         field = "text" if builder == "text" else self.text_field

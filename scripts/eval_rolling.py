@@ -27,7 +27,9 @@ DATA = ROOT / "lm_eval_tasks" / "pelab_gutenberg" / "gutenberg_val.jsonl"
 def read_documents(path: Path) -> list[str]:
     """The ``text`` of every line of the JSON lines file ``path``, checked before the model is
     loaded: a line that is not UTF-8, not JSON or has no ``text`` string is one line naming the
-    file, the line and what is wrong."""
+    file, the line and what is wrong (``data.corpus.jsonl_rows``, as for a training corpus)."""
+    from data.corpus import jsonl_rows
+
     if not path.is_file():
         bad_value("data", str(path), "a JSON lines file with a 'text' field per line")
     every_line = "a JSON object with a 'text' string on every line"
@@ -36,18 +38,13 @@ def read_documents(path: Path) -> list[str]:
     except OSError as e:
         bad_value("data", str(path), f"a JSON lines file this user can read ({e.strerror})")
     texts = []
-    for n, raw in enumerate(data.splitlines(), 1):
-        try:
-            line = raw.decode("utf-8")
-            row = json.loads(line) if line.strip() else None
-        except UnicodeDecodeError as e:
-            bad_value("data", str(path), f"UTF-8 text, {every_line} (line {n} is not UTF-8: byte {raw[e.start]:#04x} "
-                                         f"at column {e.start + 1})")
-        except ValueError as e:
-            bad_value("data", str(path), f"{every_line} (line {n} is not JSON: {e})")
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            bad_value("data", str(path), f"{every_line} (line {n} {'is blank' if row is None else 'has none'})")
-        texts.append(row["text"])
+    try:
+        for n, row in jsonl_rows(data):
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                bad_value("data", str(path), f"{every_line} (line {n} {'is blank' if row is None else 'has none'})")
+            texts.append(row["text"])
+    except ValueError as e:  # not UTF-8, not JSON: the line and what is wrong
+        bad_value("data", str(path), f"{every_line} ({e})")
     if not texts:
         bad_value("data", str(path), "at least one document")
     return texts

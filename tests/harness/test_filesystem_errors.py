@@ -339,7 +339,45 @@ def test_eval_rolling_names_the_file_and_the_line_of_a_bad_jsonl_line(kind, tmp_
     with pytest.raises(SystemExit) as exit_:
         script("eval_rolling").main([f"ckpt={tmp_path / 'never-read.ckpt'}", f"data={data}"])
     message = one_line(str(exit_.value.code))
-    assert message.startswith(f"data='{data}' is not valid: expected ") and message.endswith(said)
+    assert message == f"data='{data}' is not valid: expected a JSON object with a 'text' string on every line {said}"
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_a_training_corpus_file_with_a_bad_line_is_named_with_its_line(kind, tmp_path):
+    """data=text data.paths=[...]: the ``datasets`` builder's own error ("An error occurred while
+    generating the dataset") named neither the file nor the line, and was a traceback under
+    train.py; now a PathError (one line there) naming both."""
+    from data.corpus import TextFilesCorpus
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    if kind == "jsonl":
+        (corpus / "a.jsonl").write_bytes(b'{"text": "one two"}\n{"text": "three"}\n')
+        (corpus / "b.jsonl").write_bytes(b'{"text": "four"}\n\n{"text": "cut\n')
+        said = (f"data.paths: {corpus / 'b.jsonl'} line 3 is not JSON: Unterminated string starting at: line 1 column "
+                f"10 (char 9); fix that line, or leave the file out of data.paths")
+    else:
+        (corpus / "a.txt").write_bytes(b"one two\n")
+        (corpus / "b.txt").write_bytes(b"three\nfour caf\xe9\n")
+        said = (f"data.paths: {corpus / 'b.txt'} line 2 is not UTF-8: byte 0xe9 at column 9; save it as UTF-8, or "
+                f"leave the file out of data.paths")
+    with pytest.raises(PathError) as err:
+        TextFilesCorpus([str(corpus)]).load(tmp_path / "work")
+    assert str(err.value) == said
+
+
+def test_an_unreadable_corpus_file_is_refused_when_the_corpus_is_built(tmp_path, monkeypatch):
+    """At validation (the data module builds the corpus), not when the token cache is built; the
+    permission is simulated (root reads everything)."""
+    import data.corpus
+    from data.corpus import TextFilesCorpus
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("text\n")
+    monkeypatch.setattr(data.corpus.os, "access", lambda path, mode: Path(path).name != "b.txt")
+    with pytest.raises(PathError, match=rf"^data\.paths: {tmp_path / 'b.txt'} cannot be read by this user \(permission "
+                                        r"denied\); make it readable, or leave it out of data\.paths$"):
+        TextFilesCorpus([str(tmp_path)])
 
 
 # --- what killed writers leave -------------------------------------------------------------------
