@@ -22,7 +22,7 @@ def train(cfg: DictConfig) -> float | None:
     from pelab.batch import set_accumulation
     from pelab.checkpoint import load_init_weights, resume_from_run_dir
     from pelab.config import build
-    from pelab.hydra_callbacks import check_writable_dir
+    from pelab.hydra_callbacks import check_output_folders
     from pelab.lit import LitGPT
     from pelab.loggers import build_loggers, closed_on_failure
     from pelab.run import emulated_bf16_notice, name_run, save_run, summary, wandb_run_id
@@ -32,7 +32,7 @@ def train(cfg: DictConfig) -> float | None:
     output_dir = Path(cfg.paths.output_dir)
     resuming = resume_from_run_dir(cfg, output_dir)
     checked = validate_config(cfg)
-    check_writable_dir(output_dir)  # Hydra checked its run dir; paths.output_dir may point elsewhere
+    check_output_folders(cfg)  # paths.output_dir and the checkpoints' folder, writable
     identity = name_run(cfg)
 
     # build

@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from data.paths import PathError, folder_problem
+from data.paths import PathError, folder_problem, output_folder
 from pelab.config import ConfigError
 from pelab.redact import redact_yaml_file
 
@@ -31,6 +31,19 @@ def check_writable_dir(path: Path) -> None:
     if not existing.is_dir():
         raise ConfigError(f"output directory {path} cannot be created: {existing} is a file; {HOW_TO_MOVE}")
     raise ConfigError(f"output directory {path} is not writable ({existing} is {what}); {HOW_TO_MOVE}")
+
+
+def check_output_folders(cfg: DictConfig) -> None:
+    """The folders a run writes into, checked before any data is read: ``paths.output_dir`` (Hydra
+    checked its run dir; this one may point elsewhere) and every callback's ``dirpath`` (the
+    checkpoints: a save that cannot be written would fail after the compute)."""
+    check_writable_dir(Path(cfg.paths.output_dir))
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node and node.get("dirpath"):
+            try:
+                output_folder(f"callbacks.{name}.dirpath", node.dirpath)
+            except PathError as err:
+                raise ConfigError(str(err)) from None
 
 
 class PathFailure(CompactHydraException, ValueError):

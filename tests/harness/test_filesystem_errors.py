@@ -132,6 +132,23 @@ def test_train_validation_refuses_an_empty_tokenizer_file_before_any_data(tmp_pa
     assert message == f"data.tokenizer='{empty}' is empty (0 bytes); {TO_GIVE}"
 
 
+def test_train_refuses_a_checkpoint_folder_under_a_file_before_any_data(tmp_path, monkeypatch):
+    """callbacks.model_checkpoint.dirpath: before, the first checkpoint save failed, after the compute."""
+    import pelab.datamodule
+    from pelab.config import ConfigError
+    from train import train
+
+    monkeypatch.setattr(pelab.datamodule.TextDataModule, "setup", lambda *a: pytest.fail("data was read"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cfg = compose_config(["logger=none", f"callbacks.model_checkpoint.dirpath={blocker / 'ckpts'}"], tmp_path / "out")
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    assert str(err.value) == (f"callbacks.model_checkpoint.dirpath={blocker / 'ckpts'}: {blocker} above it is a file, "
+                              f"not a folder; give callbacks.model_checkpoint.dirpath= a new folder, or an existing "
+                              f"folder this user can write")
+
+
 # --- the token cache's folder --------------------------------------------------------------------
 
 def test_a_cache_folder_that_is_a_file_or_under_one_is_refused_by_validation(tmp_path, no_work):
