@@ -49,9 +49,17 @@ def path_option(check: str, key: str, value, *args, **kwargs) -> Path:
     read; a refusal is the script's one line."""
     import data.paths
 
+    return path_option_of(getattr(data.paths, check), key, value, *args, **kwargs)
+
+
+def path_option_of(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its ``data.paths.PathError`` (a path option, a full disk) as the
+    script's one line."""
+    from data.paths import PathError
+
     try:
-        return getattr(data.paths, check)(key, value, *args, **kwargs)
-    except data.paths.PathError as e:
+        return fn(*args, **kwargs)
+    except PathError as e:
         raise SystemExit(str(e)) from None
 
 
@@ -119,12 +127,15 @@ def evaluate_checkpoint(ckpt: Path, cfg, options: dict, device, out: str | None 
     group. ``seed``: the task samples' seed (default the run's). Returns {name: Outcome}."""
     import torch
 
+    from data.cache import check_cache_folder
     from evaluation.registry import PROBES, enabled_probes
     from pelab.checkpoint import load_lit_gpt
     from pelab.datamodule import build_datamodule
     from pelab.evaluate import run_evaluations, subject_of
 
     datamodule = build_datamodule(cfg.data)  # reads nothing yet
+    if hasattr(datamodule, "token_dir"):  # the token cache's folder, as train.py checks it
+        path_option_of(check_cache_folder, datamodule.token_dir, "data.data_dir", cfg.data.get("data_dir"))
     if not enabled_probes(options, getattr(datamodule, "held_out_text", True)):
         raise SystemExit(f"nothing to evaluate: no probe of eval.{{{','.join(n for n in options if n in PROBES)}}} is "
                          f"enabled for this run's data (data._target_={cfg.data.get('_target_')}; extrapolation needs "
@@ -136,8 +147,8 @@ def evaluate_checkpoint(ckpt: Path, cfg, options: dict, device, out: str | None 
     module = load_lit_gpt(ckpt, map_location=device)
     module.model.to(device)
     if getattr(datamodule, "held_out_text", True):
-        if rank_zero:
-            datamodule.prepare_data()
+        if rank_zero:  # a full disk while the token cache is built: its one line
+            path_option_of(datamodule.prepare_data)
         if distributed:
             torch.distributed.barrier()  # the other ranks read the cache rank zero prepared
         datamodule.setup("validate")

@@ -162,6 +162,21 @@ def test_a_cache_folder_that_is_a_file_or_under_one_is_refused_by_validation(tmp
     assert blocker.read_text() == "not a folder"
 
 
+def test_scripts_check_the_token_cache_folder_before_any_data(tmp_path, monkeypatch):
+    """scripts/evaluate.py (and its translators) build the run's data module: its cache folder is
+    checked as train.py checks it, and a full disk during the build is the same one line."""
+    import pelab.datamodule
+    from _common import evaluate_checkpoint
+
+    monkeypatch.setattr(pelab.datamodule, "prepare_token_files", lambda *a, **k: pytest.fail("data was read"))
+    blocker = tmp_path / "cache"
+    blocker.write_text("")
+    cfg = compose_config([f"data.data_dir={blocker}"], tmp_path / "out")
+    with pytest.raises(SystemExit) as exit_:
+        evaluate_checkpoint(tmp_path / "never-read.ckpt", cfg, {}, device=None)
+    assert str(exit_.value.code).startswith(f"data.data_dir={blocker}: the token cache's folder {blocker}/")
+
+
 def read_only(path: Path):
     """``path`` made read-only for this user: a read-only tmpfs as root, chmod otherwise."""
     if os.geteuid() == 0:
