@@ -1,12 +1,13 @@
 """Paths as options, and what the filesystem does to a write, each as one line.
 
-Every path-valued option (``data.tokenizer``, ``data.data_dir``, a script's ``ckpt=``, ``data=``,
-``out=``, ``work=``) is checked here before any data is read: that it exists (an input) or can be
-created (an output), that it is the right kind (a file, a folder), that this user can read or
-write it, and that an output is not one of the command's own inputs. A write that fills the disk
-is said the same way (``no_space``). A failure is a ``PathError``: a ValueError whose message is
-the one line ``KEY=VALUE: what is wrong; what to do``. Standard library only (data/ and
-everything above it use it).
+Every output path option (``data.data_dir``, ``callbacks.*.dirpath``, a script's ``out=`` and
+``work=``) is checked here before any data is read: that it exists or can be created, that it is
+the right kind (a file, a folder), that this user can write it, and that it is not one of the
+command's own inputs. An input is checked by its reader, which knows its kind
+(``data.tokenizer``: data/tokenizers.py; ``data.paths``: data/corpus.py; ``ckpt=``:
+pelab/checkpoint/). A write that fills the disk is said the same way (``no_space``). A failure
+is a ``PathError``: a ValueError whose message is the one line ``KEY=VALUE: what is wrong; what
+to do``. Standard library only (data/ and everything above it use it).
 """
 
 from __future__ import annotations
@@ -23,27 +24,6 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class PathError(ValueError):
     """A path that cannot serve its option, or a write the filesystem refused: one line."""
-
-
-def _said(key: str, given) -> str:
-    return f"{key}={given}"
-
-
-def input_path(key: str, given, kind: str, todo: str) -> Path:
-    """``given`` (the value of ``key``) as an existing, readable ``kind`` ("file" or "folder");
-    ``todo``: what to give instead (e.g. "a JSON lines file")."""
-    path = Path(os.path.expanduser(str(given)))
-    if not path.exists():
-        problem = "does not exist"
-    elif kind == "file" and path.is_dir():
-        problem = "is a folder, not a file"
-    elif kind == "folder" and not path.is_dir():
-        problem = "is a file, not a folder"
-    elif not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-        problem = "cannot be read by this user (permission denied)"
-    else:
-        return path
-    raise PathError(f"{_said(key, given)} {problem}; give {key}= {todo}")
 
 
 def folder_problem(path: Path) -> tuple[Path, str] | None:
@@ -74,7 +54,7 @@ def output_folder(key: str, given, purpose: str = "", inputs: dict | None = None
     if problem:
         existing, what = problem
         where = " is" if existing == path else f": {existing} above it is"
-        raise PathError(f"{_said(key, given)}{where} {what}; give {key}= a new folder, or an existing folder this "
+        raise PathError(f"{key}={given}{where} {what}; give {key}= a new folder, or an existing folder this "
                         f"user can write{purpose}")
     clash(key, given, path, inputs)
     return path
@@ -85,11 +65,11 @@ def output_file(key: str, given, purpose: str = "", inputs: dict | None = None) 
     exists or can be created and that this user can write, and none of the command's ``inputs``."""
     path = Path(os.path.expanduser(str(given))).absolute()
     if path.is_dir():
-        raise PathError(f"{_said(key, given)} is a folder, not a file; give {key}= a file's path{purpose}")
+        raise PathError(f"{key}={given} is a folder, not a file; give {key}= a file's path{purpose}")
     problem = folder_problem(path.parent)
     if problem:
         existing, what = problem
-        raise PathError(f"{_said(key, given)}: {existing} above it is {what}; give {key}= a file in a folder this "
+        raise PathError(f"{key}={given}: {existing} above it is {what}; give {key}= a file in a folder this "
                         f"user can write{purpose}")
     clash(key, given, path, inputs)
     return path
@@ -102,7 +82,7 @@ def clash(key: str, given, path: Path, inputs: dict | None) -> None:
         src, dst = Path(os.path.expanduser(str(source))).resolve(), path.resolve()
         if dst == src or dst in src.parents or src in dst.parents:
             how = "is" if dst == src else "holds" if dst in src.parents else "lies inside"
-            raise PathError(f"{_said(key, given)} {how} {source_key}={source}, which the command reads; give {key}= "
+            raise PathError(f"{key}={given} {how} {source_key}={source}, which the command reads; give {key}= "
                             f"a path apart from it")
 
 

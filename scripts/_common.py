@@ -44,9 +44,9 @@ def checked_checkpoint(path) -> Path:
 
 
 def path_option(check: str, key: str, value, *args, **kwargs) -> Path:
-    """``key=value`` through data/paths.py's ``check`` (input_path, output_folder, output_file:
-    exists, right kind, readable or writable, not the command's own input), before anything is
-    read; a refusal is the script's one line."""
+    """``key=value`` through data/paths.py's ``check`` (output_folder, output_file: exists or can
+    be created, right kind, writable, not the command's own input), before anything is read; a
+    refusal is the script's one line."""
     import data.paths
 
     return path_option_of(getattr(data.paths, check), key, value, *args, **kwargs)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from data.paths import PathError, input_path, output_file, output_folder, remove_dead_leftovers
+from data.paths import PathError, output_file, output_folder, remove_dead_leftovers
 from tests.harness.test_config_errors import compose_config, no_work  # noqa: F401 - a fixture
 from tests.harness.test_script_errors import script
 
@@ -444,13 +444,9 @@ def test_a_killed_replacement_leaves_an_old_folder_the_next_one_removes(tmp_path
 
 # --- every output folder of a script through one check -------------------------------------------
 
-def test_path_checks_say_the_kind_the_access_and_the_clash(tmp_path):
+def test_output_path_checks_say_the_kind_and_the_clash(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
-    with pytest.raises(PathError, match=rf"^data={a_file.parent} is a folder, not a file; give data= a file$"):
-        input_path("data", a_file.parent, "file", "a file")
-    with pytest.raises(PathError, match=r"^data=.*/missing does not exist; give data= a file$"):
-        input_path("data", tmp_path / "missing", "file", "a file")
     with pytest.raises(PathError, match=rf"^out={tmp_path} is a folder, not a file; give out= a file's path$"):
         output_file("out", tmp_path)
     with pytest.raises(PathError, match=rf"^out={a_file}/x.json: {a_file} above it is a file, not a folder; "):
