@@ -186,14 +186,17 @@ def read_only(path: Path):
     return contextlib.nullcontext(path)
 
 
-def test_a_read_only_cache_folder_is_refused_by_validation_unless_it_holds_a_built_cache(tmp_path, no_work):
-    from data.cache import check_cache_folder
-
+def test_a_read_only_cache_folder_is_refused_by_validation(tmp_path, no_work):
     with read_only(tmp_path / "ro") as ro:
         message = one_line(refused([f"data.data_dir={ro}"], tmp_path))
         assert message.startswith(f"data.data_dir={ro}: the token cache's folder {ro}/")
         assert f"cannot be written: {ro} is a folder " in message
         assert "read-only filesystem" in message or "cannot write" in message
+
+
+def test_a_read_only_folder_holding_a_built_cache_serves_it_and_refuses_a_build(tmp_path):
+    from data.cache import check_cache_folder
+
     built = tmp_path / "built"
     built.mkdir()
     (built / "meta.json").write_text("{}")
