@@ -7,7 +7,7 @@ from typing import Any
 
 from model.attention import BACKENDS, CHOICES, NORMALISERS, SINKS
 from model.output_ops import OUTPUTS
-from model.temperature import TEMPERATURES
+from model.temperature import TEMPERATURE_LAYERS, TEMPERATURES
 
 NORMS = ("layernorm", "rmsnorm")  # the values of model.norm
 MLPS = ("gelu", "swiglu")  # the values of model.mlp
@@ -38,8 +38,10 @@ def check_windows(config: GPTConfig) -> None:
         require(1 <= len(pattern) <= config.n_layer, "model.window_pattern", list(pattern),
                 f"1 to model.n_layer={config.n_layer} entries (layer l uses entry l % length: a shorter "
                 f"pattern repeats)")
-    require(config.attn_temperature not in ("log_length", "ssmax") or not config.windowed, "model.attn_temperature",
-            config.attn_temperature, "none or llama4 with windows (log_length and ssmax count every earlier key)")
+    require(config.attn_temperature not in ("log_length", "ssmax") or not config.windowed
+            or config.attn_temperature_layers == "global", "model.attn_temperature", config.attn_temperature,
+            "none or llama4 with windows (log_length and ssmax count every earlier key), or "
+            "model.attn_temperature_layers=global (the full-attention layers only)")
 
 
 def sink_normaliser(sinks: Any, normaliser: Any) -> Any:
@@ -88,6 +90,8 @@ class GPTConfig:
     attn_temperature_length: int | None = None  # log_length's L and ssmax's initial-s L; None = block_size
     attn_temperature_floor: int = 8192  # llama4's floor_scale
     attn_temperature_scale: float = 0.1  # llama4's attn_scale
+    # The layers log_length and ssmax scale: all, or global (the full-attention ones of window_pattern: SWAN-GPT)
+    attn_temperature_layers: str = "all"
     # Block options (docs/design.md, "The block's options"); the defaults are GPT-2's block.
     norm: str = "layernorm"  # layernorm | rmsnorm (never a bias)
     mlp: str = "gelu"  # gelu | swiglu
@@ -131,6 +135,16 @@ class GPTConfig:
         require(self.attn_temperature_scale >= 0, "model.attn_temperature_scale", self.attn_temperature_scale, ">= 0")
         require(self.attn_temperature not in ("log_length", "ssmax") or self.attn_temperature_length is not None
                 or self.block_size >= 2, "model.block_size", self.block_size, f">= 2 with {self.attn_temperature}")
+        require(self.attn_temperature_layers in TEMPERATURE_LAYERS, "model.attn_temperature_layers",
+                self.attn_temperature_layers, "one of " + ", ".join(map(repr, TEMPERATURE_LAYERS)))
+        if self.attn_temperature_layers == "global":
+            require(self.attn_temperature in ("log_length", "ssmax"), "model.attn_temperature_layers",
+                    self.attn_temperature_layers, f"all with model.attn_temperature={self.attn_temperature} "
+                    f"(global picks the layers log_length and ssmax scale)")
+            require(self.windowed and not all(w is not None for w in self.layer_windows),
+                    "model.attn_temperature_layers", self.attn_temperature_layers,
+                    f"all when the layers are not both windowed and full (layer windows "
+                    f"{list(self.layer_windows)}: set model.window_pattern with null entries, e.g. [64, 64, 64, null])")
         check_windows(self)
         check_normaliser(self)
         for op in OUTPUTS:
@@ -146,6 +160,13 @@ class GPTConfig:
         if self.window_pattern:
             return tuple(self.window_pattern[i % len(self.window_pattern)] for i in range(self.n_layer))
         return (self.window,) * self.n_layer
+
+    @property
+    def temperature_layers(self) -> tuple[bool, ...]:
+        """Whether layer i's queries take the attention temperature (model/temperature.py)."""
+        if self.attn_temperature_layers == "global":
+            return tuple(w is None for w in self.layer_windows)
+        return (self.attn_temperature != "none",) * self.n_layer
 
     @property
     def windowed(self) -> bool:

@@ -50,7 +50,7 @@ class CausalSelfAttention(nn.Module):
         # per head over the head dim, before the rotation (Qwen 3): bounds q.k's scale, leaves the angles
         self.q_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
-        self.ssmax = head_scales(config)  # model.attn_temperature=ssmax: this layer's learned s_h, else None
+        self.ssmax = head_scales(config, layer)  # model.attn_temperature=ssmax: this layer's learned s_h, else None
         if config.sink == "learned":  # normaliser sink_learned: one logit per head joined to every softmax denominator
             self.sinks = nn.Parameter(torch.zeros(config.n_head))
         elif config.sink == "zero":  # sink_zero, the off-by-one softmax: a constant, not a weight
@@ -214,7 +214,7 @@ class GPT(nn.Module):
                       q_documents=documents, k_documents=documents, normaliser=self.config.normaliser)
         contexts = layer_contexts(terms, backend, how, len(self.blocks), self.nope_layers,
                                   query_scales(self.config, self.pe, positions, past, documents),
-                                  self.config.layer_windows, self.layer_bases)
+                                  self.config.layer_windows, self.layer_bases, self.config.temperature_layers)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 TEMPERATURES = ("none", "log_length", "llama4", "ssmax")
+TEMPERATURE_LAYERS = ("all", "global")  # model.attn_temperature_layers: every layer, or the full-attention ones
 
 
 def check_temperature(config, pe, nope_layers: frozenset[int]) -> None:
@@ -57,9 +58,10 @@ def ssmax_init(length: int) -> float:
     return length / math.lgamma(length + 1)
 
 
-def head_scales(config) -> nn.Parameter | None:
-    """One layer's learned per-head factor of its query scale (``ssmax``'s s_h, (n_head,) float32), else None."""
-    if config.attn_temperature != "ssmax":
+def head_scales(config, layer: int = 0) -> nn.Parameter | None:
+    """Layer ``layer``'s learned per-head factor of its query scale (``ssmax``'s s_h, (n_head,)
+    float32), else None (another kind, or a layer the temperature leaves: attn_temperature_layers)."""
+    if config.attn_temperature != "ssmax" or not config.temperature_layers[layer]:
         return None
     return nn.Parameter(torch.full((config.n_head,), ssmax_init(config.attn_temperature_length or config.block_size)))
 

@@ -45,7 +45,9 @@ def naive_logits(model, idx, positions, name, scale_in_layer, documents=None):
     other = torch.tensor([[0.0 if documents[i] == documents[j] else -math.inf for j in range(T)] for i in range(T)],
                          dtype=torch.float64)
     x = model.wte.weight.detach().double()[idx]
-    for layer, block in enumerate(model.blocks):
+    for layer, (block, window) in enumerate(zip(model.blocks, model.config.layer_windows)):
+        seen_in = other if window is None else other + torch.tensor(  # a window: keys i - W + 1 .. i
+            [[0.0 if i - j < window else -math.inf for j in range(T)] for i in range(T)], dtype=torch.float64)
         h = naive_layer_norm(x, block.ln_1)
         q, k, v = naive_heads(block.attn, h)
         with_pe = layer not in model.nope_layers
@@ -55,7 +57,7 @@ def naive_logits(model, idx, positions, name, scale_in_layer, documents=None):
         if scale[0] is not None:
             q = q * torch.tensor(scale, dtype=torch.float64)[:, None]
         bias = naive_bias(spec["slopes"], positions) if with_pe and spec["slopes"] else torch.zeros(())
-        x = x + naive_linear(block.attn.c_proj, naive_softmax_attention(q, k, v, bias + other))
+        x = x + naive_linear(block.attn.c_proj, naive_softmax_attention(q, k, v, bias + seen_in))
         h = naive_layer_norm(x, block.ln_2)
         x = x + naive_linear(block.mlp.c_proj, naive_gelu(naive_linear(block.mlp.c_fc, h)))
     return naive_layer_norm(x, model.ln_f) @ model.lm_head.weight.detach().double().T
@@ -69,6 +71,10 @@ CASES = {  # name: (scheme, nope_every, config options, scale_in_layer)
                     lambda layer, t, n: llama4(t, 4, 0.5)),
     "llama4-rope-nope_every": ("rope", 2, dict(attn_temperature="llama4", attn_temperature_floor=3),
                                lambda layer, t, n: llama4(t, 3, 0.1) if layer == 1 else None),
+    # SWAN-GPT's layout: windowed RoPE layers, full NoPE layers scaled by log-length (they see every key)
+    "log_length-global-swan": ("rope", 2, dict(attn_temperature="log_length", attn_temperature_length=8,
+                                               attn_temperature_layers="global", window_pattern=[4, None]),
+                               lambda layer, t, n: log_length(n, 8) if layer == 1 else None),
 }
 
 
@@ -186,6 +192,15 @@ def test_llama4_constants_are_metas():
     (dict(attn_temperature="log_length", attn_temperature_length=1), "model.attn_temperature_length must be null "
                                                                       "or an integer >= 2"),
     (dict(attn_temperature="llama4", attn_temperature_floor=0), "model.attn_temperature_floor must be a positive"),
+    (dict(attn_temperature="log_length", window=4), "model.attn_temperature must be none or llama4 with windows "
+                                                    "(log_length and ssmax count every earlier key), or "
+                                                    "model.attn_temperature_layers=global"),
+    (dict(attn_temperature="log_length", attn_temperature_layers="local"), "model.attn_temperature_layers must be "
+                                                                            "one of 'all', 'global', got 'local'"),
+    (dict(attn_temperature="llama4", attn_temperature_layers="global", window_pattern=[4, None]),
+     "model.attn_temperature_layers must be all with model.attn_temperature=llama4"),
+    (dict(attn_temperature="ssmax", attn_temperature_layers="global", window=4),
+     "model.attn_temperature_layers must be all when the layers are not both windowed and full (layer windows"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -196,3 +211,11 @@ def test_llama4_needs_a_layer_without_positions():
     cfg = GPTConfig(vocab_size=31, attn_temperature="llama4")
     with pytest.raises(ValueError, match="llama4 scales the queries of layers without position information"):
         GPT(cfg, SCHEMES["rope"](cfg))
+
+
+def test_ssmax_on_global_layers_has_its_weights_there_only():
+    """No s_h in a layer the temperature leaves (an unused parameter would stop DDP)."""
+    cfg = GPTConfig(vocab_size=31, n_layer=4, attn_temperature="ssmax", attn_temperature_layers="global",
+                    window_pattern=[4, 4, None])
+    model = GPT(cfg, SCHEMES["rope"](cfg))
+    assert [block.attn.ssmax is not None for block in model.blocks] == [False, False, True, False]

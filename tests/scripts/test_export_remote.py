@@ -62,6 +62,9 @@ OPTION_CASES = {
     "alibi_zero_sinks_gqa": ("alibi", {}, dict(sinks="zero", n_kv_head=2)),
     "rope_stick_breaking_window": ("rope", {}, dict(normaliser="stick_breaking", window=8)),
     "rope_global_base": ("rope", {"base": 100.0, "global_base": 10000.0}, dict(window_pattern=[8, None])),
+    "swan_global_log_length": ("rope", {"nope_layers": "global"},
+                               dict(window_pattern=[8, None], attn_temperature="log_length",
+                                    attn_temperature_layers="global")),
 }
 assert "global_base" in SCHEDULE_KEYS
 
