@@ -6,6 +6,7 @@ from dataclasses import InitVar, dataclass
 from typing import Any
 
 from model.attention import BACKENDS, CHOICES, NORMALISERS, SINKS
+from model.differential import ATTENTION_KINDS, QUERIES_PER_HEAD
 from model.output_ops import OUTPUTS
 from model.temperature import TEMPERATURE_LAYERS, TEMPERATURES
 
@@ -108,6 +109,8 @@ class GPTConfig:
     # layer repeating as window_pattern. Gated attention: none | headwise | elementwise.
     output_gate: str | list[str] = "none"
     xsa: str | list[str] = "none"  # exclusive self-attention: none | plain | gated (modded-nanogpt's)
+    # standard | differential: differential attention V2, two query heads per head (model/differential.py)
+    attention_kind: str = "standard"
     # The old spelling of the sink normalisers: learned or zero is normaliser=sink_learned|sink_zero.
     sinks: InitVar[str | None] = None
 
@@ -149,6 +152,8 @@ class GPTConfig:
         check_normaliser(self)
         for op in OUTPUTS:
             op.check(self)
+        require(self.attention_kind in ATTENTION_KINDS, "model.attention_kind", self.attention_kind,
+                "one of " + ", ".join(map(repr, ATTENTION_KINDS)))
         backend = BACKENDS.get(self.attention)  # one that refuses rather than falls back must run the dropout
         require(not (backend is not None and backend.strict and not backend.dropout and self.dropout > 0),
                 "model.attention", self.attention,
@@ -181,6 +186,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def query_heads(self) -> int:
+        """Query heads of a layer: n_head, or two per head with differential attention."""
+        return QUERIES_PER_HEAD[self.attention_kind] * self.n_head
 
     @property
     def kv_heads(self) -> int:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from model.attention import AttentionRequest, Terms, attend, resolve
 from model.config import GPTConfig
+from model.differential import build as attention_kind, check_scheme
 from model.generate import KVCache, LayerCache, generate
 from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.output_ops import OUTPUTS
@@ -44,19 +45,21 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
-        self.kv_dim = self.n_kv_head * self.head_dim
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_dim, bias=config.bias)
+        self.q_heads = config.query_heads  # n_head, or 2 n_head (differential attention: model/differential.py)
+        self.q_dim, self.kv_dim = self.q_heads * self.head_dim, self.n_kv_head * self.head_dim
+        self.c_attn = nn.Linear(config.n_embd, self.q_dim + 2 * self.kv_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         # per head over the head dim, before the rotation (Qwen 3): bounds q.k's scale, leaves the angles
         self.q_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=RMS_EPS) if config.qk_norm else None
         self.ssmax = head_scales(config, layer)  # model.attn_temperature=ssmax: this layer's learned s_h, else None
-        if config.sink == "learned":  # normaliser sink_learned: one logit per head joined to every softmax denominator
-            self.sinks = nn.Parameter(torch.zeros(config.n_head))
+        if config.sink == "learned":  # normaliser sink_learned: one logit per query head joined to its denominator
+            self.sinks = nn.Parameter(torch.zeros(self.q_heads))
         elif config.sink == "zero":  # sink_zero, the off-by-one softmax: a constant, not a weight
-            self.register_buffer("sinks", torch.zeros(config.n_head), persistent=False)
+            self.register_buffer("sinks", torch.zeros(self.q_heads), persistent=False)
         else:
             self.sinks = None
+        self.pairs = attention_kind(config)  # differential attention's combination of query-head pairs, or None
         # this layer's operations on each head's output (model/output_ops/: XSA, the output gate), in order
         self.output_ops = nn.ModuleList(op for op in (kind.build(config, layer) for kind in OUTPUTS) if op is not None)
         self.dropout = config.dropout
@@ -72,12 +75,12 @@ class CausalSelfAttention(nn.Module):
             op.init_weights(layer)
 
     def qkv(self, x: Tensor, ctx: PositionContext) -> tuple[Tensor, Tensor, Tensor]:
-        """Heads-first q (B, H, T, hd) and k, v (B, n_kv_head, T, hd), normalised (qk_norm) and
+        """Heads-first q (B, q_heads, T, hd) and k, v (B, n_kv_head, T, hd), normalised (qk_norm) and
         with the scheme's rotation applied."""
         B, T, C = x.shape
         # split + transpose views: their backward is one cat into c_attn's gradient (a permute's is a stack + copy)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2)
-                   for t in self.c_attn(x).split((C, self.kv_dim, self.kv_dim), dim=2))
+                   for t in self.c_attn(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=2))
         if self.q_norm is not None:  # in float32 (HF's RMSNorm), back in the compute dtype v has
             q, k = self.q_norm(q.float()).to(q.dtype), self.k_norm(k.float()).to(k.dtype)
         if ctx.tables is not None:
@@ -96,11 +99,13 @@ class CausalSelfAttention(nn.Module):
             keys = ctx.terms.k_positions.shape[-1]  # a windowed layer attends its window's keys only
             k, v = k[:, :, -keys:], v[:, :, -keys:]
         layer_terms = None if c is None else (c, key_c[..., -ctx.terms.k_positions.shape[-1]:])
-        if self.n_kv_head != self.n_head:  # query head h reads key/value head h // group (HF's repeat_kv)
-            group = self.n_head // self.n_kv_head
+        if self.n_kv_head != self.q_heads:  # query head h reads key/value head h // group (HF's repeat_kv)
+            group = self.q_heads // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         score_terms = partial(ctx.pe.score_terms, layer=self.layer) if ctx.terms.with_score_terms else None
         y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks, layer_terms, score_terms)
+        if self.pairs is not None:  # 2H query heads' outputs -> H heads, each with its pair's values
+            y, v = self.pairs(y, x), self.pairs.head_values(v)
         for op in self.output_ops:  # the new tokens' own values are the last T
             y = op(y, x, v[:, :, -T:])
         y = y.transpose(1, 2).reshape(B, T, C)
@@ -156,6 +161,7 @@ class GPT(nn.Module):
         check_nope_layers(self.nope_layers, config.n_layer, pe)
         check_layer_bases(self.layer_bases, pe)
         check_temperature(config, pe, self.nope_layers)
+        check_scheme(config, pe)
         self.pe = pe  # shared by all layers; its tables are computed once per forward
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)

@@ -59,11 +59,13 @@ def ssmax_init(length: int) -> float:
 
 
 def head_scales(config, layer: int = 0) -> nn.Parameter | None:
-    """Layer ``layer``'s learned per-head factor of its query scale (``ssmax``'s s_h, (n_head,)
-    float32), else None (another kind, or a layer the temperature leaves: attn_temperature_layers)."""
+    """Layer ``layer``'s learned per-head factor of its query scale (``ssmax``'s s_h, one per query
+    head: (n_head,), or (2 n_head,) with differential attention; float32), else None (another kind,
+    or a layer the temperature leaves: attn_temperature_layers)."""
     if config.attn_temperature != "ssmax" or not config.temperature_layers[layer]:
         return None
-    return nn.Parameter(torch.full((config.n_head,), ssmax_init(config.attn_temperature_length or config.block_size)))
+    s = ssmax_init(config.attn_temperature_length or config.block_size)
+    return nn.Parameter(torch.full((config.query_heads,), s))
 
 
 def scale_queries(q: Tensor, q_scale: Tensor, heads: Tensor | None = None) -> Tensor:

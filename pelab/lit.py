@@ -13,6 +13,7 @@ from torchmetrics import MeanMetric
 
 from data.packing import DocumentOptions
 from model.config import GPTConfig
+from model.differential import check_scheme as check_attention_kind
 from model.gpt import GPT, uncompiled
 from model.pe.scaling import apply_scaling, split_scaling
 from model.temperature import check_temperature
@@ -70,6 +71,7 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     build("pe", check_nope_layers, layers, config.n_layer, scheme, setting)
     build("pe", check_layer_bases, bases, scheme)
     build("model.attn_temperature", check_temperature, config, scheme, layers)
+    build("model.attention_kind", check_attention_kind, config, scheme)
     if scheme.max_positions is not None and config.block_size > scheme.max_positions:
         raise ConfigError(f"model.block_size={config.block_size} exceeds the {scheme.max_positions} positions of "
                           f"pe={scheme.name}; raise pe.max_positions or lower model.block_size")

@@ -49,7 +49,7 @@ def attention_mask(pe: Any, q_positions: Tensor, k_positions: Tensor, dtype: tor
     ``with_bias=False``: the causal part only (NoPE layers). The model asks float32, so the
     position terms keep float32 accuracy whatever the compute dtype (a bf16 mask would round a
     bias of -16 to steps of 0.125). With document ids the keys of other documents are -inf
-    too; without a bias that mask is (B, 1, Tq, Tk), one row set for every head. ``window``: keys
+    too; without a bias the mask is (1 or B, 1, Tq, Tk), one row set for every head. ``window``: keys
     before the query's sliding window are -inf too."""
     future = hidden_keys(q_positions.shape[-1], k_positions.shape[-1], q_positions.device, q_documents, k_documents,
                          window)
@@ -57,8 +57,8 @@ def attention_mask(pe: Any, q_positions: Tensor, k_positions: Tensor, dtype: tor
         bias = pe.bias(q_positions, k_positions)
     elif always and q_documents is not None:
         bias = torch.zeros((), device=future.device)
-    elif always:
-        bias = torch.zeros(future.shape, device=future.device).expand(pe.n_head, -1, -1)
+    elif always:  # one row set for every head (differential attention has more query heads than pe.n_head)
+        bias = torch.zeros(future.shape, device=future.device).unsqueeze(0)
     else:
         return None
     mask = bias.masked_fill(future, float("-inf")).to(dtype)

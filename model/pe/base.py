@@ -53,6 +53,9 @@ class PositionEncoding(nn.Module):
     # input and attention adds c_i - c_j (FoX); "scores": ``score_terms`` gives extra logits of each
     # layer's queries and scaled scores (CoPE). Only the backends whose ``terms`` hold the kind add them.
     terms: ClassVar[str | None] = None
+    # The rotation differs per head (PoPE's learned phase per head and component): it is sized for the
+    # n_head query heads, so differential attention's 2 n_head refuse it (model/differential.py).
+    head_rotation: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

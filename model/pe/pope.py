@@ -59,6 +59,7 @@ class PolarTables(NamedTuple):
 
 class PoPE(PositionEncoding, name="pope"):
     scaling_kinds: ClassVar[tuple[str, ...]] = ("linear",)  # position interpolation: phases p theta_c / s
+    head_rotation: ClassVar[bool] = True  # delta is (n_head, d)
 
     def __init__(self, config: GPTConfig, base: float = 10000.0, delta_init: str = "zero") -> None:
         super().__init__(config)
