@@ -65,6 +65,8 @@ OPTION_CASES = {
     "swan_global_log_length": ("rope", {"nope_layers": "global"},
                                dict(window_pattern=[8, None], attn_temperature="log_length",
                                     attn_temperature_layers="global")),
+    "rope_differential_gqa_sinks_xsa": ("rope", {}, dict(attention_kind="differential", n_kv_head=2,
+                                                         normaliser="sink_learned", xsa="gated")),
 }
 assert "global_base" in SCHEDULE_KEYS
 
