@@ -146,7 +146,7 @@ def evaluate_probe(gpt: nn.Module, windows_of: Callable[[int, int], Tensor | str
 
     module = uncompiled(gpt)
     rows: list[ProbeRow] = []
-    n_head = module.config.n_head
+    n_head = module.config.query_heads  # the weights recorded: differential attention's 2 n_head query heads
     for length in config.eval_lengths(train_length):
         status = None
         if module.pe.max_positions is not None and length > module.pe.max_positions:

@@ -214,3 +214,20 @@ def test_unknown_kind_names_the_key():
     with pytest.raises(ValueError) as err:
         GPTConfig(vocab_size=37, attention_kind="diff")
     assert str(err.value) == "model.attention_kind must be one of 'standard', 'differential', got 'diff'"
+
+
+def test_attention_probe_reports_every_query_head():
+    """The probe (evaluation/attention_probe.py) reads the math backend's weights: 2H softmaxes per
+    layer, each a row; a pair's second map is its own row, with its own sink share."""
+    import numpy as np
+
+    from evaluation.attention_probe import ProbeConfig, evaluate_probe
+    from evaluation.sweep import probe_windows
+
+    model = spread(tiny_gpt("rope", 0, vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                            normaliser="sink_learned", **DIFF))
+    tokens = np.random.default_rng(0).integers(0, 32, 40).astype(np.uint16)
+    rows = evaluate_probe(model, probe_windows(tokens), 8, ProbeConfig(multipliers=(1,), samples=2, rows=4),
+                          log=lambda _: None)
+    assert [(r.layer, r.head) for r in rows] == [(0, head) for head in range(4)]
+    assert len({round(r.null_weight, 6) for r in rows}) == 4  # four sink logits, four sink shares
