@@ -231,3 +231,12 @@ def test_attention_probe_reports_every_query_head():
                           log=lambda _: None)
     assert [(r.layer, r.head) for r in rows] == [(0, head) for head in range(4)]
     assert len({round(r.null_weight, 6) for r in rows}) == 4  # four sink logits, four sink shares
+
+
+def test_training_forward_is_one_graph():
+    """torch.compile traces the training forward (GQA, sinks, the pair combination) without a break."""
+    model = tiny_gpt("rope", 0, vocab_size=31, n_kv_head=2, normaliser="sink_learned", **DIFF).train()
+    idx = torch.randint(0, 31, (2, 16), generator=torch.Generator().manual_seed(11))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, torch.roll(idx, -1, dims=1))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
