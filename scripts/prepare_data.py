@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         tokenizer = datamodule.tokenizer  # a tokenizer file is read here: its errors name data.tokenizer
         stats = Throughput(reference_tokens=REFERENCE_TOKENS)
         meta = prepare_token_files(datamodule.corpus, tokenizer, datamodule.token_dir, datamodule.tokenize_num_proc,
-                                   verify=True, stats=stats)
+                                   verify=True, stats=stats, lock_timeout=datamodule.lock_timeout)
     except (ValueError, RuntimeError) as err:
         print(f"prepare_data.py: {err}", file=sys.stderr)
         return 1
