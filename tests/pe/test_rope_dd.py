@@ -152,8 +152,8 @@ def test_float32_model_is_close_to_reference():
 
 
 def test_gradcheck_of_the_angle_path():
-    """float64 gradcheck through the steps' weights, bias and the input: phi, the float64 sum, its
-    reduction modulo 2 pi and the turns of q, k, v and the output."""
+    """float64 gradcheck through the steps' weights, bias and the input: phi, the float64 sum and the
+    turns of q, k, v and the output, whose angle gradient is _Turn's own derivative."""
     model, attn = rope_dd_model(rotate_v=True, n_kv_head=2)
     step = model.pe.steps[0]
     x = torch.randn(1, 4, 32, dtype=torch.float64, requires_grad=True)
@@ -245,22 +245,21 @@ def test_greedy_generation_with_cache_equals_without():
     assert torch.equal(out, ids)
 
 
-def test_angles_exact_at_long_lengths():
-    """Theta is summed in float64 and reduced modulo 2 pi: at 16 x 1024 tokens (pair 0, omega_0 = 1, Theta
-    grows to ~10^4) the float32 angle the turns read is within float32's rounding of [0, 2 pi) of the exact
-    sum of the float32 steps, where a float32 sum errs by ~eps Theta."""
+def test_turns_exact_at_long_lengths():
+    """Theta is summed and its cos/sin taken in float64: at 16 x 1024 tokens (pair 0, omega_0 = 1, Theta
+    grows to ~10^4) the float32 tables are within one float32 rounding of cos and sin of the exact sum of
+    the scheme's float32 steps, where a float32 running sum errs by ~eps Theta."""
     pe = SCHEMES["rope_dd"](attention_config(n_layer=1))
     x = torch.randn(1, 16 * 1024, 32)
     with torch.no_grad():
         pe.steps[0].weight.normal_(std=0.3)
-        theta = pe.layer_terms(x, 0)[0, 0, 0].float().double()
+        _, cos, sin = pe._tables(pe.layer_terms(x, 0), torch.float32)
         steps = torch.nn.functional.softplus(pe.steps[0](x))[0, :, 0]  # float32, as the scheme computes them
-
-    def error(angles):
-        return (torch.remainder(angles - torch.cumsum(steps.double(), dim=0) + math.pi, 2 * math.pi) - math.pi).abs()
-
-    assert error(theta).max() <= 2 * math.pi * 2 ** -24
-    assert error(torch.cumsum(steps, dim=0).double()).max() > 100 * 2 * math.pi * 2 ** -24  # why float64
+    exact = torch.cumsum(steps.double(), dim=0)
+    assert exact[-1] > 5000
+    assert (cos[0, 0, :, 0].double() - exact.cos()).abs().max() <= 2 ** -24
+    assert (sin[0, 0, :, 4].double() - exact.sin()).abs().max() <= 2 ** -24
+    assert (torch.cumsum(steps, dim=0).double().cos() - exact.cos()).abs().max() > 100 * 2 ** -24  # why float64
 
 
 def test_model_trains_a_step():
