@@ -154,7 +154,7 @@ def full_check(meta: dict, out_dir: Path, corpus, everything: bool = False) -> s
     ``.bin``, and the full fingerprint even when the cheap one matches). None when the cache
     is intact (then ``meta`` is updated with the new mtimes)."""
     if everything or meta.get("corpus_stat") != corpus_stat(corpus):
-        corpus_hash = corpus.fingerprint()
+        corpus_hash = fingerprint_in(corpus, out_dir / "build")
         if corpus_hash != meta.get("corpus_hash"):
             return f"corpus changed (fingerprint {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
     for split in SPLITS:
@@ -168,6 +168,22 @@ def full_check(meta: dict, out_dir: Path, corpus, everything: bool = False) -> s
             info["mtime_ns"] = mtime
     meta["corpus_stat"] = corpus_stat(corpus)
     return None
+
+
+def fingerprint_in(corpus, scratch: Path) -> str:
+    """The corpus's full fingerprint; a corpus that must be loaded for it (``loads_to_fingerprint``:
+    a hub corpus) is loaded into ``scratch`` (kept loaded for a rebuild; ``let_go`` removes it)."""
+    if getattr(corpus, "loads_to_fingerprint", False):
+        corpus.load(scratch)
+    return corpus.fingerprint()
+
+
+def let_go(corpus, scratch: Path) -> None:
+    """Remove the build folder and the corpus's Arrow copies in it; a corpus holding its loaded
+    splits (``release``) lets go of them first: their memory maps would keep the space allocated."""
+    if hasattr(corpus, "release"):
+        corpus.release()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def with_offsets(meta: dict, out_dir: Path) -> dict:
@@ -311,18 +327,17 @@ def remove_token_files(out_dir: Path) -> None:
 def build(corpus, tokenizer, out_dir: Path, num_proc: int | None, tokenizer_hash: str, stats: Throughput) -> dict:
     """Tokenize ``corpus`` into ``out_dir`` (the caller holds the build lock)."""
     (out_dir / "meta.json").unlink(missing_ok=True)  # first: a crash mid-build leaves no meta.json over half-written bins
-    scratch = out_dir / "build"
-    shutil.rmtree(scratch, ignore_errors=True)  # what a crashed build left
-    stat, corpus_hash = corpus_stat(corpus), corpus.fingerprint()  # full hashing: only when building
+    scratch = out_dir / "build"  # emptied when the lock was taken (a hub corpus may be loaded there since)
     print(f"[pelab] tokenizing {corpus.cache_name} ({tokenizer.name}) into {out_dir}", flush=True)
     separate = getattr(corpus, "rows_are_documents", True)
     dtype = token_dtype(tokenizer.vocab_size)
     meta = {"version": FORMAT_VERSION, "tokenizer": tokenizer.name, "tokenizer_hash": tokenizer_hash,
             "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token if separate else None,
-            "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": corpus_hash, "corpus_stat": stat,
+            "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": None, "corpus_stat": None,
             "splits": {}}
     try:
-        splits = corpus.load(scratch)
+        splits = corpus.load(scratch)  # first: a hub corpus fingerprints what it loaded there
+        meta["corpus_stat"], meta["corpus_hash"] = corpus_stat(corpus), corpus.fingerprint()  # full hash: building only
         for split in SPLITS:
             meta["splits"][split] = write_split(splits[split], tokenizer, dtype, separate, out_dir, split, num_proc,
                                                 stats)
@@ -334,7 +349,7 @@ def build(corpus, tokenizer, out_dir: Path, num_proc: int | None, tokenizer_hash
             raise no_space(out_dir, f"building the token cache of {corpus.cache_name}", MOVE_IT) from None
         raise
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)  # the corpus's Arrow copies: only the token files stay
+        let_go(corpus, scratch)  # the corpus's Arrow copies: only the token files stay
     stats.built = True
     print(f"[pelab] tokenized {corpus.cache_name} ({tokenizer.name}): {stats.line()}", flush=True)
     return meta
@@ -359,6 +374,7 @@ def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None =
     check_cache_folder(out_dir, built=False)  # the lock and a build write: one line, before the corpus is read
     out_dir.mkdir(parents=True, exist_ok=True)
     with build_lock(out_dir, lock_timeout):
+        shutil.rmtree(out_dir / "build", ignore_errors=True)  # what a crashed build left
         meta, why = read_meta(out_dir)  # another process may have built it while this one waited
         checkable = False
         if meta is not None:
@@ -367,8 +383,13 @@ def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None =
                 return with_offsets(meta, out_dir)
             if why is None or checkable:
                 reason = why
-                why = full_check(meta, out_dir, corpus, everything=verify)
+                try:
+                    why = full_check(meta, out_dir, corpus, everything=verify)
+                except BaseException:
+                    let_go(corpus, out_dir / "build")
+                    raise
                 if why is None:
+                    let_go(corpus, out_dir / "build")
                     write_meta(meta, out_dir)
                     if reason is not None:
                         print(f"[pelab] token cache {out_dir}: {reason}, but the content is unchanged: used as it is",
