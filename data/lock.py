@@ -15,10 +15,11 @@
 and after ``timeout`` seconds (``data.lock_timeout``) gives up with a ``LockTimeout``: one line
 naming the cache, the holder and the option.
 
-**Taking over.** A lease is stale when its owner is on this host and its process is gone
-(immediately), or when its heartbeat (mtime and content) has not moved for ``stale_after``
-seconds of the waiter's own watching (a crashed node, a SIGKILLed job elsewhere). Measured by
-the waiter's clock only, so nodes with skewed clocks never take a live lock. The stale lease is
+**Taking over.** An owner on this host (and pid namespace) is judged by its process: gone
+(``kill -9``, a crash) is stale at once, alive is never stale. An owner elsewhere is stale when
+its heartbeat (mtime and content) has not moved for ``stale_after`` seconds of the waiter's own
+watching (a crashed node, a job SLURM killed): measured by the waiter's clock only, so nodes
+with skewed clocks never take a live lock (NFS attribute caching, up to 60 s, stays under it). The stale lease is
 renamed away (one waiter wins the rename), checked to be the one judged stale, and removed;
 the waiter then creates its own. The build it interrupted left only ``.partial`` files and no
 ``meta.json``: the new holder rebuilds.
@@ -69,6 +70,14 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace (containers sharing a host name may not share pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def try_flock(path: Path):
     """An open descriptor holding ``flock`` on ``path``; None if another process holds it; -1
     where the filesystem has no flock (the lease alone decides there)."""
@@ -92,7 +101,7 @@ class Lease:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "pidns": pid_namespace(), "since": time.time(),
                      "token": secrets.token_hex(8)}
         self.text = json.dumps(self.mine)
         self.seen: tuple | None = None  # (what was read, when it was first seen) while waiting
@@ -131,15 +140,15 @@ class Lease:
     def stale(self, found: tuple[str, int], stale_after: float) -> str | None:
         """Why the lease ``found`` (``read()``) is stale, or None while it looks alive."""
         owner = describe(found[0])
-        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) and \
-                process_gone(owner["pid"]):
-            return "its process is gone"
+        if (owner.get("host"), owner.get("pidns")) == (self.mine["host"], self.mine["pidns"]) and \
+                isinstance(owner.get("pid"), int):  # its pid means something here: alive or not decides
+            return "its process is gone" if process_gone(owner["pid"]) else None
         now = time.monotonic()
         if self.seen is None or self.seen[0] != found:
             self.seen = (found, now)  # the heartbeat moved (or a new owner): watch again
             return None
         if now - self.seen[1] >= stale_after:
-            return f"its heartbeat stopped for {now - self.seen[1]:.0f} s"
+            return f"its heartbeat stopped for {round(now - self.seen[1], 1):g} s"
         return None
 
     def take_over(self, found: tuple[str, int]) -> bool:

@@ -66,6 +66,32 @@ def test_a_dead_hosts_lease_is_taken_over_when_its_heartbeat_does_not_move(tmp_p
     assert "took over the build lock of pid 4242 on node-that-died" in out and "its heartbeat stopped" in out
 
 
+def racer(out_dir, start, spans):
+    data.lock.try_flock = lambda path: -1  # no flock: the lease alone decides
+    start.wait()
+    with build_lock(Path(out_dir), timeout=20, stale_after=0.3, poll=0.02):
+        began = time.monotonic()
+        time.sleep(0.15)
+        spans.put((began, time.monotonic()))
+
+
+def test_waiters_racing_to_take_over_a_dead_lease_hold_it_one_at_a_time(tmp_path):
+    """Four processes find one dead node's lease: one takes it over (the rename decides), the
+    others then wait their turn: no two hold the lock at once."""
+    (tmp_path / "build.owner").write_text(json.dumps({"pid": 4242, "host": "dead-node", "since": 0, "token": "z"}))
+    ctx = multiprocessing.get_context("fork")
+    start, spans = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=racer, args=(str(tmp_path), start, spans)) for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    held = sorted(spans.get(timeout=30) for _ in procs)
+    for proc in procs:
+        proc.join(10)
+        assert proc.exitcode == 0
+    assert all(later[0] >= earlier[1] for earlier, later in zip(held, held[1:])), held
+    assert not (tmp_path / "build.owner").exists()
+
+
 def test_a_moving_heartbeat_is_not_taken_over(tmp_path):
     """A live owner on another host, its heartbeat moving faster than the stale limit, keeps its
     lock however old its start: the waiter times out instead."""
@@ -97,14 +123,15 @@ def test_a_live_owner_blocks_a_waiter_until_the_timeout_then_one_line(tmp_path, 
     try:
         start = time.monotonic()
         with pytest.raises(LockTimeout) as err:
-            with build_lock(tmp_path, timeout=1.0, stale_after=60, poll=0.1):
+            # a live owner on this host is never stale, however still its heartbeat (10 s > 0.3 s)
+            with build_lock(tmp_path, timeout=1.0, stale_after=0.3, poll=0.1):
                 pytest.fail("the lock was taken from a live owner")
         assert 1.0 <= time.monotonic() - start < 3
         message = str(err.value)
         assert "\n" not in message
         assert message.startswith(f"{tmp_path}: gave up waiting for the token cache after data.lock_timeout=1 s: it "
                                   f"is being built by pid {proc.pid} on ")
-        assert message.endswith("or raise data.lock_timeout (a lock whose heartbeat stops for 60 s is taken over)")
+        assert message.endswith("or raise data.lock_timeout (a lock whose heartbeat stops for 0.3 s is taken over)")
         assert lease(tmp_path)["pid"] == proc.pid  # the owner's lease is untouched
     finally:
         proc.kill()
