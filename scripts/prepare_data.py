@@ -11,8 +11,10 @@ it (``data.data_dir``, else ``$PELAB_CACHE/data``) and that run tokenizes nothin
 data overrides of the sweep (not its ``-m`` lists): every job of the sweep then finds the
 cache built. An existing cache is verified in full (the corpus's full fingerprint, opening a
 hub corpus; each token file's sha256) and rebuilt if anything differs. Several copies may run
-at once, on any nodes sharing the directory: one builds, the others wait and reuse it
-(data/cache.py).
+at once, on any nodes sharing the directory: one builds, the others wait (at most
+``data.lock_timeout`` seconds) and reuse it (data/cache.py, data/lock.py). With
+``data.tokenizer=gpt2`` the ranks are kept in ``$PELAB_CACHE/gpt2.tiktoken`` too: compute nodes
+sharing PELAB_CACHE then need no network (data/tokenizers.py).
 
 Prints a progress bar with tokens/s while building, then the build's tokens per CPU-second
 against the tokenizer's raw batch call (tiktoken's ``encode_ordinary_batch``) timed on the first

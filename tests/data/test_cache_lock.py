@@ -108,7 +108,7 @@ def test_a_moving_heartbeat_is_not_taken_over(tmp_path):
     threading.Thread(target=beat, daemon=True).start()
     try:
         with pytest.raises(LockTimeout):
-            with build_lock(tmp_path, timeout=1.2, stale_after=0.5, poll=0.05):
+            with build_lock(tmp_path, timeout=0.8, stale_after=0.3, poll=0.05):
                 pass
     finally:
         done.set()
