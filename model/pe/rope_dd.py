@@ -14,8 +14,8 @@ by Theta_i and k by Theta_j with the half-split (rotate_half) pairs of model/pe/
 
 ``rotate_v``: values too are turned, v_j by Theta_j, and the output of query i is turned back
 by -Theta_i, so that it reads sum_j a_ij R(Theta_j - Theta_i) v_j: relative as the logits are.
-The accumulated-rotations paper reports that rotating values helps; it is off by default, the
-form Selective RoPE and RoPE have.
+The accumulated-rotations paper reports that rotating values helps; it is off by default
+(RoPE's form, which the init reproduces).
 
 Init: W = 0 and softplus(b) = 1, so phi = 1 and Theta_t = omega (t + 1): plain RoPE exactly
 (a common shift of every position changes no logit) until training moves W and b.
@@ -28,8 +28,8 @@ and its cos/sin taken in float64, then cast to the compute dtype, so the turns k
 absolute accuracy however long the text (a float32 running sum errs by about eps Theta, and
 plain RoPE's float32 t * omega by eps t). The steps' gradient comes from the turns' own
 derivative (``_Turn``), not from autograd through the cos/sin tables. A KV cache
-stores keys (and values) turned and each layer's Theta beside them (model/cache.py): new
-tokens continue the newest kept key's Theta.
+stores keys (and values) turned and each layer's float64 Theta beside them (model/cache.py; as
+many bytes as float32 keys): new tokens continue the newest kept key's Theta.
 
 Where it differs from the papers: there is no public code; phi's input (the attention input),
 its softplus, one step per head and pair and the RoPE-equal init are this file's choices.
@@ -110,8 +110,9 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
         B, T, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):  # the steps in float32 (or float64), never bf16
             step = self.steps[layer]
-            # W x^T + b: (B, kv heads * pairs, T), row g * pairs + p, tokens last for the running sum (along a
-            # strided dim it measured 4x slower on CPU)
+            # W x^T + b: (B, kv heads * pairs, T), row g * pairs + p, tokens last: the running sum runs along
+            # contiguous memory (slower along a strided dim on CPU, docs/benchmark.md), and the Linear's
+            # output is never transposed (a compiled backward's view of a transposed gradient fails)
             logit = torch.baddbmm(step.bias[:, None], step.weight.expand(B, -1, -1), x.to(step.weight.dtype).mT)
             logit = logit.to(torch.promote_types(step.weight.dtype, torch.float32))
         turns = F.softplus(logit) * self.inv_freq.to(logit.dtype).repeat(self.kv_heads)[:, None]
