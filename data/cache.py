@@ -10,7 +10,7 @@ cache first when it is missing or stale. Layout of ``out_dir`` after a build, an
   fingerprint, vocabulary size, dtype, the corpus's full fingerprint (``corpus_hash``) and its
   cheap one (``corpus_stat``: paths, sizes and mtimes), and per split the number of tokens
   and documents, the largest id, the sha256 and the mtime of the ``.bin``;
-- ``build.lock`` while a build holds it (see below).
+- ``build.lock`` (empty; ``build.owner`` beside it while a build holds it: see below).
 
 **Start-up check, O(number of files).** A cache is used as it is when ``meta.json`` matches the
 format, the tokenizer (fingerprint), the dtype and the corpus's *cheap* fingerprint, and every
@@ -23,11 +23,12 @@ its sha256 differs). Corpora without a cheap fingerprint (the embedded 6 MB one)
 fingerprinted in full. ``verify=True`` (scripts/prepare_data.py) runs the full check whatever
 the mtimes: it also sees a hub corpus changed upstream and bit rot that kept the mtime.
 
-**One builder.** The check-and-build runs under a ``filelock.FileLock`` on
-``out_dir/build.lock``: whichever process (rank, node, sweep job) takes it first builds; the
-others print one line, wait, then find the cache valid and use it. The lock is an OS lock
-(``flock``; on NFS the kernel maps it to a POSIX lock), released when its process dies, so a
-crashed builder blocks nobody; its partial files are replaced by the next build.
+**One builder.** The check-and-build runs under ``out_dir``'s build lock (data/lock.py: a lease
+file created ``O_EXCL`` with owner, host and heartbeat, and ``flock`` beside it where the
+filesystem has one): whichever process (rank, node, sweep job) takes it first builds; the
+others print one line, wait (at most ``lock_timeout`` seconds, then one line), then find the
+cache valid and use it. A builder that died (its process gone, or its heartbeat stopped) is
+taken over; its partial files are replaced by the next build.
 
 **Building.** The corpus is loaded into ``out_dir/build/`` (its Arrow files), read one Arrow
 batch of ``BATCH_DOCUMENTS`` documents at a time, each batch encoded by
@@ -39,22 +40,19 @@ whatever the corpus size. ``build/`` is deleted at the end, so only the files ab
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import resource
 import shutil
-import socket
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from filelock import FileLock, Timeout
-
+from data.lock import LOCK_TIMEOUT, build_lock
 from data.paths import PathError, disk_full, folder_problem, no_space
 
 FORMAT_VERSION = 3  # 2: hashes in meta.json, bytes separator 0x1E; 3: offsets .npy, corpus_stat, .bin sha256
@@ -156,7 +154,7 @@ def full_check(meta: dict, out_dir: Path, corpus, everything: bool = False) -> s
     ``.bin``, and the full fingerprint even when the cheap one matches). None when the cache
     is intact (then ``meta`` is updated with the new mtimes)."""
     if everything or meta.get("corpus_stat") != corpus_stat(corpus):
-        corpus_hash = corpus.fingerprint()
+        corpus_hash = fingerprint_in(corpus, out_dir / "build")
         if corpus_hash != meta.get("corpus_hash"):
             return f"corpus changed (fingerprint {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
     for split in SPLITS:
@@ -172,6 +170,22 @@ def full_check(meta: dict, out_dir: Path, corpus, everything: bool = False) -> s
     return None
 
 
+def fingerprint_in(corpus, scratch: Path) -> str:
+    """The corpus's full fingerprint; a corpus that must be loaded for it (``loads_to_fingerprint``:
+    a hub corpus) is loaded into ``scratch`` (kept loaded for a rebuild; ``let_go`` removes it)."""
+    if getattr(corpus, "loads_to_fingerprint", False):
+        corpus.load(scratch)
+    return corpus.fingerprint()
+
+
+def let_go(corpus, scratch: Path) -> None:
+    """Remove the build folder and the corpus's Arrow copies in it; a corpus holding its loaded
+    splits (``release``) lets go of them first: their memory maps would keep the space allocated."""
+    if hasattr(corpus, "release"):
+        corpus.release()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
 def with_offsets(meta: dict, out_dir: Path) -> dict:
     """``meta`` with each split's ``doc_offsets``: the offsets file as a read-only memmap."""
     for split in SPLITS:
@@ -185,37 +199,6 @@ def write_meta(meta: dict, out_dir: Path) -> None:
     tmp = out_dir / "meta.json.partial"
     tmp.write_text(json.dumps(plain, indent=1))
     os.replace(tmp, out_dir / "meta.json")
-
-
-@contextlib.contextmanager
-def build_lock(out_dir: Path):
-    """Hold ``out_dir/build.lock`` (an OS file lock: released if this process dies); if another
-    process holds it, say so once and wait."""
-    lock = FileLock(out_dir / "build.lock")
-    owner = out_dir / "build.owner"  # written by the holder just after it takes the lock
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        holder, deadline = "", time.monotonic() + 2.0
-        while not holder and time.monotonic() < deadline:  # the holder may not have written it yet
-            with contextlib.suppress(OSError):
-                holder = owner.read_text().strip()
-            if not holder:
-                try:
-                    lock.acquire(timeout=0.1)
-                    break
-                except Timeout:
-                    pass
-        else:
-            print(f"[pelab] token cache {out_dir} is being built by {holder or 'another process'}; waiting for it",
-                  flush=True)
-            lock.acquire()
-    try:
-        owner.write_text(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}\n")
-        yield
-    finally:
-        owner.unlink(missing_ok=True)
-        lock.release()
 
 
 def cpu_seconds() -> float:
@@ -344,18 +327,17 @@ def remove_token_files(out_dir: Path) -> None:
 def build(corpus, tokenizer, out_dir: Path, num_proc: int | None, tokenizer_hash: str, stats: Throughput) -> dict:
     """Tokenize ``corpus`` into ``out_dir`` (the caller holds the build lock)."""
     (out_dir / "meta.json").unlink(missing_ok=True)  # first: a crash mid-build leaves no meta.json over half-written bins
-    scratch = out_dir / "build"
-    shutil.rmtree(scratch, ignore_errors=True)  # what a crashed build left
-    stat, corpus_hash = corpus_stat(corpus), corpus.fingerprint()  # full hashing: only when building
+    scratch = out_dir / "build"  # emptied when the lock was taken (a hub corpus may be loaded there since)
     print(f"[pelab] tokenizing {corpus.cache_name} ({tokenizer.name}) into {out_dir}", flush=True)
     separate = getattr(corpus, "rows_are_documents", True)
     dtype = token_dtype(tokenizer.vocab_size)
     meta = {"version": FORMAT_VERSION, "tokenizer": tokenizer.name, "tokenizer_hash": tokenizer_hash,
             "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token if separate else None,
-            "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": corpus_hash, "corpus_stat": stat,
+            "dtype": dtype.name, "corpus": corpus.cache_name, "corpus_hash": None, "corpus_stat": None,
             "splits": {}}
     try:
-        splits = corpus.load(scratch)
+        splits = corpus.load(scratch)  # first: a hub corpus fingerprints what it loaded there
+        meta["corpus_stat"], meta["corpus_hash"] = corpus_stat(corpus), corpus.fingerprint()  # full hash: building only
         for split in SPLITS:
             meta["splits"][split] = write_split(splits[split], tokenizer, dtype, separate, out_dir, split, num_proc,
                                                 stats)
@@ -367,19 +349,20 @@ def build(corpus, tokenizer, out_dir: Path, num_proc: int | None, tokenizer_hash
             raise no_space(out_dir, f"building the token cache of {corpus.cache_name}", MOVE_IT) from None
         raise
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)  # the corpus's Arrow copies: only the token files stay
+        let_go(corpus, scratch)  # the corpus's Arrow copies: only the token files stay
     stats.built = True
     print(f"[pelab] tokenized {corpus.cache_name} ({tokenizer.name}): {stats.line()}", flush=True)
     return meta
 
 
 def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None = None, verify: bool = False,
-                        stats: Throughput | None = None) -> dict:
+                        stats: Throughput | None = None, lock_timeout: float = LOCK_TIMEOUT) -> dict:
     """The metadata of ``out_dir``'s token cache of ``corpus`` by ``tokenizer``; the cache is
     built first (by one process: ``build_lock``) when it is missing or stale, saying why.
     ``verify`` (scripts/prepare_data.py): also compare the corpus's full fingerprint (a hub
     corpus is opened: its data may have changed upstream) and every ``.bin``'s sha256.
-    ``stats``: filled by a build (``stats.built``)."""
+    ``stats``: filled by a build (``stats.built``). ``lock_timeout``: seconds to wait for
+    another process's build (``data.lock_timeout``), then one line (``data.lock.LockTimeout``)."""
     out_dir = Path(out_dir)
     stats = stats if stats is not None else Throughput()
     tokenizer_hash, stat = tokenizer.fingerprint(), corpus_stat(corpus)
@@ -390,7 +373,8 @@ def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None =
             return with_offsets(meta, out_dir)
     check_cache_folder(out_dir, built=False)  # the lock and a build write: one line, before the corpus is read
     out_dir.mkdir(parents=True, exist_ok=True)
-    with build_lock(out_dir):
+    with build_lock(out_dir, lock_timeout):
+        shutil.rmtree(out_dir / "build", ignore_errors=True)  # what a crashed build left
         meta, why = read_meta(out_dir)  # another process may have built it while this one waited
         checkable = False
         if meta is not None:
@@ -399,8 +383,13 @@ def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None =
                 return with_offsets(meta, out_dir)
             if why is None or checkable:
                 reason = why
-                why = full_check(meta, out_dir, corpus, everything=verify)
+                try:
+                    why = full_check(meta, out_dir, corpus, everything=verify)
+                except BaseException:
+                    let_go(corpus, out_dir / "build")
+                    raise
                 if why is None:
+                    let_go(corpus, out_dir / "build")
                     write_meta(meta, out_dir)
                     if reason is not None:
                         print(f"[pelab] token cache {out_dir}: {reason}, but the content is unchanged: used as it is",

@@ -184,6 +184,15 @@ class HubCorpus:
     over the train split are held out (``held_out_evenly``), the same rows in every run.
     ``num_proc``: processes for ``load_dataset``'s download and preparation.
 
+    **Disk.** ``load(workdir)`` (the token cache's build folder) writes the dataset's Arrow copy
+    under ``workdir``, which the build removes with everything in it: the Hugging Face cache
+    (``HF_HOME``) keeps only the download (a hub repository's files; local ``data_files`` are
+    read where they are). ``keep_arrow=True`` keeps the Arrow copy in the Hugging Face cache
+    instead, as ``datasets`` does by default, so a rebuild skips the conversion.
+    ``loads_to_fingerprint``: the full fingerprint needs the loaded dataset, so the token cache
+    loads it into its build folder first; ``release()`` lets go of the loaded splits (their
+    memory maps would keep the removed files' space allocated).
+
     Offline it fails in seconds with what is needed: without ``HF_HUB_OFFLINE``/
     ``HF_DATASETS_OFFLINE`` one TCP connect to the hub (3 s at most) before any download;
     with them, ``datasets`` looks only in its local cache.
@@ -200,6 +209,7 @@ class HubCorpus:
         val_documents: int = 2000,
         data_files: str | list[str] | dict[str, str | list[str]] | None = None,
         num_proc: int | None = None,
+        keep_arrow: bool = False,
     ) -> None:
         if isinstance(val_documents, bool) or not isinstance(val_documents, int) or val_documents < 1:
             raise ValueError(f"data.corpus.val_documents must be a positive integer, got {val_documents!r}")
@@ -209,7 +219,13 @@ class HubCorpus:
         self.train_split, self.val_split = train_split, val_split
         self.text_column, self.rows_are_documents = text_column, rows_are_documents
         self.val_documents, self.data_files, self.num_proc = val_documents, data_files, num_proc
+        if not isinstance(keep_arrow, bool):
+            raise ValueError(f"data.corpus.keep_arrow must be true or false, got {keep_arrow!r}")
+        self.keep_arrow = keep_arrow
         self._splits: datasets.DatasetDict | None = None
+        self._workdir: Path | None = None  # where load() writes the Arrow copy (None: the Hugging Face cache)
+
+    loads_to_fingerprint = True  # see the class docstring
 
     @property
     def cache_name(self) -> str:
@@ -265,17 +281,25 @@ class HubCorpus:
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
     def load(self, workdir: Path | None = None) -> datasets.DatasetDict:
-        if self._splits is None:  # loaded once per process (fingerprint and tokenization share it)
+        if self._splits is None:  # loaded once until released (fingerprint and tokenization share it)
+            self._workdir = None if workdir is None or self.keep_arrow else Path(workdir)
             self._splits = self._load()
         return self._splits
+
+    def release(self) -> None:
+        self._splits = None
 
     def _load(self) -> datasets.DatasetDict:
         if self.needs_hub and not _offline_env() and not hub_reachable():  # now, not after minutes of retries
             raise self._failure(f"{hub_endpoint()} is unreachable (the hub is unreachable from this machine)")
         wanted = [self.train_split] if self.val_split is None else [self.train_split, self.val_split]
+        arrow = {}
+        if self._workdir is not None:  # the Arrow copy in the build folder; downloads stay in the HF cache
+            arrow = {"cache_dir": str(self._workdir / "hf_cache"),
+                     "download_config": datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH)}
         try:
             loaded = datasets.load_dataset(self.path, self.name, split=wanted, data_files=self.data_files,
-                                           num_proc=self.num_proc)
+                                           num_proc=self.num_proc, **arrow)
         except Exception as err:
             if not self.needs_hub:
                 raise

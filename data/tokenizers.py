@@ -1,9 +1,13 @@
 """Tokenizers: tiktoken encodings by name, or a tokenizer file by path.
 
-- ``gpt2``: GPT-2's r50k BPE (50257 ids, ``<|endoftext|>`` = 50256). tiktoken downloads its
-  ranks from a blob store; when that fails (no network), the identical ranks file is taken
-  from the ``openai-whisper`` source distribution on the package index, verified against a
-  pinned sha256 and cached, with no manual step.
+- ``gpt2``: GPT-2's r50k BPE (50257 ids, ``<|endoftext|>`` = 50256), read from
+  ``$PELAB_CACHE/gpt2.tiktoken`` when it is there. Else tiktoken downloads its ranks from a
+  blob store (or finds them in ``TIKTOKEN_CACHE_DIR``), and they are kept in PELAB_CACHE as that
+  file, so nodes sharing PELAB_CACHE need no network; when that fails, the identical ranks file
+  is taken from the ``openai-whisper`` source distribution on the package index, verified
+  against a pinned sha256 and cached, with no manual step. When both fail (an offline node with
+  empty caches): one line (``TokenizerUnavailable``) naming scripts/prepare_data.py,
+  PELAB_CACHE and TIKTOKEN_CACHE_DIR.
 - ``bytes``: byte-level encoding, 256 ids (token id == byte value): fast for CPU experiments.
   Its end-of-text token is byte 0x1E, ASCII "record separator" (``BYTES_EOT``): a control
   character that never occurs in the embedded corpus (nor in ordinary prose), that is a
@@ -54,6 +58,8 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken
+
+from data.paths import PathError
 
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 WHISPER_SDIST = "openai-whisper==20250625"
@@ -163,13 +169,21 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+class TokenizerUnavailable(PathError):
+    """A tokenizer's files are not on this machine and cannot be fetched: one line saying how
+    to put them where it looks (a ``PathError``: train.py and the scripts print it as it is)."""
+
+
 def fetch_gpt2_ranks_from_whisper(dest: Path) -> Path:
     """Download the openai-whisper sdist with pip, extract gpt2.tiktoken, verify, cache."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--quiet", "--dest", tmp, WHISPER_SDIST]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+               "--quiet", "--retries", "2", "--dest", tmp, WHISPER_SDIST]  # an offline node learns it in seconds
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"`pip download {WHISPER_SDIST}` did not finish in 600 s") from None
         sdists = list(Path(tmp).glob("openai_whisper-*.tar.gz")) + list(Path(tmp).glob("openai-whisper-*.tar.gz"))
         if proc.returncode != 0 or not sdists:
             raise RuntimeError(
@@ -210,16 +224,50 @@ def gpt2_offline(cache: Path | None = None) -> tiktoken.Encoding:
     )
 
 
+def keep_gpt2_ranks(encoding: tiktoken.Encoding, dest: Path) -> None:
+    """Write the ranks tiktoken fetched into ``$PELAB_CACHE/gpt2.tiktoken`` (the pinned file, byte
+    for byte), so that every node sharing PELAB_CACHE finds them without network. Best effort."""
+    ranks = sorted(encoding._mergeable_ranks.items(), key=lambda kv: kv[1])
+    data = b"".join(base64.b64encode(token) + b" %d\n" % rank for token, rank in ranks)
+    if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
+        return
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
+        partial.write_bytes(data)
+        os.replace(partial, dest)
+    except OSError:  # a read-only cache: tiktoken's own cache still serves this machine
+        pass
+
+
 def gpt2_encoding() -> tiktoken.Encoding:
+    """GPT-2's encoding: from ``$PELAB_CACHE/gpt2.tiktoken``, else tiktoken (its cache,
+    ``TIKTOKEN_CACHE_DIR``, or its download; the ranks are then kept in PELAB_CACHE), else the
+    openai-whisper sdist from the package index. Where all fail (an offline node with empty
+    caches): one line saying how to bring the ranks, not the libraries' tracebacks."""
     cached = cache_dir() / "gpt2.tiktoken"
     if cached.exists():  # already fetched: never touch the network again
         return gpt2_offline()
     try:
-        return tiktoken.get_encoding("gpt2")
+        encoding = tiktoken.get_encoding("gpt2")
     except Exception as err:  # no network, blocked host, proxy...: fall back to the package index
-        print(f"[pelab] tiktoken could not download gpt2 ({type(err).__name__}); "
-              f"using the ranks from the {WHISPER_SDIST} sdist", file=sys.stderr)
-        return gpt2_offline()
+        blob_error = f"{type(err).__name__}"
+    else:
+        keep_gpt2_ranks(encoding, cached)
+        return encoding
+    try:
+        encoding = gpt2_offline()
+    except (RuntimeError, OSError) as err:
+        pip_error = str(err).strip().splitlines()[-1][:160] if str(err).strip() else type(err).__name__
+        raise TokenizerUnavailable(
+            f"data.tokenizer=gpt2: the GPT-2 BPE ranks are not on this machine and cannot be downloaded (tiktoken: "
+            f"{blob_error}; pip download {WHISPER_SDIST}: {pip_error}); run `python scripts/prepare_data.py` with "
+            f"this command's data overrides once on a machine with network, with PELAB_CACHE on a filesystem this "
+            f"node shares (the ranks are kept there: {cached}), or set TIKTOKEN_CACHE_DIR to a tiktoken cache "
+            f"holding gpt2") from None
+    print(f"[pelab] tiktoken could not download gpt2 ({blob_error}); took the ranks from the {WHISPER_SDIST} sdist, "
+          f"kept in {cached}", file=sys.stderr)
+    return encoding
 
 
 def bytes_encoding() -> tiktoken.Encoding:

@@ -92,29 +92,37 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x, ctx)
-        c = self.layer_terms(x, ctx, cache)
+        turned = ctx.terms.bias and ctx.pe.uses_layer_rotation  # angles c of x turn q, k (v) (model/pe/rope_dd.py)
+        c = self.layer_terms(x, ctx, cache, turned)
+        if turned:
+            q, k, v = ctx.pe.rotate_layer(q, k, v, c)
         key_c = c
         if cache is not None:  # the cache keeps only the n_kv_head heads, and the keys' c (model/cache.py)
             k, v, key_c = cache.append(k, v, c)
             keys = ctx.terms.k_positions.shape[-1]  # a windowed layer attends its window's keys only
             k, v = k[:, :, -keys:], v[:, :, -keys:]
-        layer_terms = None if c is None else (c, key_c[..., -ctx.terms.k_positions.shape[-1]:])
+        layer_terms = None if c is None or turned else (c, key_c[..., -ctx.terms.k_positions.shape[-1]:])
         if self.n_kv_head != self.q_heads:  # query head h reads key/value head h // group (HF's repeat_kv)
             group = self.q_heads // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         score_terms = partial(ctx.pe.score_terms, layer=self.layer) if ctx.terms.with_score_terms else None
         y = attend(q, k, v, ctx, self.dropout if self.training else 0.0, self.sinks, layer_terms, score_terms)
+        own_v = v[:, :, -T:]  # the new tokens' own values are the last T
         if self.pairs is not None:  # 2H query heads' outputs -> H heads, each with its pair's values
-            y, v = self.pairs(y, x), self.pairs.head_values(v)
-        for op in self.output_ops:  # the new tokens' own values are the last T
-            y = op(y, x, v[:, :, -T:])
+            y, own_v = self.pairs(y, x), self.pairs.head_values(own_v)
+        if turned:  # output and own values turned back where the scheme turned the values
+            y, own_v = ctx.pe.unrotate_output(y, c), (ctx.pe.unrotate_output(own_v, c) if self.output_ops else own_v)
+        for op in self.output_ops:
+            y = op(y, x, own_v)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def layer_terms(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None) -> Tensor | None:
-        """A data-dependent scheme's c of these tokens (model/pe/fox.py), or None; with a cache, c
-        continues the newest cached key's (the cache keeps and evicts the keys' c with the keys)."""
-        if not ctx.terms.with_layer_terms:
+    def layer_terms(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None,
+                    turned: bool = False) -> Tensor | None:
+        """A data-dependent scheme's c of these tokens (model/pe/fox.py; ``turned``: its angles,
+        model/pe/rope_dd.py), or None; with a cache, c continues the newest cached key's (the cache
+        keeps and evicts the keys' c with the keys)."""
+        if not (ctx.terms.with_layer_terms or turned):
             return None
         return ctx.pe.layer_terms(x, self.layer, None if cache is None else cache.last_terms())
 

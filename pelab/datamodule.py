@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from data.cache import prepare_token_files
+from data.lock import LOCK_TIMEOUT, check_timeout
 from data.packing import DocumentOptions, check_document_options
 from data.stream import GlobalSamples, TrainWindows, check_sampling, load_tokens
 from data.synthetic import DEPTH_TASKS, VOCAB_SIZE, Task, TaskName, TaskSamples
@@ -124,9 +125,11 @@ class TextDataModule(StreamDataModule):
         document_positions: bool = False,
         document_mask: bool = False,
         sampling: str = "random",
+        lock_timeout: float = LOCK_TIMEOUT,
     ) -> None:
         super().__init__()
         check_document_options(document_positions, document_mask, corpus)
+        self.lock_timeout = check_timeout(lock_timeout)  # seconds to wait for another builder of the cache
         check_sampling(sampling)
         self.sampling = sampling
         # prepare_data on global rank 0 only (Lightning's default is local rank 0 of every node):
@@ -177,10 +180,12 @@ class TextDataModule(StreamDataModule):
         return self.token_dir / f"{split}.bin"
 
     def prepare_data(self) -> None:
-        prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc)
+        prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc,
+                            lock_timeout=self.lock_timeout)
 
     def setup(self, stage: str | None = None) -> None:
-        self.meta = prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc)
+        self.meta = prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc,
+                                        lock_timeout=self.lock_timeout)
         dtype = self.meta["dtype"]
         self.train_set = TrainWindows(self.split_path("train"), dtype, self.block_size, self.seed, self.sampling)
         self.val_set = ValidationWindows(self.split_path("val"), dtype, self.block_size, self.val_windows)

@@ -7,13 +7,15 @@ A native class first, where one computes exactly what pelab computes:
   ``rotary_pct`` = rotary_fraction, base = ``pe.base``; ``pe.scaling`` linear and llama3 as
   the same ``rope_type``);
 - ``rope`` with the Llama block (``model.norm=rmsnorm``, ``model.mlp=swiglu``, GQA) -> Llama
-  (``LlamaForCausalLM``).
+  (``LlamaForCausalLM``); with NoPE layers and/or sliding windows of one size -> SmolLM3
+  (``SmolLM3ForCausalLM``).
 
 The classes, their configs and their weight layouts are pelab/hf_classes.py's, read both ways:
 here to export, by pelab/hf_import.py to start a run from a folder (``init_from=hf:DIR``).
 
-Every other scheme and option (another scheme, NoPE layers, other RoPE scalings, p-RoPE,
-learned frequencies, temperatures, windows, other blocks) is written as remote code: the model's
+Every other scheme and option (another scheme, NoPE layers or windows without the Llama block,
+windows of several sizes, per-layer RoPE bases, other RoPE scalings, p-RoPE, learned frequencies,
+temperatures, other blocks) is written as remote code: the model's
 own files and a thin wrapper (pelab/hf_remote/: ``trust_remote_code=True``); a scheme whose
 module cannot travel with it is refused before anything is written. The folder is written beside
 ``out`` under a temporary name and renamed into place, so a failed export leaves nothing
@@ -35,7 +37,7 @@ from torch import nn
 from data.paths import aside_name, remove_dead_leftovers
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.pe.schedule import split_schedule
+from model.pe.schedule import LAYER_KEYS, split_schedule
 from pelab.checkpoint import load_lit_gpt, replace_dir
 from pelab.hf_classes import EXPORTERS, LATER, Exporter, ExportError, to_hf_state
 from pelab.hf_remote import ARCHITECTURE, remote_refusal, save_remote
@@ -45,6 +47,8 @@ from pelab.hf_remote import ARCHITECTURE, remote_refusal, save_remote
 HANDLED_FIELDS = frozenset({"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias",
                             "pad_vocab_multiple", "attention"})
 TRAINING_ONLY = frozenset({"randomize_to"})  # pe schedule keys that move training positions only
+NOPE_KEYS = LAYER_KEYS[:2]  # the pe schedule keys that make NoPE layers (nope_every, nope_layers)
+MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING}
 
 
 class Exported(NamedTuple):
@@ -89,7 +93,7 @@ def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: An
     transformers = require_transformers()
     notes: list[str] = []
     if native_refusal is None:
-        (hf_model, extra_config), architecture = native_model(transformers, gpt), exporter_for(gpt).architecture
+        (hf_model, extra_config), architecture = native_model(transformers, gpt, pe_config)
     else:
         architecture = ARCHITECTURE
         notes.append(f"{native_refusal}: written as remote code ({ARCHITECTURE}); load it with "
@@ -111,13 +115,13 @@ def export_model(gpt: GPT, out_dir, pe_config: dict | None = None, tokenizer: An
     return Exported(out, architecture, notes)
 
 
-def native_model(transformers, gpt: GPT) -> tuple[nn.Module, dict]:
-    """``gpt``'s weights in its native class (``exporter_for``), and the extra config.json keys."""
-    exporter = exporter_for(gpt)
+def native_model(transformers, gpt: GPT, pe_config: dict) -> tuple[tuple[nn.Module, dict], str]:
+    """(``gpt``'s weights in its native class (``exporter_for``), the extra config.json keys), the class."""
+    exporter = exporter_for(gpt, pe_config)
     config, extra_config = exporter.config(gpt)
     hf_model = getattr(transformers, exporter.architecture)(config).eval()
     hf_model.load_state_dict(to_hf_state(gpt, exporter.layout(gpt.config), hf_model), strict=False)
-    return hf_model, extra_config
+    return (hf_model, extra_config), exporter.architecture
 
 
 def check_out(out_dir, overwrite: bool, source=None) -> Path:
@@ -183,35 +187,41 @@ def run_tokenizer(ckpt: Path):
 
 def unexportable(gpt: GPT, pe_config: dict) -> str | None:
     """Why ``gpt`` has no exact native export (one line), or None."""
-    exporter = exporter_for(gpt)
+    exporter = exporter_for(gpt, pe_config)
     if exporter is None:
         return scheme_refusal(gpt.pe.name)
     refusal = exporter.refusal(gpt)
     if refusal:
         return refusal
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING}
+    unmapped = unmapped_options(gpt, pe_config, exporter)
+    return unmapped[0] if unmapped else None
+
+
+def unmapped_options(gpt: GPT, pe_config: dict, exporter: Exporter) -> list[str]:
+    """What ``gpt`` sets that ``exporter``'s class does not map, one line each (model options,
+    then pe schedule options, then the per-layer plan they built)."""
     handled = HANDLED_FIELDS | set(exporter.block) | set(exporter.options)
-    for field, default in defaults.items():
-        value = getattr(gpt.config, field)
-        if field not in handled and value != default:
-            return f"model.{field}={value!r} {LATER} (only the default {default!r} is)"
+    lines = [f"model.{field}={getattr(gpt.config, field)!r} {LATER} (only the default {default!r} is)"
+             for field, default in MODEL_DEFAULTS.items()
+             if field not in handled and getattr(gpt.config, field) != default]
     _, schedule = split_schedule(pe_config)
-    for key, value in schedule.items():
-        if value is not None and key not in TRAINING_ONLY:
-            return f"pe.{key}={value!r} {LATER}"
-    if gpt.nope_layers:
-        return f"NoPE layers {sorted(gpt.nope_layers)} (pe.nope_every) {LATER}"
-    if any(base is not None for base in getattr(gpt, "layer_bases", ())):
-        return f"per-layer RoPE bases (pe.global_base) {LATER}"
-    return None
+    lines += [f"pe.{key}={value!r} {LATER}" for key, value in schedule.items()
+              if value is not None and key not in TRAINING_ONLY | set(exporter.schedule)]
+    if gpt.nope_layers and not set(NOPE_KEYS) & set(exporter.schedule):
+        lines.append(f"NoPE layers {sorted(gpt.nope_layers)} (pe.nope_every) {LATER}")
+    if any(base is not None for base in getattr(gpt, "layer_bases", ())) and "global_base" not in exporter.schedule:
+        lines.append(f"per-layer RoPE bases (pe.global_base) {LATER}")
+    return lines
 
 
-def exporter_for(gpt: GPT) -> Exporter | None:
-    """The class for ``gpt``'s scheme and block: the one whose block options it has (Llama's),
-    else the scheme's plain-block class (which then names the option it lacks)."""
-    candidates = [e for e in EXPORTERS.values() if e.scheme == gpt.pe.name]
-    fitting = [e for e in candidates if all(getattr(gpt.config, k) == v for k, v in e.block.items())]
-    return max(fitting, key=lambda e: len(e.block), default=None)
+def exporter_for(gpt: GPT, pe_config: dict | None = None) -> Exporter | None:
+    """The class for ``gpt``'s scheme and block: among those whose block options it has, the most
+    specific block (Llama's over GPT-NeoX's plain one), then the class that maps the most of what it
+    sets (SmolLM3 for NoPE layers and windows), then the first registered (the plainest: Llama). A
+    class that cannot hold it exactly then names what it lacks."""
+    fitting = [e for e in EXPORTERS.values()
+               if e.scheme == gpt.pe.name and all(getattr(gpt.config, k) == v for k, v in e.block.items())]
+    return min(fitting, key=lambda e: (-len(e.block), len(unmapped_options(gpt, pe_config or {}, e))), default=None)
 
 
 def scheme_refusal(name: str) -> str | None:

@@ -6,7 +6,10 @@ pelab/hf_import.py reads one back), and a reader of its config in pelab's terms 
 - ``learned`` -> GPT-2 (``GPT2LMHeadModel``);
 - ``rope`` -> GPT-NeoX (``GPTNeoXForCausalLM``);
 - ``rope`` with the Llama block (``model.norm=rmsnorm``, ``model.mlp=swiglu``, GQA) -> Llama
-  (``LlamaForCausalLM``).
+  (``LlamaForCausalLM``);
+- the same with NoPE layers (``pe.nope_every``, ``pe.nope_layers``) and/or sliding windows of one
+  size (``model.window``, ``model.window_pattern``) -> SmolLM3 (``SmolLM3ForCausalLM``: Llama's
+  weights, ``no_rope_layers``, ``layer_types``, one ``sliding_window``).
 
 transformers is imported only inside the functions that build a config.
 """
@@ -40,6 +43,7 @@ class Exporter:
     read: Callable[[Any], "Folder"]  # import: a config of the class in pelab's terms
     block: dict = dataclasses.field(default_factory=dict)  # the non-default model options it is made of
     options: tuple[str, ...] = ()  # model options it maps at any value
+    schedule: tuple[str, ...] = ()  # pe schedule options (model/pe/schedule.py) it maps at any value
     refusal: Callable[[GPT], str | None] = lambda gpt: None  # an option that is not exact
 
 
@@ -153,6 +157,7 @@ class Folder(NamedTuple):
     scaling: dict | None  # a rope_type other than default, as pelab's pe.scaling
     refusals: list[str]  # what pelab's block cannot compute (one line each)
     notes: list[str]  # what pelab computes nearly but not exactly (printed)
+    nope_layers: tuple[int, ...] | None = None  # its NoPE layers (0-based); None: a class without any
 
 
 def check_value(config, key: str, want, refusals: list[str], why: str) -> None:
@@ -318,28 +323,34 @@ def read_neox(config) -> Folder:
 # ---------------------------------------------------------------------------------------------
 # rope with the Llama block (model.norm=rmsnorm, model.mlp=swiglu) -> Llama
 
-def llama_refusal(gpt: GPT) -> str | None:
+def llama_refusal(gpt: GPT, architecture: str = "LlamaForCausalLM") -> str | None:
     if gpt.config.qk_norm:
-        return "model.qk_norm=true is not exportable: transformers' LlamaForCausalLM has no QK-norm (set it false)"
+        return f"model.qk_norm=true is not exportable: transformers' {architecture} has no QK-norm (set it false)"
     if gpt.pe.rotary_dim != gpt.config.head_dim:
         return (f"pe.rotary_fraction={gpt.pe.rotary_dim / gpt.config.head_dim} with the Llama block: "
-                f"LlamaForCausalLM rotates the whole head (GPT-NeoX's partial rotary needs model.norm=layernorm)")
+                f"{architecture} rotates the whole head (GPT-NeoX's partial rotary needs model.norm=layernorm)")
     return rope_refusal(gpt)
 
 
-def llama_config(gpt: GPT):
-    from transformers import LlamaConfig
-
+def llama_kwargs(gpt: GPT) -> tuple[dict, dict]:
+    """The config arguments of a Llama-block class (Llama, SmolLM3), and the extra config.json keys."""
     c = gpt.config
     rope, keys = rope_keys(gpt)
     del rope["partial_rotary_factor"], keys["partial_rotary_factor"], keys["rotary_pct"]  # always the whole head
     del keys["rotary_emb_base"]  # GPT-NeoX's spelling
-    return LlamaConfig(
+    return dict(
         **common_config(c), hidden_size=c.n_embd, intermediate_size=swiglu_hidden(c.n_embd),
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads,
         head_dim=c.head_dim, hidden_act="silu", max_position_embeddings=c.block_size, rms_norm_eps=RMS_EPS,
         rope_parameters=dict(rope), attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout), \
         {**keys, "rope_parameters": rope}
+
+
+def llama_config(gpt: GPT):
+    from transformers import LlamaConfig
+
+    kwargs, keys = llama_kwargs(gpt)
+    return LlamaConfig(**kwargs), keys
 
 
 def llama_layout(c: GPTConfig) -> list[Rule]:
@@ -356,8 +367,8 @@ def llama_layout(c: GPTConfig) -> list[Rule]:
     return rules + module("ln_f", "model.norm", bias=None)
 
 
-def read_llama(config) -> Folder:
-    refusals: list[str] = []
+def read_llama(config, refusals: list[str] | None = None) -> Folder:
+    refusals = [] if refusals is None else refusals
     notes: list[str] = []
     heads, width = config.num_attention_heads, config.hidden_size
     check_value(config, "head_dim", width // heads, refusals, "pelab's head dim is n_embd / n_head")
@@ -376,10 +387,66 @@ def read_llama(config) -> Folder:
     return Folder(model, "rope", pe, config.max_position_embeddings, scaling, refusals, notes)
 
 
+# ---------------------------------------------------------------------------------------------
+# rope with the Llama block, NoPE layers and one window size -> SmolLM3
+#
+# transformers' SmolLM3 is Llama's block and weights with two per-layer lists: no_rope_layers (1:
+# the layer rotates q and k, 0: NoPE) and layer_types (sliding_attention: keys i-W+1..i with W =
+# sliding_window, its mask's kv_idx > q_idx - W, as pelab's model.window; full_attention). Its one
+# rope_parameters serves every layer: pe.global_base has no place in it.
+
+SMOLLM3 = "SmolLM3ForCausalLM"
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def window_sizes(gpt: GPT) -> list[int]:
+    return sorted({w for w in gpt.config.layer_windows if w is not None})
+
+
+def smollm3_refusal(gpt: GPT) -> str | None:
+    sizes = window_sizes(gpt)
+    if len(sizes) > 1:  # one sliding_window for every sliding layer (model.window has one size)
+        return (f"model.window_pattern={gpt.config.window_pattern!r} {LATER} ({SMOLLM3} has one sliding_window "
+                f"for all windowed layers; these have {sizes})")
+    return llama_refusal(gpt, SMOLLM3)
+
+
+def smollm3_config(gpt: GPT):
+    from transformers import SmolLM3Config
+
+    kwargs, keys = llama_kwargs(gpt)
+    windows, sizes = gpt.config.layer_windows, window_sizes(gpt)
+    return SmolLM3Config(
+        **kwargs, pad_token_id=None,  # its default (128004) is no id of a small vocabulary
+        no_rope_layers=[int(i not in gpt.nope_layers) for i in range(gpt.config.n_layer)],
+        layer_types=[FULL if w is None else SLIDING for w in windows],
+        use_sliding_window=bool(sizes), sliding_window=sizes[0] if sizes else None), keys
+
+
+def read_smollm3(config) -> Folder:
+    refusals: list[str] = []
+    n_layer = config.num_hidden_layers
+    types = list(config.layer_types)[:n_layer]
+    if SLIDING in types and not (config.use_sliding_window and config.sliding_window):
+        # the mask would window those layers and flash attention would not
+        refusals.append(f"layer_types with {SLIDING} and use_sliding_window={config.use_sliding_window}, "
+                        f"sliding_window={config.sliding_window} (transformers' backends disagree on it)")
+    if set(types) - {SLIDING, FULL}:
+        refusals.append(f"layer_types={types} (pelab's layers are {SLIDING} or {FULL})")
+    folder = read_llama(config, refusals)
+    windows = [config.sliding_window if t == SLIDING else None for t in types]
+    nope = tuple(i for i, rotates in enumerate(list(config.no_rope_layers)[:n_layer]) if not rotates)
+    return folder._replace(model={**folder.model, "window_pattern": windows}, nope_layers=nope,
+                           pe={**folder.pe, "global_base": None})
+
+
 # The native classes: a new one is one entry here (its config, layout and reader above).
 EXPORTERS: dict[str, Exporter] = {e.architecture: e for e in (
     Exporter("GPT2LMHeadModel", "learned", gpt2_config, gpt2_layout, read_gpt2),
     Exporter("GPTNeoXForCausalLM", "rope", neox_config, neox_layout, read_neox, refusal=rope_refusal),
     Exporter("LlamaForCausalLM", "rope", llama_config, llama_layout, read_llama,
              block={"norm": "rmsnorm", "mlp": "swiglu"}, options=("n_kv_head",), refusal=llama_refusal),
+    Exporter(SMOLLM3, "rope", smollm3_config, llama_layout, read_smollm3, block={"norm": "rmsnorm", "mlp": "swiglu"},
+             options=("n_kv_head", "window", "window_pattern"), schedule=("nope_every", "nope_layers"),
+             refusal=smollm3_refusal),
 )}

@@ -1,15 +1,17 @@
 """``train.py init_from=hf:DIR``: a run that starts from a local Hugging Face transformers folder
-(GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM) through the weight layouts the exporter
+(GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM, SmolLM3ForCausalLM) through the weight layouts the exporter
 writes (pelab/hf_classes.py), read the other way; docs/export.md.
 
-The folder must hold the run's model: layers, heads, width, key/value heads, norm, MLP, QK-norm
-(here, before any data is read) and vocabulary (``load_init_weights``, once the tokenizer gives
-the run's). Its positions are kept or replaced:
+The folder must hold the run's model: layers, heads, width, key/value heads, norm, MLP, QK-norm,
+each layer's window where the class has windows (SmolLM3; the run's ``model.window`` or
+``model.window_pattern``) (here, before any data is read) and vocabulary (``load_init_weights``,
+once the tokenizer gives the run's). Its positions are kept or replaced:
 
 - the run's ``pe`` is the folder's scheme (learned for GPT-2, rope for GPT-NeoX and Llama): its
   settings must be the folder's (rope's base, rotary_fraction and scaling; learned's table size,
-  unless ``pe.extend=interpolate``); ``pe.scaling`` may be added, and only then may
-  ``model.block_size`` exceed the folder's length (context extension);
+  unless ``pe.extend=interpolate``; SmolLM3's NoPE layers, which the run's ``pe.nope_every`` or
+  ``pe.nope_layers`` must give, and no ``pe.global_base``); ``pe.scaling`` may be added, and only
+  then may ``model.block_size`` exceed the folder's length (context extension);
 - another ``pe``: the folder's position weights (GPT-2's table) are dropped and the run's scheme
   starts from its own initialisation, said in one printed line (recalibrating a pretrained model
   to another scheme).
@@ -31,6 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from model.pe import SCHEMES
+from model.pe.schedule import LAYER_KEYS, layer_positions, split_schedule
 from pelab.checkpoint import INIT_FREE, CheckpointError, refuse_non_finite_init
 from pelab.checkpoint.compare import scheme_choice
 from pelab.hf_classes import EXPORTERS, ExportError, Folder, to_pelab_state
@@ -68,7 +71,7 @@ def check_hf_init(spec: str, cfg) -> dict[str, Any]:
     check_model(folder, model, architecture, where)
     same = scheme_choice(pe) == folder.scheme
     if same:
-        check_positions(folder, pe, model.block_size, where)
+        check_positions(folder, pe, model, where)
     for note in folder.notes:
         print(f"[pelab] {where}: {note}", flush=True)
     if not same:
@@ -147,9 +150,15 @@ def check_remote_init(path: Path, cfg, where: str) -> dict[str, Any]:
             "hyper_parameters": {"model": {"block_size": folder["block_size"]}}, "fresh_pe": scheme != ours}
 
 
+# a folder's model key read off the run's GPTConfig where it is not the field itself
+RUN_VALUE = {"n_kv_head": lambda m: m.kv_heads, "window_pattern": lambda m: list(m.layer_windows)}
+
+
 def check_model(folder: Folder, model, architecture: str, where: str) -> None:
-    run = {key: model.kv_heads if key == "n_kv_head" else getattr(model, key) for key in MATCHED}
-    diffs = [key for key in MATCHED if folder.model[key] != run[key]]
+    """The folder's model (``MATCHED``, and each layer's window where its class has windows) is the run's."""
+    keys = [*MATCHED, *(k for k in folder.model if k not in (*MATCHED, "vocab_size"))]
+    run = {key: RUN_VALUE.get(key, lambda m: getattr(m, key))(model) for key in keys}
+    diffs = [key for key in keys if folder.model[key] != run[key]]
     if diffs:
         raise CheckpointError(
             f"{where} holds another model: the folder ({architecture}) has "
@@ -157,11 +166,18 @@ def check_model(folder: Folder, model, architecture: str, where: str) -> None:
             f"{', '.join(f'model.{k}={run[k]}' for k in diffs)}; set the run's to the folder's")
 
 
-def check_positions(folder: Folder, pe: dict, block_size: int, where: str) -> None:
-    """A run of the folder's own scheme keeps its settings (``pe.scaling`` may be added)."""
+def check_positions(folder: Folder, pe: dict, model, where: str) -> None:
+    """A run of the folder's own scheme (``model``: its GPTConfig) keeps its settings and NoPE
+    layers (``pe.scaling`` may be added)."""
+    block_size = model.block_size
     defaults = {k: p.default for k, p in inspect.signature(SCHEMES[folder.scheme].__init__).parameters.items()}
     run = {k: pe.get(k, defaults.get(k)) for k in folder.pe}
     diffs = [(f"pe.{k}", v, run[k]) for k, v in folder.pe.items() if run[k] != v]
+    if folder.nope_layers is not None:
+        schedule = split_schedule(pe)[1]
+        nope = sorted(layer_positions(model.layer_windows, *(schedule.get(k) for k in LAYER_KEYS))[0])
+        if nope != list(folder.nope_layers):
+            diffs.append(("NoPE layers", list(folder.nope_layers), f"{nope} (pe.nope_every, pe.nope_layers)"))
     scaling = pe.get("scaling") or {}
     diffs += [(f"pe.scaling.{k}", v, scaling.get(k)) for k, v in (folder.scaling or {}).items() if scaling.get(k) != v]
     if folder.scheme == "learned":

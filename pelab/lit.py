@@ -65,6 +65,7 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     if layers and not (scheme.uses_rotate or scheme.uses_bias):
         acts = ("only adds to the embeddings" if scheme.terms is None else
                 "counts every layer's positions from its attention scores" if scheme.terms == "scores" else
+                "turns every layer's q and k by angles of its input" if scheme.terms == "rotation" else
                 "gates every layer's attention from its input")
         raise ConfigError(f"{setting} needs a scheme that acts inside attention through positions "
                           f"(rotation or bias); pe={scheme.name} {acts}")

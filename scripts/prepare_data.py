@@ -11,8 +11,10 @@ it (``data.data_dir``, else ``$PELAB_CACHE/data``) and that run tokenizes nothin
 data overrides of the sweep (not its ``-m`` lists): every job of the sweep then finds the
 cache built. An existing cache is verified in full (the corpus's full fingerprint, opening a
 hub corpus; each token file's sha256) and rebuilt if anything differs. Several copies may run
-at once, on any nodes sharing the directory: one builds, the others wait and reuse it
-(data/cache.py).
+at once, on any nodes sharing the directory: one builds, the others wait (at most
+``data.lock_timeout`` seconds) and reuse it (data/cache.py, data/lock.py). With
+``data.tokenizer=gpt2`` the ranks are kept in ``$PELAB_CACHE/gpt2.tiktoken`` too: compute nodes
+sharing PELAB_CACHE then need no network (data/tokenizers.py).
 
 Prints a progress bar with tokens/s while building, then the build's tokens per CPU-second
 against the tokenizer's raw batch call (tiktoken's ``encode_ordinary_batch``) timed on the first
@@ -80,7 +82,7 @@ def main(argv: list[str]) -> int:
         tokenizer = datamodule.tokenizer  # a tokenizer file is read here: its errors name data.tokenizer
         stats = Throughput(reference_tokens=REFERENCE_TOKENS)
         meta = prepare_token_files(datamodule.corpus, tokenizer, datamodule.token_dir, datamodule.tokenize_num_proc,
-                                   verify=True, stats=stats)
+                                   verify=True, stats=stats, lock_timeout=datamodule.lock_timeout)
     except (ValueError, RuntimeError) as err:
         print(f"prepare_data.py: {err}", file=sys.stderr)
         return 1

@@ -68,7 +68,7 @@ class SDPA(AttentionBackend):
         # CUDA's fused kernels take a float mask only in q's dtype: the memory-efficient one
         # refuses a float32 mask with bf16/fp16 q, and cuDNN reads it as q's dtype (garbage).
         # A bias must keep float32, so on CUDA a bias goes through SDPA in float32 compute only.
-        if request.cuda and (request.pe.uses_bias or request.terms) and request.dtype != torch.float32:
+        if request.cuda and (request.pe.uses_bias or request.terms == "layer") and request.dtype != torch.float32:
             return (f"model.attention={self.name} on CUDA adds pe={request.pe.name}'s terms only in float32 "
                     f"compute (its kernels read a float mask in q's dtype)")
         return super().refusal(request)

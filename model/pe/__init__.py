@@ -15,6 +15,7 @@ from model.pe.t5 import T5RelativeBias, t5_bucket
 from model.pe.pope import PoPE
 from model.pe.fox import FoX
 from model.pe.cope import CoPE
+from model.pe.rope_dd import DataDependentRoPE
 
 __all__ = [
     "SCHEMES",

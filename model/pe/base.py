@@ -52,6 +52,8 @@ class PositionEncoding(nn.Module):
     # None (positions alone); "layer": ``layer_terms`` gives each layer's (B, H, T) float64 c of its
     # input and attention adds c_i - c_j (FoX); "scores": ``score_terms`` gives extra logits of each
     # layer's queries and scaled scores (CoPE). Only the backends whose ``terms`` hold the kind add them.
+    # "rotation": ``layer_terms`` gives each layer's float64 angles of its input, by which ``rotate_layer``
+    # turns q, k (and v) before any backend, adding nothing to attention (model/pe/rope_dd.py).
     terms: ClassVar[str | None] = None
     # The rotation differs per head (PoPE's learned phase per head and component): it is sized for the
     # n_head query heads, so differential attention's 2 n_head refuse it (model/differential.py).
@@ -141,6 +143,18 @@ class PositionEncoding(nn.Module):
         """(B, H, T) float64 c of layer ``layer``'s input x (B, T, C), continuing ``start`` (B, H, 1),
         the c of the token before x (a KV cache), if given; attention adds c_i - c_j (``terms="layer"``)."""
         raise NotImplementedError(f"pe={self.name} declares terms={self.terms!r}, not 'layer'")
+
+    def rotate_layer(self, q: Tensor, k: Tensor, v: Tensor, angles: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of one layer's new tokens turned by their ``layer_terms`` angles (``terms="rotation"``)."""
+        raise NotImplementedError(f"pe={self.name} declares terms={self.terms!r}, not 'rotation'")
+
+    def unrotate_output(self, y: Tensor, angles: Tensor) -> Tensor:
+        """A ``terms="rotation"`` layer's output (or own values) turned back, where values were turned; else y."""
+        return y
+
+    @property
+    def uses_layer_rotation(self) -> bool:
+        return self.terms == "rotation"
 
     def score_terms(self, q: Tensor, scores: Tensor, visible: Tensor, layer: int) -> Tensor:
         """(B, H, Tq, Tk) extra logits of layer ``layer`` from its queries q (B, H, Tq, d), scaled scores

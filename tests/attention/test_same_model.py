@@ -127,7 +127,7 @@ def run(models: dict, backend: str, dtype: torch.dtype, idx, positions, document
     grad = backend == "bias_grad"
     mixed = dtype.itemsize < 4
     model = models[torch.float32 if mixed else dtype]
-    if model.pe.terms not in (None, *BACKENDS[backend].terms):
+    if model.pe.terms not in (None, "rotation", *BACKENDS[backend].terms):  # rotation: before any backend (rope_dd)
         return None  # refused by resolve: it cannot add the scheme's data-dependent terms
     with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=dtype, enabled=mixed):
         if resolve(backend, AttentionRequest(model.pe, CPU, dtype, grad=grad, queries=idx.shape[1])).name != backend:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model.attention import AttentionRequest, resolve
+from model.output_ops import OUTPUTS
 from tests.gpu.cuda_models import CUDA, CUDA_CHOICES, T, build, config, scheme_instance, tokens
 from tests.gpu.test_cuda_training import compare_with_math, float32_matmuls  # noqa: F401 (autouse fixture)
 
@@ -25,6 +26,8 @@ OPTIONS = {
     "window": {"window": W},
     "window_pattern": {"window_pattern": [W, None]},
     "window_sinks": {"window": W, "sinks": "learned"},
+    # each operation on the attention output (model/output_ops/) as a per-layer list of its kinds
+    "output_ops": {op.key: list(op.kinds[1:]) for op in OUTPUTS},
 }
 
 
@@ -57,7 +60,7 @@ def test_training_step_with_option_matches_math(record_property, scheme, option,
 
 @pytest.mark.parametrize("scheme, option", [("rope", "window_sinks"), ("t5", "window_sinks"),
                                             ("pope", "window_pattern"), ("alibi", "sinks_zero"),
-                                            ("fox", "window_sinks")])
+                                            ("fox", "window_sinks"), ("rope", "output_ops")])
 def test_compiled_model_with_option_is_one_graph(record_property, scheme, option):
     torch._dynamo.reset()
     model = build(scheme, config(**OPTIONS[option]))

@@ -206,7 +206,7 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
     one_line_error(folder, [],
                    "is a BertForMaskedLM; pelab imports GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM, "
-                   "PelabForCausalLM$")
+                   "SmolLM3ForCausalLM, PelabForCausalLM$")
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").unlink()
     one_line_error(folder, [], r"has no weights \(\*.safetensors or pytorch_model\*.bin\)")

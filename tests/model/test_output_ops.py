@@ -169,3 +169,12 @@ def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ValueError) as err:
         GPTConfig(vocab_size=37, n_layer=2, **overrides)
     assert str(err.value) == message
+
+
+def test_a_model_with_every_output_op_traces_as_one_graph():
+    """torch.compile sees one graph, no break (dynamo only: the CUDA acceptance compiles it)."""
+    torch._dynamo.reset()
+    model = tiny_gpt("rope", 0, **{op.key: list(op.kinds[1:]) for op in OUTPUTS}).train()
+    idx = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(model)(idx, idx)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
