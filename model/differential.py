@@ -19,7 +19,9 @@ already must (model/config.py); a G dividing 2H but not H, which would split pai
 there.
 
 What combines: whatever acts per query head alike or per softmax. A rotation or an embedding
-that is the same in every head (rope and its scalings, xpos, learned, sinusoidal, nope), qk_norm,
+that is the same in every head (rope and its scalings, xpos, learned, sinusoidal, nope), rope_dd's
+turns (per key/value head: both heads of a pair turn alike; with rotate_v the output is turned
+back after the combination, which is linear and so commutes with the turn), qk_norm,
 the attention temperature (per query; ssmax's s_h and the sink logits are per softmax, so one per
 query head: 2H per layer), windows, packed documents, query chunks, the KV cache (it keeps the G
 key/value heads) and the operations on the attention output (model/output_ops/, after the
@@ -46,13 +48,14 @@ def check_scheme(config, pe) -> None:
     """``model.attention_kind=differential`` with a scheme whose terms are per head: one line."""
     if config.attention_kind == "standard":
         return
-    has = ("a bias per head" if pe.uses_bias else "data-dependent terms per head" if pe.terms is not None
-           else "a rotation that differs per head" if pe.head_rotation else None)
+    has = ("a bias per head" if pe.uses_bias else
+           "data-dependent terms per head" if pe.terms is not None and not pe.uses_layer_rotation else
+           "a rotation that differs per head" if pe.head_rotation else None)
     if has is not None:
         raise ValueError(f"model.attention_kind=differential needs a scheme without per-head terms, got pe={pe.name} "
                          f"({has}, for n_head={config.n_head} heads where differential attention has "
-                         f"{2 * config.n_head} query heads): use a rotation or embedding scheme (rope, xpos, learned, "
-                         f"sinusoidal, nope) or model.attention_kind=standard")
+                         f"{2 * config.n_head} query heads): use a rotation or embedding scheme (rope, xpos, rope_dd, "
+                         f"learned, sinusoidal, nope) or model.attention_kind=standard")
 
 
 class DifferentialV2(nn.Module):

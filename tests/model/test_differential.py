@@ -39,37 +39,42 @@ def spread(model, seed: int = 3):
     return model
 
 
-def naive_differential(attn, x: torch.Tensor, positions: list[int]) -> torch.Tensor:
+def naive_differential(attn, x: torch.Tensor, positions: list[int], rotate=None, rotate_v: bool = False
+                       ) -> torch.Tensor:
     """(B, T, C) float64 output of one differential layer, loops over query heads, rows and keys:
-    q_j = x W_q[j hd:(j+1) hd] (j < 2H), k_g, v_g likewise after the 2C query rows; RoPE on q and k;
-    query head j reads k/v head j // (2H / G); z_tk = c_j q_t.k_k / sqrt(hd) (c_j = s_j ln(t + 1) with
-    ssmax, else 1); p = exp(z) / (exp(sink_j) [with a sink] + sum_k<=t exp(z)); a_j = p v;
+    q_j = x W_q[j hd:(j+1) hd] (j < 2H), k_g, v_g likewise after the 2C query rows; q and k turned
+    (``rotate(vec, b, t, g, sign)``, default RoPE at ``positions``); query head j reads k/v head
+    j // (2H / G); z_tk = c_j q_t.k_k / sqrt(hd) (c_j = s_j ln(t + 1) with ssmax, else 1);
+    p = exp(z) / (exp(sink_j) [with a sink] + sum_k<=t exp(z)); a_j = p v (``rotate_v``: v_k turned
+    by its token's angles and a_j turned back by -its query's, head by head before the pairs meet);
     out_h = a_{2h} - sigmoid(x . W_l[h]) a_{2h+1}; then c_proj."""
     x64 = x.double()
     B, T, C = x64.shape
     H, G, hd = attn.n_head, attn.n_kv_head, attn.head_dim
+    if rotate is None:
+        def rotate(vec, b, t, g, sign):
+            return naive_rope_vec(vec, positions[t])
     rows = naive_linear(attn.c_attn, x64)
     lam = x64 @ attn.pairs.lambda_proj.weight.detach().double().T  # (B, T, H)
     sinks = None if attn.sinks is None else attn.sinks.detach().double()
     ssmax = None if attn.ssmax is None else attn.ssmax.detach().double()
     out = torch.zeros(B, T, C, dtype=torch.float64)
     for b in range(B):
-        def rope(vec, t):
-            return naive_rope_vec(vec, positions[t])
-
         heads = []
         for j in range(2 * H):
             g = j // (2 * H // G)
-            q = [rope(rows[b, t, j * hd:(j + 1) * hd], t) for t in range(T)]
-            k = [rope(rows[b, t, 2 * C + g * hd:2 * C + (g + 1) * hd], t) for t in range(T)]
+            q = [rotate(rows[b, t, j * hd:(j + 1) * hd], b, t, g, 1.0) for t in range(T)]
+            k = [rotate(rows[b, t, 2 * C + g * hd:2 * C + (g + 1) * hd], b, t, g, 1.0) for t in range(T)]
             v = [rows[b, t, 2 * C + G * hd + g * hd:2 * C + G * hd + (g + 1) * hd] for t in range(T)]
+            v = [rotate(v[t], b, t, g, 1.0) for t in range(T)] if rotate_v else v
             a = []
             for t in range(T):
                 c = 1.0 if ssmax is None else float(ssmax[j]) * math.log(t + 1)
                 z = torch.stack([c * torch.dot(q[t], k[s]) / math.sqrt(hd) for s in range(t + 1)])
                 e = torch.exp(z)
                 denominator = e.sum() + (0.0 if sinks is None else torch.exp(sinks[j]))
-                a.append(sum(e[s] / denominator * v[s] for s in range(t + 1)))
+                y = sum(e[s] / denominator * v[s] for s in range(t + 1))
+                a.append(rotate(y, b, t, g, -1.0) if rotate_v else y)
             heads.append(a)
         for h in range(H):
             for t in range(T):
@@ -240,3 +245,41 @@ def test_training_forward_is_one_graph():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(idx, torch.roll(idx, -1, dims=1))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def rope_dd_turns(model, x: torch.Tensor):
+    """rotate(vec, b, t, g, sign) of pe=rope_dd's first layer from its formula: Theta_t = sum_{s<=t}
+    omega * softplus(W x_s + b) per kv head g and pair p (omega_p = base^(-p/P)); pair (p, p + P)
+    turned by sign * Theta."""
+    step, P, G = model.pe.steps[0], model.config.head_dim // 2, model.config.kv_heads
+    phi = torch.log1p(torch.exp(x.double() @ step.weight.detach().double().T + step.bias.detach().double()))
+    omega = torch.tensor([model.pe.base ** (-p / P) for p in range(P)], dtype=torch.float32).double()
+    theta = torch.cumsum(phi.view(*x.shape[:2], G, P) * omega, dim=1)  # (B, T, G, P)
+
+    def rotate(vec, b, t, g, sign):
+        angle = sign * theta[b, t, g]
+        c, s = torch.cos(angle), torch.sin(angle)
+        return torch.cat((vec[:P] * c - vec[P:] * s, vec[P:] * c + vec[:P] * s))
+    return rotate
+
+
+@pytest.mark.parametrize("rotate_v", [False, True])
+def test_rope_dd_turns_both_heads_of_a_pair_alike(rotate_v):
+    """pe=rope_dd's angles are per key/value head, so both query heads of a pair turn alike; with
+    rotate_v the output is turned back after the combination (linear: the same as head by head)."""
+    model = spread(tiny_gpt("rope_dd", 1, n_layer=1, n_kv_head=2, pe_options={"rotate_v": rotate_v}, **DIFF))
+    with torch.no_grad():
+        model.pe.steps[0].weight.copy_(torch.randn(model.pe.steps[0].weight.shape,
+                                                   generator=torch.Generator().manual_seed(4)) * 0.5)
+    x = torch.randn(2, 6, model.config.n_embd, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model.blocks[0].attn(x, model_context(model, 6))
+    want = naive_differential(model.blocks[0].attn, x, [], rope_dd_turns(model, x), rotate_v)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_dd_cached_decoding_equals_one_full_forward():
+    model = spread(tiny_gpt("rope_dd", 4, vocab_size=41, block_size=32, n_kv_head=2, pe_options={"rotate_v": True},
+                            **DIFF))
+    prompt = torch.randint(0, 41, (2, 6), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model.generate(prompt, 6, temperature=0), model.generate(prompt, 6, temperature=0, cache=False))
