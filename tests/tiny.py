@@ -140,3 +140,20 @@ def compiled_training_loss(model, seed: int = 11, length: int = 16):
 # tests of masks, routes and compiles, where the default size (FIRE's 32 hidden units, unrolled
 # in flex's score_mod) only costs time. A scheme's own formula is tested at its defaults (tests/pe/).
 SMALL_OPTIONS = {"fire": {"mlp_width": 4}}
+
+
+def decode_stepwise(model: GPT, vocab: int, prompt_len: int = 6, new: int = 8):
+    """(logits of a KV-cache decode, one token a step after the prompt, logits of one full forward
+    over the same tokens, the cache) of a greedy continuation of a random prompt; asserts that
+    greedy decoding with the cache gives the tokens it gives without."""
+    from model.generate import KVCache
+
+    prompt = torch.randint(0, vocab, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    tokens = model.generate(prompt, new, temperature=0)
+    assert torch.equal(tokens, model.generate(prompt, new, temperature=0, cache=False))
+    with torch.no_grad():
+        full = model(tokens)[0]
+        cache = KVCache(len(model.blocks), torch.arange(tokens.shape[1]))
+        steps = [model.logits(model.hidden(tokens[:, :prompt_len], cache=cache))]
+        steps += [model.logits(model.hidden(tokens[:, t:t + 1], cache=cache)) for t in range(prompt_len, tokens.shape[1])]
+    return torch.cat(steps, dim=1), full, cache

@@ -9,11 +9,10 @@ import torch
 
 from model.attention import BACKENDS
 from model.config import GPTConfig
-from model.generate import KVCache
 from model.gpt import swiglu_hidden
 from model.pe import SCHEMES
 from tests.naive import leaf_params, naive_reference, naive_rotate, naive_softmax_attention, set_naive_params
-from tests.tiny import tiny_config, tiny_gpt
+from tests.tiny import decode_stepwise, tiny_config, tiny_gpt
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", qk_norm=True)
 # a scheme each backend runs itself on CPU (not a fallback), and whether it runs under autograd
@@ -180,17 +179,10 @@ def test_gqa_is_mha_with_each_kv_head_repeated_for_its_query_heads():
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_cached_decoding_keeps_only_kv_heads_and_equals_one_full_forward(name):
     model = llama_gpt(name, n_kv_head=2, vocab_size=41, block_size=32)
-    prompt = torch.randint(0, 41, (2, 6), generator=torch.Generator().manual_seed(1))
-    tokens = model.generate(prompt, 8, temperature=0)
-    assert torch.equal(tokens, model.generate(prompt, 8, temperature=0, cache=False))
-    with torch.no_grad():
-        full = model(tokens)[0]
-        cache = KVCache(len(model.blocks), torch.arange(tokens.shape[1]))
-        steps = [model.logits(model.hidden(tokens[:, :6], cache=cache))]
-        steps += [model.logits(model.hidden(tokens[:, t : t + 1], cache=cache)) for t in range(6, tokens.shape[1])]
+    steps, full, cache = decode_stepwise(model, 41)
     # 2 kv heads, not 4 (keys keep the rotation's dim: PoPE's are 2 hd wide)
     assert cache.layers[0].v.shape == (2, 2, 14, 8) and cache.layers[0].k.shape[:3] == (2, 2, 14)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -14,13 +14,12 @@ import torch
 from model.attention import BACKENDS, AttentionRequest
 from model.config import GPTConfig
 from model.differential import DifferentialV2
-from model.generate import KVCache
 from model.pe import SCHEMES
 from model.temperature import ssmax_init
 from pelab.config import ConfigError
 from pelab.lit import build_position
 from tests.naive import naive_linear, naive_rope_vec
-from tests.tiny import tiny_config, tiny_gpt
+from tests.tiny import decode_stepwise, tiny_config, tiny_gpt
 
 DIFF = dict(attention_kind="differential")
 
@@ -167,16 +166,9 @@ def test_training_gradients_equal_on_sdpa_and_math():
                          ids=["gqa_window", "sinks"])
 def test_cached_decoding_equals_one_full_forward(options):
     model = spread(tiny_gpt("rope", 4, vocab_size=41, block_size=32, **DIFF, **options))
-    prompt = torch.randint(0, 41, (2, 6), generator=torch.Generator().manual_seed(1))
-    tokens = model.generate(prompt, 8, temperature=0)
-    assert torch.equal(tokens, model.generate(prompt, 8, temperature=0, cache=False))
-    with torch.no_grad():
-        full = model(tokens)[0]
-        cache = KVCache(len(model.blocks), torch.arange(tokens.shape[1]))
-        steps = [model.logits(model.hidden(tokens[:, :6], cache=cache))]
-        steps += [model.logits(model.hidden(tokens[:, t:t + 1], cache=cache)) for t in range(6, tokens.shape[1])]
-        assert cache.layers[0].k.shape[1] == model.config.kv_heads  # the cache keeps the G key/value heads
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    steps, full, cache = decode_stepwise(model, 41)
+    assert cache.layers[0].k.shape[1] == model.config.kv_heads  # the cache keeps the G key/value heads
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
 
 
 def test_combination_gradients_are_the_finite_differences():

@@ -12,11 +12,10 @@ import torch
 
 from model.attention import BACKENDS
 from model.config import GPTConfig
-from model.generate import KVCache
 from model.output_ops import OUTPUTS, ExclusiveSelfAttention, OutputGate
 from tests.naive import naive_heads, naive_linear, naive_rotate, naive_softmax_attention, rope_rotation
 from tests.position_context import position_context
-from tests.tiny import tiny_gpt
+from tests.tiny import decode_stepwise, tiny_gpt
 
 KINDS = [(op.key, kind) for op in OUTPUTS for kind in op.kinds[1:]]
 
@@ -130,15 +129,8 @@ def test_cached_decoding_equals_one_full_forward(key, kind):
     """GQA and a window pattern beside it: the op reads the new tokens' own values, not the cache's."""
     model = spread(tiny_gpt("rope", 4, vocab_size=41, block_size=32, n_kv_head=2, window_pattern=[4, None],
                             **{key: kind}))
-    prompt = torch.randint(0, 41, (2, 6), generator=torch.Generator().manual_seed(1))
-    tokens = model.generate(prompt, 8, temperature=0)
-    assert torch.equal(tokens, model.generate(prompt, 8, temperature=0, cache=False))
-    with torch.no_grad():
-        full = model(tokens)[0]
-        cache = KVCache(len(model.blocks), torch.arange(tokens.shape[1]))
-        steps = [model.logits(model.hidden(tokens[:, :6], cache=cache))]
-        steps += [model.logits(model.hidden(tokens[:, t:t + 1], cache=cache)) for t in range(6, tokens.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    steps, full, _ = decode_stepwise(model, 41)
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("key, kind", KINDS)
