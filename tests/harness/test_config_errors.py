@@ -305,3 +305,15 @@ def test_plain_errors_of_model_constructors_become_one_line_config_errors(overri
         train(compose_config(overrides.split() + ["logger=csv"], tmp_path / "out"))
     assert str(err.value) == message and type(err.value) is ConfigError
     assert not (tmp_path / "out").exists()
+
+
+def refused(overrides, tmp_path) -> str | None:
+    """validate_config's one-line ConfigError for ``overrides``, or None when the run passes."""
+    from pelab.config import ConfigError
+    from pelab.validate import validate_config
+
+    try:
+        validate_config(compose_config(overrides, tmp_path / "out"))
+    except ConfigError as err:
+        return str(err)
+    return None

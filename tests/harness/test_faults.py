@@ -29,6 +29,7 @@ from pelab.checkpoint import (AtomicCheckpointIO, CheckpointError, check_resume,
                               resume_from_run_dir)
 from pelab.lit import LitGPT
 from tests.cli import kill_at_marker, run_python
+from tests.disk import FullDisk
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -263,28 +264,6 @@ def test_kill_during_save_keeps_the_previous_last_ckpt(tmp_path):
     # the next save of that name clears what the killed one left
     AtomicCheckpointIO().save_checkpoint(read_checkpoint(out / "good.ckpt"), out / "last.ckpt")
     assert not list(out.glob(".last.ckpt.*.tmp")) and read_checkpoint(out / "last.ckpt")
-
-
-class FullDisk:
-    """Test-only: a file whose writes fail with ENOSPC once ``room`` bytes are written."""
-
-    def __init__(self, f, room: int) -> None:
-        self.f, self.room = f, room
-
-    def write(self, data) -> int:
-        if len(data) > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= len(data)
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.f.close()
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_file(tmp_path, rope_ckpt, monkeypatch):

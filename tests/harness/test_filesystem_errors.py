@@ -28,24 +28,13 @@ from pathlib import Path
 import pytest
 
 from data.paths import PathError, output_file, output_folder, remove_dead_leftovers
-from tests.harness.test_config_errors import compose_config, no_work  # noqa: F401 - a fixture
+from tests.harness.test_config_errors import compose_config, no_work, refused  # noqa: F401 - a fixture
+from tests.disk import FullDisk
 from tests.harness.test_script_errors import script
 
 TO_GIVE = ("give data.tokenizer= one of gpt2, bytes or the path of a Hugging Face tokenizer.json or a tiktoken "
            "ranks file")
 TMPFS_BYTES = 2 * 2**20
-
-
-def refused(overrides, tmp_path) -> str | None:
-    """validate_config's one-line ConfigError for ``overrides``, or None when the run passes."""
-    from pelab.config import ConfigError
-    from pelab.validate import validate_config
-
-    try:
-        validate_config(compose_config(overrides, tmp_path / "out"))
-    except ConfigError as err:
-        return str(err)
-    return None
 
 
 @contextlib.contextmanager
@@ -61,29 +50,6 @@ def tmpfs(path: Path, options: str = f"size={TMPFS_BYTES}"):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-class FullDisk:
-    """Test-only: a file whose writes fail with ENOSPC once ``room`` bytes are written."""
-
-    def __init__(self, f, room: int) -> None:
-        self.f, self.room = f, room
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        if size > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= size
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.f.close()
 
 
 def one_line(message: str) -> str:

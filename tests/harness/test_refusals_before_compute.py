@@ -17,7 +17,7 @@ from model.attention import AttentionRequest, resolve
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-from tests.harness.test_config_errors import compose_config, no_work  # noqa: F401 - a fixture
+from tests.harness.test_config_errors import compose_config, no_work, refused  # noqa: F401 - a fixture
 from tests.harness.test_script_errors import compose_evaluate, no_checkpoint_read, old_run, script  # noqa: F401
 
 FLEX_CPU = ("model.attention=flex has no backward on cpu (FlexAttention trains on CUDA only); use "
@@ -26,18 +26,6 @@ COPE_FLEX = "model.attention=flex cannot add pe=cope's terms of the attention sc
 SINKS = ("eval.streaming.sinks must be less than the training length 256 when eval.streaming.window is null (the "
          "window is the training length minus the sinks, and none would be left); lower it or set "
          "eval.streaming.window, got 256")
-
-
-def refused(overrides, tmp_path) -> str | None:
-    """validate_config's one-line ConfigError for ``overrides``, or None when the run passes."""
-    from pelab.config import ConfigError
-    from pelab.validate import validate_config
-
-    try:
-        validate_config(compose_config(overrides, tmp_path / "out"))
-    except ConfigError as err:
-        return str(err)
-    return None
 
 
 def training_step_error(scheme: str, attention: str) -> str | None:
