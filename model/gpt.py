@@ -21,7 +21,7 @@ from model.generate import KVCache, LayerCache, generate
 from model.loss import chunked_cross_entropy, use_chunked_loss
 from model.output_ops import OUTPUTS
 from model.pe.base import PositionEncoding
-from model.pe.schedule import check_layer_bases, check_nope_layers
+from model.pe.schedule import LayerRope, check_layer_rope, check_nope_layers
 from model.positions import Pass, PositionContext, layer_contexts, resolve_positions
 from model.temperature import check_temperature, head_scales, query_scales, scale_queries
 
@@ -161,13 +161,14 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, pe: PositionEncoding, nope_layers: frozenset[int] = frozenset(),
-                 layer_bases: tuple[float | None, ...] = ()) -> None:
+                 layer_rope: tuple[LayerRope | None, ...] = ()) -> None:
         super().__init__()
         self.config = config
         self.nope_layers = frozenset(nope_layers)  # layers that attend with no position information
-        self.layer_bases = tuple(layer_bases)  # layer i's RoPE base; None or absent: the scheme's (pe.global_base)
+        # layer i's own RoPE (pe.global_base, global_keep_fraction, scaling_layers); None or absent: the scheme's
+        self.layer_rope = tuple(layer_rope)
         check_nope_layers(self.nope_layers, config.n_layer, pe)
-        check_layer_bases(self.layer_bases, pe)
+        check_layer_rope(self.layer_rope, pe)
         check_temperature(config, pe, self.nope_layers)
         check_scheme(config, pe)
         self.pe = pe  # shared by all layers; its tables are computed once per forward
@@ -228,7 +229,7 @@ class GPT(nn.Module):
                       q_documents=documents, k_documents=documents, normaliser=self.config.normaliser)
         contexts = layer_contexts(terms, backend, how, len(self.blocks), self.nope_layers,
                                   query_scales(self.config, self.pe, positions, past, documents),
-                                  self.config.layer_windows, self.layer_bases, self.config.temperature_layers)
+                                  self.config.layer_windows, self.layer_rope, self.config.temperature_layers)
         layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
         for block, ctx, layer_cache in zip(self.blocks, contexts, layer_caches):
             x = block(x, ctx, layer_cache)

@@ -61,46 +61,47 @@ def layer_contexts(terms: Terms, backend: AttentionBackend, how: Pass = Pass(), 
                    nope_layers: frozenset[int] = frozenset(),
                    q_scales: tuple[Tensor | None, Tensor | None] = (None, None),
                    windows: tuple[int | None, ...] = (),
-                   bases: tuple[float | None, ...] = (),
+                   rope: tuple[Any, ...] = (),
                    scaled: tuple[bool, ...] = ()) -> list[PositionContext]:
     """One forward's per-layer contexts, built once from its position ``terms``: the scheme's
     (rotation tables over ``how.span`` and the backend's position terms) and, for the NoPE
     layers of a schedule, a causal-only one; one of each per distinct sliding window
     (``windows``: layer i's, None or absent = full; long windowed layers attend in query chunks,
-    ``window_rows``) and per distinct RoPE base (``bases``: layer i's, None or absent = the
-    scheme's own; model/pe/schedule.py). ``q_scales``: the attention temperature of
+    ``window_rows``) and per distinct own RoPE (``rope``: layer i's ``LayerRope``, None or absent
+    = the scheme's; model/pe/schedule.py). ``q_scales``: the attention temperature of
     the scheme's layers and of the NoPE layers (``query_scales``); ``scaled``: whether layer i
     takes it (False: no temperature; absent: True)."""
     pe, positions = terms.pe, terms.q_positions
     chunk = how.q_chunk if how.q_chunk is not None and positions.shape[-1] > how.q_chunk else None
     span = terms.k_positions if how.span is None else how.span  # every key of the forward, whatever a window keeps
 
-    def build(with_pe: bool, window: int | None, base: float | None, scale: bool) -> PositionContext:
+    def build(with_pe: bool, window: int | None, own: Any, scale: bool) -> PositionContext:
         kind = backend if with_pe else BACKENDS[backend.plain]
         layer_terms = (terms if with_pe else replace(terms, bias=False)).windowed(window)
         rows = chunk
         if rows is None and layer_terms.window is not None and not kind.full_keys:
             rows = window_rows(layer_terms.window, positions.shape[-1])
         return PositionContext(pe, layer_terms, kind, kind.prepare(layer_terms, chunked=rows is not None),
-                               tables[base] if with_pe else None, rows, how.record,
+                               tables[own] if with_pe else None, rows, how.record,
                                None if not scale else q_scales[0] if with_pe else q_scales[1])
 
     keys = terms.k_positions.shape[-1]  # a window of at least every key is full attention
     windows = [w if w is not None and w < keys else None for w in windows]
     layers = [(i not in nope_layers, windows[i] if i < len(windows) else None,
-               bases[i] if i < len(bases) and i not in nope_layers else None,
+               rope[i] if i < len(rope) and i not in nope_layers else None,
                scaled[i] if i < len(scaled) else True) for i in range(n_layer)]
-    # the rotation tables of each distinct base, once per forward
-    tables = {base: rotation_tables(pe, positions, span, base) for base in dict.fromkeys(b for _, _, b, _ in layers)}
+    # the rotation tables of each distinct own RoPE, once per forward
+    tables = {own: rotation_tables(pe, positions, span, own) for own in dict.fromkeys(r for _, _, r, _ in layers)}
     built = {layer: build(*layer) for layer in dict.fromkeys(layers)}  # masks once per kind of layer
     return [built[layer] for layer in layers]
 
 
-def rotation_tables(pe: Any, positions: Tensor, span: Tensor, base: float | None) -> Any:
-    """The scheme's rotation tables, at another RoPE ``base`` when one is given; None without a rotation."""
+def rotation_tables(pe: Any, positions: Tensor, span: Tensor, own: Any) -> Any:
+    """The scheme's rotation tables, with a layer's own RoPE (``LayerRope``) when one is given; None
+    without a rotation."""
     if not pe.uses_rotate:
         return None
-    return pe.rotation_tables(positions, span) if base is None else pe.rotation_tables(positions, span, base=base)
+    return pe.rotation_tables(positions, span) if own is None else pe.rotation_tables(positions, span, layer=own)
 
 
 def resolve_positions(pe: Any, T: int, positions: Tensor | None, device: torch.device, start: int = 0) -> Tensor:

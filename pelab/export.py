@@ -209,8 +209,8 @@ def unmapped_options(gpt: GPT, pe_config: dict, exporter: Exporter) -> list[str]
               if value is not None and key not in TRAINING_ONLY | set(exporter.schedule)]
     if gpt.nope_layers and not set(NOPE_KEYS) & set(exporter.schedule):
         lines.append(f"NoPE layers {sorted(gpt.nope_layers)} (pe.nope_every) {LATER}")
-    if any(base is not None for base in getattr(gpt, "layer_bases", ())) and "global_base" not in exporter.schedule:
-        lines.append(f"per-layer RoPE bases (pe.global_base) {LATER}")
+    if any(r is not None for r in getattr(gpt, "layer_rope", ())) and "global_base" not in exporter.schedule:
+        lines.append(f"a layer's own RoPE (pe.global_base, global_keep_fraction, scaling_layers) {LATER}")
     return lines
 
 

@@ -437,7 +437,8 @@ def read_smollm3(config) -> Folder:
     windows = [config.sliding_window if t == SLIDING else None for t in types]
     nope = tuple(i for i, rotates in enumerate(list(config.no_rope_layers)[:n_layer]) if not rotates)
     return folder._replace(model={**folder.model, "window_pattern": windows}, nope_layers=nope,
-                           pe={**folder.pe, "global_base": None})
+                           pe={**folder.pe, "global_base": None, "global_keep_fraction": None,
+                                                "scaling_layers": None})
 
 
 # The native classes: a new one is one entry here (its config, layout and reader above).

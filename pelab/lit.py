@@ -17,7 +17,7 @@ from model.differential import check_scheme as check_attention_kind
 from model.gpt import GPT, uncompiled
 from model.pe.scaling import apply_scaling, split_scaling
 from model.temperature import check_temperature
-from model.pe.schedule import (LAYER_KEYS, check_layer_bases, check_nope_layers, check_randomize_to, layer_positions,
+from model.pe.schedule import (LAYER_KEYS, check_layer_rope, check_nope_layers, check_randomize_to, layer_positions,
                                 random_positions, split_schedule)
 from pelab.callbacks import LOGGED_STEP_BARS, logging_step
 from pelab.checkpoint.tokenizer import RECORD as TOKENIZER_RECORD, tokenizer_record
@@ -39,7 +39,7 @@ class Position:
     scheme: nn.Module
     nope_layers: frozenset[int]
     randomize_to: int | None
-    layer_bases: tuple[float | None, ...] = ()  # layer i's RoPE base (pe.global_base); None: the scheme's
+    layer_rope: tuple = ()  # layer i's own RoPE (LayerRope: pe.global_base, ...); None: the scheme's
 
 
 def position_options(pe: dict) -> tuple[dict, dict]:
@@ -60,7 +60,7 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
     build("pe.scaling", apply_scaling, scheme, schedule["scaling"], config.block_size)
     randomize_to = build("pe", check_randomize_to, schedule.get("randomize_to"), config.block_size,
                          scheme.max_positions)
-    layers, bases = build("pe", layer_positions, config.layer_windows, *(schedule.get(k) for k in LAYER_KEYS))
+    layers, rope = build("pe", layer_positions, config.layer_windows, *(schedule.get(k) for k in LAYER_KEYS))
     setting = next((f"pe.{k}={schedule[k]}" for k in LAYER_KEYS[:2] if schedule.get(k) is not None), None)
     if layers and not (scheme.uses_rotate or scheme.uses_bias):
         acts = ("only adds to the embeddings" if scheme.terms is None else
@@ -70,13 +70,13 @@ def build_position(pe: dict, config: GPTConfig) -> Position:
         raise ConfigError(f"{setting} needs a scheme that acts inside attention through positions "
                           f"(rotation or bias); pe={scheme.name} {acts}")
     build("pe", check_nope_layers, layers, config.n_layer, scheme, setting)
-    build("pe", check_layer_bases, bases, scheme)
+    build("pe", check_layer_rope, rope, scheme)
     build("model.attn_temperature", check_temperature, config, scheme, layers)
     build("model.attention_kind", check_attention_kind, config, scheme)
     if scheme.max_positions is not None and config.block_size > scheme.max_positions:
         raise ConfigError(f"model.block_size={config.block_size} exceeds the {scheme.max_positions} positions of "
                           f"pe={scheme.name}; raise pe.max_positions or lower model.block_size")
-    return Position(scheme, layers, randomize_to, bases)
+    return Position(scheme, layers, randomize_to, rope)
 
 
 # the compute dtype of a trainer.precision, by its prefix ("bf16-mixed", "16-mixed", "32-true", ...)
@@ -103,7 +103,7 @@ class LitGPT(L.LightningModule):
         self.config = model_config(model)
         self.optim = OptimConfig(**optim)
         position = position or build_position(pe, self.config)
-        self.model = GPT(self.config, position.scheme, position.nope_layers, position.layer_bases)
+        self.model = GPT(self.config, position.scheme, position.nope_layers, position.layer_rope)
         self.decay_rule: dict[str, bool] | None = None  # recorded by configure_model
         self.randomize_to = position.randomize_to
         self.compile = compile

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from model.config import GPTConfig
 from model.pe.base import PositionEncoding
 from model.pe.rope_scaling import SCALING_KINDS, RopeFrequencies, RopeScaling, scaled_frequencies
+from model.pe.schedule import LayerRope
 
 
 def swap_halves(x: Tensor, half: int) -> Tensor:
@@ -182,21 +183,36 @@ class RoPE(PositionEncoding, name="rope"):
             scaled_frequencies(scaling, self.inv_freq, scaling.original_length)
         super().scale(scaling)
 
-    def frequencies(self, *positions: Tensor, base: float | None = None) -> RopeFrequencies:
+    def frequencies(self, *positions: Tensor, layer: LayerRope | None = None) -> RopeFrequencies:
         """The call's effective frequencies. Pass every position tensor of the call (q's and
         k's): dynamic NTK takes T from the largest of them, and q and k must share it.
-        ``base``: another RoPE base for the same pairs (a layer's own, model/pe/schedule.py)."""
-        inv_freq = self.inv_freq if base is None else self.inv_freq_at(base)
+        ``layer``: a layer's own RoPE (model/pe/schedule.py): another base for the same pairs,
+        another p-RoPE kept fraction, or no scaling."""
+        layer = layer or LayerRope()
+        inv_freq = self.inv_freq if layer.base is None else self.inv_freq_at(layer.base)
         if self.log_freq_scale is not None:  # learned theta_k * exp(alpha_k), float32
             inv_freq = inv_freq * self.log_freq_scale.float().exp()
-        if self.scaling is None:
+        if self.scaling is None or not layer.scaled:
             freqs = RopeFrequencies(inv_freq)
         else:  # the scaling starts from the (learned) frequencies the model was trained with
             length = torch.stack([p.max() for p in positions]).max() + 1
             freqs = scaled_frequencies(self.scaling, inv_freq, length)
-        if self.keep is not None:  # p-RoPE: removed pairs get theta = 0 after any scaling
-            freqs = freqs._replace(inv_freq=freqs.inv_freq * self.keep)
+        keep = self.keep if layer.keep_fraction is None else self.kept_at(layer.keep_fraction, layer.base)
+        if keep is not None:  # p-RoPE: removed pairs get theta = 0 after any scaling
+            freqs = freqs._replace(inv_freq=freqs.inv_freq * keep)
         return freqs
+
+    def kept_at(self, keep_fraction: float, base: float | None = None) -> Tensor | None:
+        """p-RoPE's 1/0 mask of another kept fraction (HoPE's max_period still applies, at ``base``),
+        computed as ``__init__`` does; None where every pair is kept."""
+        n_pairs = self.rotary_dim // 2
+        kept = int(round(keep_fraction * n_pairs, 6))
+        if kept < 1:
+            raise ValueError(f"pe.global_keep_fraction={keep_fraction} keeps none of the {n_pairs} frequency pairs "
+                             f"(no rotation at all is a NoPE layer: pe.nope_layers=global)")
+        if self.max_period is not None:
+            kept = min(kept, pairs_within(self.max_period, self.inv_freq if base is None else self.inv_freq_at(base)))
+        return (torch.arange(n_pairs, device=self.inv_freq.device) < kept).float() if kept < n_pairs else None
 
     def inv_freq_at(self, base: float) -> Tensor:
         """theta_k = base^(-2k/r) at another ``base``, computed as ``__init__`` does (float64, then float32)."""
@@ -218,8 +234,8 @@ class RoPE(PositionEncoding, name="rope"):
         k_tables = self.rotation_tables(k_positions, span)
         return self.apply_rotation(q, k, q_tables._replace(k_cos=k_tables.k_cos, k_sin=k_tables.k_sin))
 
-    def rotation_tables(self, positions: Tensor, span: Tensor, base: float | None = None) -> "RotaryTables":
-        freqs = self.frequencies(span, base=base)  # dynamic NTK: T from the whole span
+    def rotation_tables(self, positions: Tensor, span: Tensor, layer: LayerRope | None = None) -> "RotaryTables":
+        freqs = self.frequencies(span, layer=layer)  # dynamic NTK: T from the whole span
         cos, sin = self._cos_sin(positions, freqs)
         return RotaryTables(cos, sin, cos, sin)
 

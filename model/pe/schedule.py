@@ -10,9 +10,12 @@
 N = 4 and 0-based indices, layers 3, 7, 11, ... as Llama 4's ``no_rope_layer_interval``).
 ``pe.nope_layers`` names them by the window pattern instead: ``global`` (the full-attention
 layers: RNoPE-SWA, OLMo-core's ``no_global_rope``), ``local`` (the windowed ones) or a list of
-0-based layer indices. ``pe.global_base`` gives the full-attention layers another RoPE base
-(Gemma 3: 10k on the windowed layers, 1M on the global ones). ``layer_positions`` turns the
-three into one per-layer plan. These belong to the model, not the scheme: ``split_schedule``
+0-based layer indices. The full-attention layers may rotate by their own RoPE (``LayerRope``):
+``pe.global_base`` another base (Gemma 3: 10k on the windowed layers, 1M on the global ones),
+``pe.global_keep_fraction`` p-RoPE there only (Gemma 4: p = 0.25 on the global layers, Hugging
+Face's ``rope_type="proportional"``), ``pe.scaling_layers=global`` the scheme's ``pe.scaling``
+there only (OLMo 3: YaRN on the full-attention layers). ``layer_positions`` turns them into one
+per-layer plan. These belong to the model, not the scheme: ``split_schedule``
 takes them out before the scheme is built.
 """
 
@@ -20,13 +23,25 @@ from __future__ import annotations
 
 import inspect
 import numbers
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-LAYER_KEYS = ("nope_every", "nope_layers", "global_base")  # the per-layer plan (``layer_positions``)
+# the per-layer plan (``layer_positions``), in its argument order
+LAYER_KEYS = ("nope_every", "nope_layers", "global_base", "global_keep_fraction", "scaling_layers")
 SCHEDULE_KEYS = (*LAYER_KEYS, "randomize_to")
 LAYER_GROUPS = ("global", "local")  # full-attention and windowed layers of model.window(_pattern)
+SCALING_LAYERS = ("all", "global")  # pe.scaling_layers
+
+
+class LayerRope(NamedTuple):
+    """A layer's own RoPE, beside the scheme's: another base, another p-RoPE kept fraction, or the
+    scheme's ``pe.scaling`` left out (``scaled=False``). None fields are the scheme's."""
+
+    base: float | None = None
+    keep_fraction: float | None = None
+    scaled: bool = True
 
 
 def split_schedule(pe: dict) -> tuple[dict, dict]:
@@ -68,37 +83,64 @@ def listed_nope_layers(n_layer: int, windows: tuple[int | None, ...], value) -> 
 
 
 def layer_positions(windows: tuple[int | None, ...], nope_every: int | None = None, listed=None,
-                    global_base: float | None = None) -> tuple[frozenset[int], tuple[float | None, ...]]:
-    """(the NoPE layers, each layer's RoPE base or None for the scheme's own) of a model whose
-    layer i attends ``windows[i]`` (None: full attention), from the ``LAYER_KEYS`` options in
-    their order (``listed``: pe.nope_layers)."""
+                    global_base: float | None = None, global_keep_fraction: float | None = None,
+                    scaling_layers: str | None = None) -> tuple[frozenset[int], tuple[LayerRope | None, ...]]:
+    """(the NoPE layers, each layer's own RoPE or None for the scheme's) of a model whose layer i
+    attends ``windows[i]`` (None: full attention), from the ``LAYER_KEYS`` options in their order
+    (``listed``: pe.nope_layers)."""
     n_layer = len(windows)
     if nope_every is not None and listed is not None:
         raise ValueError(f"pe.nope_every={nope_every} and pe.nope_layers={listed!r}: set one of the two "
                          f"(nope_every counts layers, nope_layers names them)")
     nope = nope_layers(n_layer, nope_every) if listed is None else listed_nope_layers(n_layer, windows, listed)
-    if global_base is None:
-        return nope, (None,) * n_layer
-    if not isinstance(global_base, numbers.Real) or isinstance(global_base, bool) or not global_base > 1:
+    if global_base is not None and (not isinstance(global_base, numbers.Real) or isinstance(global_base, bool)
+                                    or not global_base > 1):
         raise ValueError(f"pe.global_base must be null or a number > 1 (the RoPE base of the full-attention "
                          f"layers), got {global_base!r}")
+    if global_keep_fraction is not None and (not isinstance(global_keep_fraction, numbers.Real)
+                                             or isinstance(global_keep_fraction, bool)
+                                             or not 0 < global_keep_fraction <= 1):
+        raise ValueError(f"pe.global_keep_fraction must be null or a number in (0, 1] (p-RoPE's kept fraction of "
+                         f"the full-attention layers), got {global_keep_fraction!r}")
+    if scaling_layers is not None and scaling_layers not in SCALING_LAYERS:
+        raise ValueError(f"pe.scaling_layers must be null or one of {', '.join(map(repr, SCALING_LAYERS))} (the "
+                         f"layers pe.scaling rescales), got {scaling_layers!r}")
+    asked = [(f"pe.{key}={value}", what) for key, value, what in (
+        ("global_base", global_base, "sets the RoPE base of"),
+        ("global_keep_fraction", global_keep_fraction, "sets p-RoPE's kept fraction of"),
+        ("scaling_layers", scaling_layers if scaling_layers == "global" else None, "rescales only"))
+        if value is not None]
+    if not asked:
+        return nope, (None,) * n_layer
     full = layer_group(windows, "global")
-    if not full or len(full) == n_layer:
-        raise ValueError(f"pe.global_base={global_base} needs both windowed and full-attention layers, but the "
-                         f"model's layer windows are {list(windows)} (with no window use pe.base; set "
-                         f"model.window_pattern with null entries, e.g. [64, 64, 64, null])")
-    if full <= nope:
-        raise ValueError(f"pe.global_base={global_base} sets the RoPE base of the full-attention layers "
-                         f"{sorted(full)}, but they are all NoPE layers (pe.nope_layers / pe.nope_every)")
-    return nope, tuple(float(global_base) if i in full - nope else None for i in range(n_layer))
+    for setting, what in asked:
+        if not full or len(full) == n_layer:
+            raise ValueError(f"{setting} needs both windowed and full-attention layers, but the model's layer "
+                             f"windows are {list(windows)} (with no window use the scheme's own option; set "
+                             f"model.window_pattern with null entries, e.g. [64, 64, 64, null])")
+        if full <= nope:
+            raise ValueError(f"{setting} {what} the full-attention layers {sorted(full)}, but they are all NoPE "
+                             f"layers (pe.nope_layers / pe.nope_every)")
+    own = LayerRope(None if global_base is None else float(global_base),
+                    None if global_keep_fraction is None else float(global_keep_fraction))
+    local = LayerRope(scaled=scaling_layers != "global")
+    plan = [None if i in nope else own if i in full else local for i in range(n_layer)]
+    return nope, tuple(None if layer == LayerRope() else layer for layer in plan)
 
 
-def check_layer_bases(bases: tuple[float | None, ...], pe) -> None:
-    """A per-layer base needs a scheme whose rotation tables take one (the RoPE family)."""
-    base = next((b for b in bases if b is not None), None)
-    if base is not None and not (pe.uses_rotate and "base" in inspect.signature(pe.rotation_tables).parameters):
-        raise ValueError(f"pe.global_base={base} needs a RoPE scheme (rope, xpos, rope_alibi and the rope "
-                         f"presets), got pe={pe.name}")
+def check_layer_rope(plan: tuple[LayerRope | None, ...], pe) -> None:
+    """A layer's own RoPE needs a scheme whose rotation tables take one (the RoPE family). With
+    ``pe.scaling_layers=global`` and no ``pe.scaling``, an evaluation's scaling (eval.*.rope_scaling)
+    is the one left out of the windowed layers."""
+    if all(layer is None for layer in plan):
+        return
+    own = [r for r in plan if r is not None]
+    setting = next((f"pe.global_base={r.base}" for r in own if r.base is not None),
+                   next((f"pe.global_keep_fraction={r.keep_fraction}" for r in own if r.keep_fraction is not None),
+                        "pe.scaling_layers=global"))
+    if not (pe.uses_rotate and "layer" in inspect.signature(pe.rotation_tables).parameters):
+        raise ValueError(f"{setting} needs a RoPE scheme (rope, xpos, rope_alibi and the rope presets), "
+                         f"got pe={pe.name}")
 
 
 def check_nope_layers(layers: frozenset[int], n_layer: int, pe, setting: str | None = None) -> None:

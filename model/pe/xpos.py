@@ -19,6 +19,7 @@ from torch import Tensor
 
 from model.config import GPTConfig
 from model.pe.rope import RoPE, RotaryTables
+from model.pe.schedule import LayerRope
 
 
 class XPos(RoPE, name="xpos"):
@@ -42,9 +43,9 @@ class XPos(RoPE, name="xpos"):
         exponent = sign * (positions - center).float()[..., None] / self.scale_base
         return self.zeta ** exponent
 
-    def rotation_tables(self, positions: Tensor, span: Tensor, base: float | None = None) -> RotaryTables:
+    def rotation_tables(self, positions: Tensor, span: Tensor, layer: LayerRope | None = None) -> RotaryTables:
         center = (span.min() + span.max()) // 2  # fixed by the span: a KV cache keeps its keys valid
-        freqs = self.frequencies(span, base=base)  # RoPE scaling (if set) moves the angles only
+        freqs = self.frequencies(span, layer=layer)  # RoPE scaling (if set) moves the angles only
         q_cos, q_sin = self._cos_sin(positions, freqs, self.decay(positions, center, +1.0))
         k_cos, k_sin = self._cos_sin(positions, freqs, self.decay(positions, center, -1.0))
         return RotaryTables(q_cos, q_sin, k_cos, k_sin)

@@ -11,7 +11,7 @@ The folder holds
   pelab's GPT from config.json and maps transformers' inputs and cache onto ``GPT.hidden``.
 
 config.json carries GPTConfig's fields (``gpt``), the scheme (``pe``: its registered name, its
-constructor's options, its RoPE scaling) and the per-layer plan (``nope_layers``, ``layer_bases``);
+constructor's options, its RoPE scaling) and the per-layer plan (``nope_layers``, ``layer_rope``);
 the weights are GPT's own under ``model.`` (the tied head stored once). A shipped module that
 imports anything but torch, the standard library and model/ is refused naming it.
 """
@@ -160,7 +160,8 @@ def remote_config(gpt: GPT, pe_config: dict) -> dict:
         "gpt": {**{f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.init}, "attention": "auto"},
         "pe": {"scheme": gpt.pe.name, "options": options,
                "scaling": None if scaling is None else dataclasses.asdict(scaling)},
-        "nope_layers": sorted(gpt.nope_layers), "layer_bases": list(gpt.layer_bases),
+        "nope_layers": sorted(gpt.nope_layers),
+        "layer_rope": [None if r is None else list(r) for r in gpt.layer_rope],
         "vocab_size": c.vocab_size, "max_position_embeddings": gpt.pe.max_positions or c.block_size,
         "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
         "pelab_format": FORMAT,
@@ -179,7 +180,11 @@ def rebuilt(config: dict) -> GPT:
     if config["pe"]["scaling"] is not None:
         scheme.scale(RopeScaling(**{k: tuple(v) if isinstance(v, list) else v
                                     for k, v in config["pe"]["scaling"].items()}))
-    return GPT(gpt_config, scheme, frozenset(config["nope_layers"]), tuple(config["layer_bases"]))
+    from model.pe.schedule import LayerRope
+
+    layer_rope = config.get("layer_rope") or [None if b is None else [b, None, True] for b in config["layer_bases"]]
+    return GPT(gpt_config, scheme, frozenset(config["nope_layers"]),
+               tuple(None if r is None else LayerRope(*r) for r in layer_rope))
 
 
 def check_rebuilds(gpt: GPT, config: dict) -> None:

@@ -4,7 +4,7 @@ pelab's exporter writes this file, unchanged, beside a flat copy of pelab's mode
 (pelab_model_*.py) and config.json; it builds pelab's own GPT, so every number is pelab's.
 config.json describes the model in pelab's terms: ``gpt``, GPTConfig's fields; ``pe``, the
 scheme's registered name (``scheme``), its constructor's options (``options``) and its RoPE
-scaling (``scaling``: RopeScaling's fields, or None); ``nope_layers`` and ``layer_bases``, GPT's
+scaling (``scaling``: RopeScaling's fields, or None); ``nope_layers`` and ``layer_rope``, GPT's
 per-layer plan. The configuration class is here, not in a file of its own, so that it belongs to
 this folder's code (transformers maps a configuration class to the model class it first loaded).
 What else is here maps transformers' interface onto ``GPT.hidden``:
@@ -27,6 +27,7 @@ from .pelab_model_config import GPTConfig
 from .pelab_model_generate import KVCache
 from .pelab_model_gpt import GPT
 from .pelab_model_pe_rope_scaling import RopeScaling
+from .pelab_model_pe_schedule import LayerRope
 from .pelab_schemes import SCHEMES
 
 # the output's cache field: ``cache`` in transformers >= 5.2x, ``past_key_values`` before
@@ -36,10 +37,15 @@ CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLM
 class PelabConfig(PretrainedConfig):
     model_type = "pelab"
 
-    def __init__(self, gpt=None, pe=None, nope_layers=(), layer_bases=(), tie_word_embeddings=True, **kwargs):
+    def __init__(self, gpt=None, pe=None, nope_layers=(), layer_rope=(), layer_bases=(), tie_word_embeddings=True,
+                 **kwargs):
         self.gpt = dict(gpt or {"vocab_size": 256})
         self.pe = dict(pe or {"scheme": "nope", "options": {}, "scaling": None})
-        self.nope_layers, self.layer_bases = list(nope_layers), list(layer_bases)
+        self.nope_layers = list(nope_layers)
+        # each layer's own RoPE [base, keep_fraction, scaled] or None; a folder written before held
+        # layer_bases, a base or None per layer
+        self.layer_rope = ([None if r is None else list(r) for r in layer_rope]
+                           or [None if b is None else [b, None, True] for b in layer_bases])
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
@@ -49,7 +55,8 @@ def build_gpt(config: PelabConfig) -> GPT:
     scaling = config.pe.get("scaling")
     if scaling is not None:  # JSON lists back to the tuples RopeScaling holds
         scheme.scale(RopeScaling(**{k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()}))
-    return GPT(gpt_config, scheme, frozenset(config.nope_layers), tuple(config.layer_bases))
+    layer_rope = tuple(None if r is None else LayerRope(*r) for r in config.layer_rope)
+    return GPT(gpt_config, scheme, frozenset(config.nope_layers), layer_rope)
 
 
 class PelabCache:

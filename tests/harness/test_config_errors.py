@@ -250,6 +250,8 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=fox_loss_by_position", "pe=fox"],
     ["experiment=stick_breaking"],
     ["experiment=swan_like"],
+    ["experiment=gemma4_like"],
+    ["experiment=olmo3_like"],
     ["experiment=sink_gate_xsa", "output_variant=gate_elementwise", "hybrid=rnope_swa"],
     ["eval.streaming.enabled=true", "eval.streaming.cache_positions=[reindexed,absolute]"],
     ["data=synthetic", "data.task=flipflop", "eval.extrapolation.enabled=false"],

@@ -14,7 +14,7 @@ import torch
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe import SCHEMES
-from model.pe.schedule import check_layer_bases, layer_positions
+from model.pe.schedule import LAYER_KEYS, LayerRope, check_layer_rope, layer_positions
 from tests.naive import naive_gelu, naive_layer_norm, naive_linear
 
 W, F = 64, None  # a windowed and a full-attention layer
@@ -35,7 +35,7 @@ def test_schedules_are_the_layers_written_out(windows, options, nope, bases):
     got_nope, got_bases = layer_positions(windows, options.get("nope_every"), options.get("listed"),
                                           options.get("global_base"))
     assert got_nope == nope
-    assert got_bases == tuple(bases.get(i) for i in range(len(windows)))
+    assert got_bases == tuple(None if bases.get(i) is None else LayerRope(bases[i]) for i in range(len(windows)))
 
 
 @pytest.mark.parametrize("windows,options,message", [
@@ -67,7 +67,7 @@ def test_config_reaches_the_model_and_refusals_come_before_data():
 
     model = {"vocab_size": 41, "block_size": 32, "n_layer": 4, "n_head": 2, "n_embd": 16, "window_pattern": [8, None]}
     lit = LitGPT(model=model, pe={"_target_": "model.pe.rope.RoPE", "global_base": 1e6})
-    assert lit.model.layer_bases == (None, 1e6, None, 1e6) and not lit.model.nope_layers
+    assert lit.model.layer_rope == (None, LayerRope(1e6), None, LayerRope(1e6)) and not lit.model.nope_layers
     lit = LitGPT(model=model, pe={"_target_": "model.pe.xpos.XPos", "nope_layers": "global"})
     assert lit.model.nope_layers == {1, 3}
     config = model_config(model)
@@ -76,34 +76,36 @@ def test_config_reaches_the_model_and_refusals_come_before_data():
     with pytest.raises(ConfigError, match=r"pe.nope_layers=\[0, 1, 2, 3\] makes all 4 layers NoPE layers, so pe=t5"):
         build_position({"_target_": "model.pe.t5.T5RelativeBias", "nope_layers": [0, 1, 2, 3]}, config)
     with pytest.raises(ValueError, match="pe.global_base=100.0 needs a RoPE scheme"):
-        check_layer_bases((None, 100.0), SCHEMES["kerple_log"](config))
+        check_layer_rope((None, LayerRope(100.0)), SCHEMES["kerple_log"](config))
 
 
-def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
+def rotate(x: torch.Tensor, base: float, kept: int | None = None, factor: float = 1.0) -> torch.Tensor:
     """RoPE from its formula, half-split pairs (x_k, x_{k+d/2}) of a (B, H, T, d) float64 tensor at
-    positions 0..T-1: angle t * base^(-2k/d), (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    positions 0..T-1: angle (t / factor) * base^(-2k/d) (factor: linear interpolation), 0 for the
+    pairs k >= kept (p-RoPE), (x1 cos - x2 sin, x2 cos + x1 sin)."""
     d, half = x.shape[-1], x.shape[-1] // 2
     out = x.clone()
     for t in range(x.shape[2]):
         for k in range(half):
-            a = t * base ** (-2 * k / d)
+            a = t / factor * base ** (-2 * k / d) if kept is None or k < kept else 0.0
             x1, x2 = x[:, :, t, k], x[:, :, t, k + half]
             out[:, :, t, k], out[:, :, t, k + half] = x1 * math.cos(a) - x2 * math.sin(a), x2 * math.cos(a) + x1 * math.sin(a)
     return out
 
 
-def reference_logits(model: GPT, idx: torch.Tensor, windows: list, bases: list) -> torch.Tensor:
+def reference_logits(model: GPT, idx: torch.Tensor, windows: list, bases: list, turns: list | None = None
+                     ) -> torch.Tensor:
     """float64 logits, layer l attending keys i - windows[l] + 1 .. i (None: all earlier) with its
-    queries and keys rotated at bases[l] (None: no rotation)."""
+    queries and keys rotated at bases[l] (None: no rotation), with ``rotate``'s options turns[l]."""
     x = model.wte.weight.detach().double()[idx]
     T = idx.shape[1]
     i, j = torch.arange(T)[:, None], torch.arange(T)[None]
-    for block, window, base in zip(model.blocks, windows, bases):
+    for block, window, base, turn in zip(model.blocks, windows, bases, turns or [{}] * len(bases)):
         a, H = block.attn, model.config.n_head
         y = naive_linear(a.c_attn, naive_layer_norm(x, block.ln_1))
         q, k, v = (t.view(*idx.shape, H, -1).transpose(1, 2) for t in y.chunk(3, dim=-1))
         if base is not None:
-            q, k = rotate(q, base), rotate(k, base)
+            q, k = rotate(q, base, **turn), rotate(k, base, **turn)
         seen = (j <= i) & ((j > i - window) if window is not None else True)
         scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~seen, -math.inf)
         att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape)
@@ -112,12 +114,16 @@ def reference_logits(model: GPT, idx: torch.Tensor, windows: list, bases: list) 
     return naive_layer_norm(x, model.ln_f) @ model.lm_head.weight.detach().double().T
 
 
-def two_base_model(**pe_options) -> GPT:
+def two_base_model(scaling: dict | None = None, **pe_options) -> GPT:
+    from model.pe.scaling import apply_scaling
+
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=37, block_size=64, n_layer=2, n_head=2, n_embd=32, window_pattern=[3, None])
     nope, bases = layer_positions(config.layer_windows, None, pe_options.pop("nope_layers", None),
-                                  pe_options.pop("global_base", None))
-    model = GPT(config, SCHEMES["rope"](config, **pe_options), nope, bases).eval()
+                                  *(pe_options.pop(key, None) for key in LAYER_KEYS[2:]))
+    scheme = SCHEMES["rope"](config, **pe_options)
+    apply_scaling(scheme, scaling, config.block_size)
+    model = GPT(config, scheme, nope, bases).eval()
     with torch.no_grad():
         for block in model.blocks:  # sharper attention than GPT-2's init, so positions move the logits
             block.attn.c_attn.weight.mul_(8)
@@ -131,7 +137,7 @@ def test_two_bases_equal_the_float64_model_and_build_each_table_once(monkeypatch
     idx = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(1))
     calls = []
     tables = model.pe.rotation_tables
-    monkeypatch.setattr(model.pe, "rotation_tables", lambda *a, **k: calls.append(k.get("base")) or tables(*a, **k))
+    monkeypatch.setattr(model.pe, "rotation_tables", lambda *a, **k: calls.append((k.get("layer") or LayerRope()).base) or tables(*a, **k))
     with torch.no_grad():
         got = model(idx)[0]
     assert sorted(calls, key=str) == [1e6, None]
@@ -144,6 +150,49 @@ def test_two_bases_equal_the_float64_model_and_build_each_table_once(monkeypatch
     with torch.no_grad():
         torch.testing.assert_close(nope(idx)[0].double(), reference_logits(model, idx, [3, None], [100.0, None])[..., :37],
                                    atol=2e-5, rtol=0)
+
+
+def test_global_p_rope_and_global_scaling_equal_the_float64_model():
+    """Gemma 4's p-RoPE on the global layers only (8 of 8 pairs rotate in the windowed layer, 2
+    in the full one), OLMo 3's scaling on the full-attention layers only (linear interpolation by
+    4 there, none in the windowed layer): each against RoPE written out, and each option matters."""
+    idx = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = two_base_model(base=100.0, global_base=1e6, global_keep_fraction=0.25)
+    assert model.layer_rope == (None, LayerRope(1e6, 0.25))
+    with torch.no_grad():
+        got = model(idx)[0].double()
+    torch.testing.assert_close(got, reference_logits(model, idx, [3, None], [100.0, 1e6], [{}, {"kept": 2}])[..., :37],
+                               atol=2e-5, rtol=0)
+    assert (got - reference_logits(model, idx, [3, None], [100.0, 1e6])[..., :37]).abs().max() > 1e-2
+    scaled = two_base_model(scaling={"kind": "linear", "factor": 4.0}, scaling_layers="global")
+    scaled.load_state_dict(model.state_dict())
+    assert scaled.layer_rope == (LayerRope(scaled=False), None)
+    with torch.no_grad():
+        got = scaled(idx)[0].double()
+    turns = [{}, {"factor": 4.0}]
+    torch.testing.assert_close(got, reference_logits(scaled, idx, [3, None], [10000.0] * 2, turns)[..., :37],
+                               atol=2e-5, rtol=0)
+    everywhere = reference_logits(scaled, idx, [3, None], [10000.0] * 2, [{"factor": 4.0}] * 2)[..., :37]
+    assert (got - everywhere).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"global_keep_fraction": 0}, "pe.global_keep_fraction must be null or a number in (0, 1]"),
+    ({"scaling_layers": "local"}, "pe.scaling_layers must be null or one of 'all', 'global' (the layers pe.scaling "
+                                  "rescales), got 'local'"),
+    ({"global_keep_fraction": 0.25, "nope_layers": "global"}, "pe.global_keep_fraction=0.25 sets p-RoPE's kept "
+                                                              "fraction of the full-attention layers [1], but they "
+                                                              "are all NoPE layers"),
+])
+def test_bad_layer_rope_options_fail_with_one_line(options, message):
+    with pytest.raises(ValueError) as err:
+        two_base_model(**options)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_global_options_need_both_kinds_of_layer():
+    with pytest.raises(ValueError, match=r"pe.scaling_layers=global needs both windowed and full-attention layers"):
+        layer_positions((None, None), None, None, None, None, "global")
 
 
 @pytest.mark.parametrize("options", [{"global_base": 1e6}, {"nope_layers": "global"}])
@@ -171,5 +220,5 @@ def test_gemma3_like_preset_is_five_local_layers_then_a_global_one(project_root,
     assert all(w == 64 for i, w in enumerate(config.layer_windows) if i not in full)
     position = build_position(plain(cfg.pe), config)
     assert position.scheme.base == 10000 and not position.nope_layers
-    assert position.layer_bases == tuple(1e6 if i in full else None for i in range(n_layer))
+    assert position.layer_rope == tuple(LayerRope(1e6) if i in full else None for i in range(n_layer))
     assert (config.norm, config.qk_norm, config.kv_heads, config.n_head) == ("rmsnorm", True, 2, 4)

@@ -97,7 +97,7 @@ def imported(folder, overrides) -> tuple[dict, GPT]:
     checked = validate_config(cfg)
     position = checked.position
     gpt = GPT(GPTConfig(vocab_size=VOCAB, **OmegaConf.to_container(cfg.model)), position.scheme,
-              nope_layers=position.nope_layers, layer_bases=position.layer_bases)
+              nope_layers=position.nope_layers, layer_rope=position.layer_rope)
     fresh = {k: v.clone() for k, v in gpt.state_dict().items()}
     load_init_weights(gpt, checked.init_state, cfg.init_from)
     return fresh, gpt
