@@ -186,6 +186,22 @@ def test_remote_code_gives_pelab_logits_and_greedy_text_with_and_without_the_cac
     assert greedy(hf, prompt, use_cache=False).tolist() == text.tolist()
 
 
+def test_a_folder_written_with_layer_bases_still_loads(exported, tmp_path):
+    """config.json before layer_rope held ``layer_bases`` (a RoPE base or null per layer)."""
+    import shutil
+
+    gpt, out = exported["rope_global_base"]
+    old = tmp_path / "hf"
+    shutil.copytree(out, old)
+    config = json.loads((old / "config.json").read_text())
+    config["layer_bases"] = [None if r is None else r[0] for r in config.pop("layer_rope")]
+    assert config["layer_bases"] == [None, 10000.0]
+    (old / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (load(old)(ids).logits - gpt(ids)[0]).abs().max().item() <= 1e-4
+
+
 def test_generate_with_the_cache_feeds_one_token_a_step(exported):
     gpt, out = exported["xpos_half_llama3_pattern"]  # a span-dependent scheme (xPos's reference point)
     hf = load(out)
