@@ -196,6 +196,7 @@ def build_lock(out_dir: Path, timeout: float = LOCK_TIMEOUT, stale_after: float 
     out_dir = Path(out_dir)
     lease, deadline, said = Lease(out_dir / "build.owner"), time.monotonic() + timeout, False
     flock, held, took_over = None, False, False  # flock: a descriptor while held, -1 where there is none
+    waited = False  # one poll has passed (a lease not yet written is then named "another process")
     try:
         while True:
             if flock is None:
@@ -214,7 +215,7 @@ def build_lock(out_dir: Path, timeout: float = LOCK_TIMEOUT, stale_after: float 
                     took_over = True
                 lease.seen = None
                 continue
-            if not said:
+            if not said and (found is not None or waited):  # a holder between its flock and its lease: look again
                 print(f"[pelab] token cache {out_dir} is being built by {holder_line(found)}; waiting for it "
                       f"(up to data.lock_timeout={timeout:g} s)", flush=True)
                 said = True
@@ -225,6 +226,7 @@ def build_lock(out_dir: Path, timeout: float = LOCK_TIMEOUT, stale_after: float 
                     f"being built by {holder_line(found)}; let that build finish (or stop it), or raise "
                     f"data.lock_timeout (a lock whose heartbeat stops for {stale_after:g} s is taken over)")
             time.sleep(min(poll, left))
+            waited = True
         yield
     finally:
         if held:
