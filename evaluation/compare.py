@@ -155,9 +155,10 @@ class RunInfo:
     keys: frozenset[str] = frozenset()  # every config key (dotted), ignored ones too
 
 
-def run_info(run_dir: str, ignored: Sequence[str]) -> RunInfo:
+def run_info(run_dir: str, ignored: Sequence[str], defaults: dict | None = None) -> RunInfo:
     """The run's seed and its config without the ``ignored`` keys (an entry ending in "." is a
-    whole group of keys)."""
+    whole group of keys); a key of ``defaults`` (a config tree) the run's config lacks takes its
+    default there: an option added after the run was trained, which it ran at its default."""
     import yaml
 
     path = Path(run_dir) / "checkpoints" / "config.yaml"
@@ -166,7 +167,8 @@ def run_info(run_dir: str, ignored: Sequence[str]) -> RunInfo:
     config = yaml.safe_load(path.read_text()) or {}
     groups = tuple(k for k in ignored if k.endswith("."))
     flat = _flatten(config)
-    setting = {k: v for k, v in flat.items() if k not in ignored and not k.startswith(groups)}
+    filled = {k: v for k, v in _flatten(defaults or {}).items() if "${" not in v}  # interpolations: unknown here
+    setting = {k: v for k, v in {**filled, **flat}.items() if k not in ignored and not k.startswith(groups)}
     return RunInfo(config.get("seed"), setting, frozenset(flat))
 
 
@@ -257,11 +259,12 @@ class Runs:
 
 
 def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[str],
-              options: dict[str, Any] | None = None, asked: Sequence[str] = ()) -> Runs:
+              options: dict[str, Any] | None = None, asked: Sequence[str] = (), defaults: dict | None = None) -> Runs:
     """Every table the ``probes`` compare (``Probe.compare``) under ``paths``, every file checked
     before any is read, each table's ``select`` applied with ``options``, runs grouped by seed
     (``ignored``: config keys that do not split a group; ``asked``: those of them the user named,
-    each of which some run's config must have)."""
+    each of which some run's config must have; ``defaults``: the config tree of today's defaults,
+    which fill the keys a run's config predates)."""
     options = dict(options or {})
     parts = [(probe.output, c) for probe in probes for c in probe.compare]
     folders = frozenset(output for output, _ in parts)
@@ -281,7 +284,7 @@ def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[s
     for table in tables:
         for run, r in table.pairs if table.comparison.grouped else ():
             runs_by_label.setdefault(base_label(r), set()).add(run)
-    info = {run: run_info(run, ignored) for runs in runs_by_label.values() for run in runs}
+    info = {run: run_info(run, ignored, defaults) for runs in runs_by_label.values() for run in runs}
     check_ignored(asked, info)
     return Runs(tables, seed_groups(runs_by_label, info), folders, options)
 

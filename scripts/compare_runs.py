@@ -69,11 +69,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def default_config() -> dict:
+    """Today's default config tree (conf/config.yaml as composed): a run trained before an option
+    existed ran it at its default, so that option does not split it from newer runs."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return OmegaConf.to_container(compose("config"), resolve=False)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         runs = compare.read_runs(args.paths, PROBES.values(), (*NOT_TRAINED, *args.ignore), vars(args),
-                                 asked=args.ignore)
+                                 asked=args.ignore, defaults=default_config())
     except compare.CompareError as err:
         raise SystemExit(str(err)) from None
     first = Path(args.paths[0])

@@ -260,6 +260,27 @@ def test_runs_saved_before_and_after_the_data_module_moved_share_a_seed_group(tm
     assert "| alibi (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in (tmp_path / "report" / "comparison.md").read_text()
 
 
+def test_a_run_saved_before_an_option_existed_groups_with_runs_at_its_default(tmp_path):
+    """Seed 1 was trained before model.xsa existed (its config lacks the key), seed 2 after, at the
+    default 'none' (conf/model/common/gpt.yaml): one group. Seed 3 at xsa='plain' stays apart."""
+    import yaml
+
+    sweep = tmp_path / "multirun"
+    for seed, xsa in ((1, None), (2, "none"), (3, "plain")):
+        seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
+        if xsa is not None:
+            path = sweep / f"{seed}-alibi" / "checkpoints" / "config.yaml"
+            config = yaml.safe_load(path.read_text())
+            config["model"]["xsa"] = xsa
+            path.write_text(yaml.safe_dump(config))
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "report" / "comparison.md").read_text()
+    # seeds 1 and 2: mean 5.50 at 64, interval 12.706205 * 0.7071068 / sqrt(2) = 6.35
+    assert "| alibi (model.xsa='none') (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in report
+    assert "| alibi (model.xsa='plain') (1) | 7.00 | 8.00 |" in report
+
+
 def test_a_key_named_by_ignore_does_not_split_seeds(tmp_path):
     """Fine-tunes whose seeds each start from their own base (init_from differs) are one group
     with --ignore init_from, and two one-run lines named by init_from without it."""
