@@ -14,7 +14,8 @@ at a time. Lines are named by scheme (+ RoPE scaling).
 
 **Seeds.** Runs whose resolved configs (``checkpoints/config.yaml``) differ only in ``seed``
 and in settings that do not change what is trained (paths, loggers, callbacks, evaluation
-options: what run names leave out) are one group: its lines show the mean over the
+options: what run names leave out) are one group (a key a run's config predates counts at today's
+default): its lines show the mean over the
 seeds ± the 95% Student-t interval (n − 1 degrees of freedom), the best mean at each length
 is bold, and ``*`` marks a group whose values differ from the best group's at that length by
 Welch's two-sided t-test at α = 0.05 (p-values in the CSV); the plot draws the intervals as
