@@ -108,12 +108,24 @@ class Lease:
         self._stop = threading.Event()
 
     def create(self) -> bool:
+        """The lease made ours, whole: its text written beside it and hard-linked into place (a
+        link fails if the lease exists, atomically, as O_EXCL; no reader ever sees it empty);
+        O_EXCL then a write where the filesystem has no hard links."""
+        beside = self.path.with_name(f"{self.path.name}.{self.mine['pid']}-{self.mine['token']}.new")
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            beside.write_text(self.text)
+            os.link(beside, self.path)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            f.write(self.text)
+        except OSError:  # no hard links here
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(self.text)
+        finally:
+            beside.unlink(missing_ok=True)
         threading.Thread(target=self._beat, name="pelab-lock-heartbeat", daemon=True).start()
         return True
 
@@ -208,6 +220,8 @@ def build_lock(out_dir: Path, timeout: float = LOCK_TIMEOUT, stale_after: float 
                 break
             took_over = False
             found = lease.read()
+            if found is not None and not found[0].strip():  # created, its text not yet written: as if absent
+                found = None
             if found is not None and (why := lease.stale(found, stale_after)) is not None:
                 if lease.take_over(found):
                     print(f"[pelab] token cache {out_dir}: took over the build lock of {holder_line(found)}: {why}",
@@ -215,7 +229,7 @@ def build_lock(out_dir: Path, timeout: float = LOCK_TIMEOUT, stale_after: float 
                     took_over = True
                 lease.seen = None
                 continue
-            if not said and (found is not None or waited):  # a holder between its flock and its lease: look again
+            if not said and (found is not None or waited):  # a holder between its flock and its lease's text: look again
                 print(f"[pelab] token cache {out_dir} is being built by {holder_line(found)}; waiting for it "
                       f"(up to data.lock_timeout={timeout:g} s)", flush=True)
                 said = True
