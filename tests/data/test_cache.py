@@ -77,8 +77,12 @@ def test_concurrent_preparers_build_once_and_agree(tmp_path):
     assert sum(r[1] for r in reports) == 1, reports  # exactly one build
     waiters = [r for r in reports if not r[1]]
     builder = next(r for r in reports if r[1])
-    for r in waiters:  # a waiter the machine's load held back past the build finds the cache built, silently
-        assert "tokenizing" not in r[2] and (not r[2] or f"is being built by pid {builder[0]}" in r[2]), r[2]
+    # a waiter the machine's load held back past the build finds the cache built, silently; one that looked
+    # while the holder was descheduled between its flock and its lease names no pid (tests/data/test_cache_lock.py
+    # checks the named holder)
+    named = (f"is being built by pid {builder[0]}", "is being built by another process")
+    for r in waiters:
+        assert "tokenizing" not in r[2] and (not r[2] or any(n in r[2] for n in named)), r[2]
     assert any("waiting for it" in r[2] for r in waiters), reports
     for name in ("train.bin", "val.bin", "train.offsets.npy", "val.offsets.npy"):
         assert (out / name).read_bytes() == (tmp_path / "alone" / name).read_bytes(), name
