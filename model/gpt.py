@@ -92,8 +92,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x, ctx)
-        turned = ctx.terms.bias and ctx.pe.uses_layer_rotation  # angles c of x turn q, k (v) (model/pe/rope_dd.py)
-        c = self.layer_terms(x, ctx, cache, turned)
+        turned = ctx.terms.with_layer_rotation  # angles c of x turn q, k (v) (model/pe/rope_dd.py)
+        c = self.layer_terms(x, ctx, cache)
         if turned:
             q, k, v = ctx.pe.rotate_layer(q, k, v, c)
         key_c = c
@@ -117,12 +117,11 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def layer_terms(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None,
-                    turned: bool = False) -> Tensor | None:
-        """A data-dependent scheme's c of these tokens (model/pe/fox.py; ``turned``: its angles,
-        model/pe/rope_dd.py), or None; with a cache, c continues the newest cached key's (the cache
-        keeps and evicts the keys' c with the keys)."""
-        if not (ctx.terms.with_layer_terms or turned):
+    def layer_terms(self, x: Tensor, ctx: PositionContext, cache: LayerCache | None) -> Tensor | None:
+        """A data-dependent scheme's c of these tokens (model/pe/fox.py; its angles: model/pe/rope_dd.py),
+        or None; with a cache, c continues the newest cached key's (the cache keeps and evicts the
+        keys' c with the keys)."""
+        if not (ctx.terms.with_layer_terms or ctx.terms.with_layer_rotation):
             return None
         return ctx.pe.layer_terms(x, self.layer, None if cache is None else cache.last_terms())
 

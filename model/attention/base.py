@@ -27,7 +27,8 @@ def follow_order(positions: Tensor, documents: Tensor) -> bool:
 
 def data_terms(pe: Any) -> str | None:
     """What a data-dependent scheme adds (``PositionEncoding.terms``): "layer" (c_i - c_j of each
-    layer's input, FoX), "scores" (a term of each layer's queries and scores, CoPE), or None."""
+    layer's input, FoX), "scores" (a term of each layer's queries and scores, CoPE), "rotation"
+    (angles of each layer's input turning q, k and v before any backend, rope_dd), or None."""
     return getattr(pe, "terms", None)
 
 
@@ -55,6 +56,11 @@ class Terms:
     def with_layer_terms(self) -> bool:
         """Each layer adds the scheme's data-dependent terms c_i - c_j (``pe.layer_terms``) to its mask."""
         return self.bias and data_terms(self.pe) == "layer"
+
+    @property
+    def with_layer_rotation(self) -> bool:
+        """Each layer turns q, k (and v) by the scheme's angles of its input (``pe.rotate_layer``)."""
+        return self.bias and data_terms(self.pe) == "rotation"
 
     @property
     def with_score_terms(self) -> bool:
