@@ -109,6 +109,19 @@ class RotaryTables(NamedTuple):
         return self.k_cos is self.q_cos and self.k_sin is self.q_sin
 
 
+def rotary_frequencies(base: float, rotary_dim: int) -> Tensor:
+    """theta_k = base^(-2k/r), k = 0..r/2 - 1, in float64 (the buffers keep their float32 rounding)."""
+    k2 = torch.arange(0, rotary_dim, 2, dtype=torch.float64)
+    return base ** (-k2 / rotary_dim)
+
+
+def full_width(cos: Tensor, sin: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Pair tables (..., r/2) as ``rotate_half`` takes them over the head dim: (c, c, 1..) and
+    (-s, s, 0..), the dims past the rotary ones passing unrotated."""
+    rest = cos.new_ones(()).expand(*cos.shape[:-1], head_dim - 2 * cos.shape[-1])
+    return torch.cat((cos, cos, rest), dim=-1), torch.cat((-sin, sin, rest * 0), dim=-1)
+
+
 def _heads(table: Tensor, dtype: torch.dtype) -> Tensor:
     """(T, D) broadcasts over (B, H, T, .) as it is; per-sequence (B, T, D) needs a head dim."""
     return (table[:, None] if table.dim() == 3 else table).to(dtype)
@@ -162,8 +175,7 @@ class RoPE(PositionEncoding, name="rope"):
         if min_frequency is not None:
             base = frequency_base(min_frequency, n_pairs, base)
         self.base = base
-        k2 = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
-        inv_freq = base ** (-k2 / self.rotary_dim)
+        inv_freq = rotary_frequencies(base, self.rotary_dim)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         # floor(p * r/2); the rounding to 6 places stops 0.29 * 100 = 28.999... from losing a pair
         self.kept_pairs = int(round(keep_fraction * n_pairs, 6))
@@ -216,8 +228,7 @@ class RoPE(PositionEncoding, name="rope"):
 
     def inv_freq_at(self, base: float) -> Tensor:
         """theta_k = base^(-2k/r) at another ``base``, computed as ``__init__`` does (float64, then float32)."""
-        k2 = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
-        return (base ** (-k2 / self.rotary_dim)).float().to(self.inv_freq.device)
+        return rotary_frequencies(base, self.rotary_dim).float().to(self.inv_freq.device)
 
     def angles(self, positions: Tensor, freqs: RopeFrequencies | None = None) -> Tensor:
         """(..., T, rotary_dim/2) float32 angles p * theta_k (with the scaling applied, if set)."""
@@ -258,8 +269,7 @@ class RoPE(PositionEncoding, name="rope"):
             scale = freqs.attention_factor if scale is None else scale * freqs.attention_factor
         if scale is not None:  # xPos multiplies both the cos and sin terms
             cos, sin = cos * scale, sin * scale
-        rest = cos.new_ones(()).expand(*cos.shape[:-1], self.head_dim - self.rotary_dim)
-        return torch.cat((cos, cos, rest), dim=-1), torch.cat((-sin, sin, rest * 0), dim=-1)
+        return full_width(cos, sin, self.head_dim)
 
     @torch.no_grad()
     def learned_functions(self, length: int) -> dict[str, tuple[Tensor, Tensor, str]]:

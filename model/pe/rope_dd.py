@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from model.config import GPTConfig
 from model.pe.base import PositionEncoding
-from model.pe.rope import rotate_half, swap_halves
+from model.pe.rope import full_width, rotary_frequencies, rotate_half, swap_halves
 
 UNIT_STEP = math.log(math.expm1(1.0))  # softplus(b) = 1: one position per token, RoPE's
 
@@ -93,8 +93,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
         self.base, self.rotate_v = float(base), rotate_v
         self.kv_heads, self.rotary_dim = config.kv_heads, config.head_dim // 2 * 2
         self.pairs = self.rotary_dim // 2
-        k2 = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
-        self.register_buffer("inv_freq", (self.base ** (-k2 / self.rotary_dim)).float(), persistent=False)
+        self.register_buffer("inv_freq", rotary_frequencies(self.base, self.rotary_dim).float(), persistent=False)
         # phi of each layer: one step per key/value head and rotary pair
         self.steps = nn.ModuleList(nn.Linear(config.n_embd, self.kv_heads * self.pairs) for _ in range(config.n_layer))
         for step in self.steps:
@@ -138,8 +137,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
         theta = angles.transpose(-1, -2)
         with torch.no_grad():  # the tables carry no gradient: _Turn gives the angles theirs
             cos, sin = theta.cos().to(dtype), theta.sin().to(dtype)  # of the float64 sum: exact however large
-            rest = cos.new_ones(()).expand(*cos.shape[:-1], self.head_dim - self.rotary_dim)
-            return theta, torch.cat((cos, cos, rest), dim=-1), torch.cat((-sin, sin, rest * 0), dim=-1)
+            return (theta, *full_width(cos, sin, self.head_dim))
 
     def decayed_parameters(self) -> list[nn.Parameter]:
         return [step.weight for step in self.steps]  # decay pulls phi back towards RoPE's constant step
