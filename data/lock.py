@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from data.paths import PathError
+from data.paths import PathError, process_alive
 
 LOCK_TIMEOUT = 3600.0  # seconds a waiter waits for another builder (data.lock_timeout)
 STALE_AFTER = 120.0  # seconds without a heartbeat before a lease is taken over
@@ -55,19 +55,6 @@ def check_timeout(timeout, key: str = "data.lock_timeout") -> float:
         raise ValueError(f"{key} must be a positive number of seconds (how long to wait for another process "
                          f"building the same token cache), got {timeout!r}")
     return float(timeout)
-
-
-def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has exited (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's live process
-        return False
-    with contextlib.suppress(OSError, IndexError):  # Linux: a killed child not yet reaped
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    return False
 
 
 def pid_namespace() -> str:
@@ -154,7 +141,7 @@ class Lease:
         owner = describe(found[0])
         if (owner.get("host"), owner.get("pidns")) == (self.mine["host"], self.mine["pidns"]) and \
                 isinstance(owner.get("pid"), int):  # its pid means something here: alive or not decides
-            return "its process is gone" if process_gone(owner["pid"]) else None
+            return None if process_alive(owner["pid"]) else "its process is gone"
         now = time.monotonic()
         if self.seen is None or self.seen[0] != found:
             self.seen = (found, now)  # the heartbeat moved (or a new owner): watch again

@@ -12,6 +12,7 @@ to do``. Standard library only (data/ and everything above it use it).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -124,12 +125,15 @@ def no_space(path: Path, doing: str, elsewhere: str) -> PathError:
 # --- what a killed writer leaves -----------------------------------------------------------------
 
 def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, exited but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, owned by another user
         return True
+    with contextlib.suppress(OSError, IndexError):  # Linux: a killed child not yet reaped
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
