@@ -76,13 +76,18 @@ def output_file(key: str, given, purpose: str = "", inputs: dict | None = None) 
     return path
 
 
+def overlap(output: Path, source: Path) -> str | None:
+    """How an output path meets a path the command reads: "is" it, "holds" it, "lies inside" it, or None."""
+    src, dst = Path(os.path.expanduser(str(source))).resolve(), Path(output).resolve()
+    return "is" if dst == src else "holds" if dst in src.parents else "lies inside" if src in dst.parents else None
+
+
 def clash(key: str, given, path: Path, inputs: dict | None) -> None:
     """An output that is, holds or lies inside one of the command's inputs would overwrite what
     the command reads: refused."""
     for source_key, source in (inputs or {}).items():
-        src, dst = Path(os.path.expanduser(str(source))).resolve(), path.resolve()
-        if dst == src or dst in src.parents or src in dst.parents:
-            how = "is" if dst == src else "holds" if dst in src.parents else "lies inside"
+        how = overlap(path, source)
+        if how is not None:
             raise PathError(f"{key}={given} {how} {source_key}={source}, which the command reads; give {key}= "
                             f"a path apart from it")
 

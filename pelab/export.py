@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from data.paths import aside_name, remove_dead_leftovers
+from data.paths import aside_name, overlap, remove_dead_leftovers
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.pe.schedule import LAYER_KEYS, split_schedule
@@ -129,13 +129,13 @@ def check_out(out_dir, overwrite: bool, source=None) -> Path:
     (nor a folder holding it or inside it), never a folder holding any run's checkpoints (overwrite
     would replace it whole); an existing non-empty one only with ``overwrite``."""
     out = Path(out_dir)
-    if source is not None:
-        src, dst = Path(source).resolve(), out.resolve()
-        if dst == src or dst in src.parents or src in dst.parents:
-            run = src.parent.parent if src.parent.name == "checkpoints" else src.parent
-            raise ExportError(f"out={out} {'is' if dst == src else 'contains' if dst in src.parents else 'is inside'} "
-                              f"the checkpoint ckpt={source} reads, which overwrite would delete; give out= a "
-                              f"new folder that holds no checkpoint, e.g. out={run / 'hf'}")
+    how = None if source is None else overlap(out, source)
+    if how is not None:
+        src = Path(source).resolve()
+        run = src.parent.parent if src.parent.name == "checkpoints" else src.parent
+        said = {"is": "is", "holds": "contains", "lies inside": "is inside"}[how]
+        raise ExportError(f"out={out} {said} the checkpoint ckpt={source} reads, which overwrite would delete; give "
+                          f"out= a new folder that holds no checkpoint, e.g. out={run / 'hf'}")
     held = run_files_in(out)
     if held is not None:
         raise ExportError(f"out={out} holds a training run's files ({held}), which overwrite would delete; "
