@@ -12,14 +12,18 @@ Each part is budgeted 540 s (steps that no longer fit are skipped, a step past t
 stopped), and rewrites its report after every step: at most 8 files straight in ``out=`` (the
 JSON and markdown report, the console lines, the junit xml, the bench rows, one tarball of logs
 and metrics); the steps themselves write into ``work=``. Without CUDA it prints its plan and
-exits 0 without running anything. The exit code is 1 when a step failed. The recipe for a GPU
-machine without network, each step, what it asserts and its tolerances: docs/gpu.md.
+exits 0 without running anything. The exit code is 1 when a step failed. SIGTERM or SIGINT stops
+the running steps (each step's whole process group), skips the rest and writes the report; a
+runner killed outright leaves a guardian that ends the steps' groups (gpucheck/groups.py). The
+recipe for a GPU machine without network, each step, what it asserts and its tolerances: docs/gpu.md.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -174,10 +178,39 @@ def main(argv: list[str]) -> int:
         print(plan_text(shown, others, gpus, out, work))
         return 0
 
-    from gpucheck.runner import STOP_GRACE_S, Report, child_env, default_sigint, machine, run_lanes
+    from gpucheck.runner import GROUPS, Report, default_sigint, machine
 
     default_sigint()
+    GROUPS.stopped = None  # a run of its own (a test may run several in one process)
     report = Report(out, work, machine(), budget_s, part)
+    previous = {sig: signal.signal(sig, stopping(report)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run_part(report, part, gpus, lanes, work, budget_s, out)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if GROUPS.stopped:
+            report.say(f"[gpu_check] stopped by {GROUPS.stopped}: the steps it ran were ended, the others skipped")
+
+
+def stopping(report):
+    """The handler of SIGTERM and SIGINT: every running step's process group stopped (in threads:
+    a handler must not block the main thread, which then writes the report), no step started after."""
+    from gpucheck.runner import GROUPS, stop_group
+
+    def handler(signum, frame) -> None:
+        name = signal.Signals(signum).name
+        threading.Thread(target=report.say, args=(f"[gpu_check] {name}: stopping the running steps",),
+                         daemon=True).start()
+        GROUPS.stop(name, stop_group)
+
+    return handler
+
+
+def run_part(report, part, gpus: int, lanes: list, work: Path, budget_s: float, out: Path) -> int:
+    """The preflight, then the lanes; the report written after each step and at the end."""
+    from gpucheck.runner import STOP_GRACE_S, child_env, run_lanes
+
     deadline = report.t0 + budget_s - STOP_GRACE_S  # a step stopped at its deadline ends within the budget
     report.say(f"[gpu_check] {gpus} GPU(s); {f'part {part}; ' if part else ''}report in {out}; work files in "
                f"{work}; budget {budget_s:.0f} s")

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from gpucheck.groups import StepGroups
 from gpucheck.steps import ROOT, Outcome, Result, Step
 
 MIN_START_S = 45  # a step is not started with less of the budget left than this
@@ -23,6 +24,7 @@ HEARTBEAT_S = 30  # the report is also rewritten this often while steps run
 STOP_GRACE_S = 40  # stop_group's SIGINT, SIGTERM, SIGKILL waits: a step ends at most this long after its deadline
 # what the output folder holds, all directly in it: a borrowed GPU machine returns at most 8 files
 EXPORTED = ("gpu_check.json", "gpu_check.md", "gpu_check.log", "cuda-tests.xml", "bench.jsonl", "logs.tgz")
+GROUPS = StepGroups()  # the running steps' process groups: ended with the step, on a signal, or by the guardian
 
 
 def child_env(out: Path) -> dict:
@@ -65,6 +67,8 @@ def default_sigint() -> None:
 def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int, started=None) -> Outcome:
     """The step in its own process group, stopped at its timeout or the deadline; ``started(step)``
     is called once its process runs (its log then holds the command)."""
+    if GROUPS.stopped:
+        return Outcome(step, "skip", f"the run was stopped ({GROUPS.stopped}) before this step started")
     if step.gpus > gpus:
         return Outcome(step, "skip", f"needs {step.gpus} GPUs, {gpus} present")
     left = deadline - time.monotonic()
@@ -79,20 +83,30 @@ def run_step(step: Step, out: Path, env: dict, deadline: float, gpus: int, start
         log.flush()
         proc = subprocess.Popen(step.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        if started:
-            started(step)
+        GROUPS.started(proc)
         try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            returncode = None
+            if started:
+                started(step)
+            try:
+                returncode = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                stop_group(proc)
+                returncode = None
+        finally:
+            GROUPS.ended(proc)
+        # a signal to the runner stopped it (a step that had ended well before keeps its pass)
+        stopped = GROUPS.stopped if returncode != 0 else None
     seconds = time.monotonic() - t0
     result = Result(returncode, seconds, log_path.read_text(errors="replace"), out)
     try:
         status, reason, numbers = step.parse(result)
     except Exception as e:  # noqa: BLE001 - a parser bug must not lose the other steps
         status, reason, numbers = "fail", f"could not read the step's output: {type(e).__name__}: {e}", {}
-    if returncode is None:  # the parser's reason says what finished before; say why it stopped
+    if stopped:
+        status = "fail"
+        why = f"stopped after {seconds:.0f} s: the run was stopped ({stopped})"
+        reason = f"{why}; {reason}" if reason else why
+    elif returncode is None:  # the parser's reason says what finished before; say why it stopped
         status = "fail"
         if timeout < step.timeout_s:
             budget = (f"stopped when the run's budget ran out, after {seconds:.0f} s (its own timeout: "

@@ -94,13 +94,64 @@ class Step:
 
 
 def ok_exit(result: Result) -> tuple[str, str] | None:
-    """(fail, reason) for a timeout or a non-zero exit, else None."""
+    """(fail, reason) for a timeout or a non-zero exit, else None. The reason of an exit is the
+    exception that ended the process (``raised``), else the log's last line."""
     if result.returncode is None:
         return "fail", f"timed out after {result.seconds:.0f} s"
     if result.returncode != 0:
         tail = [line for line in result.log.strip().splitlines() if line.strip()][-1:] or ["no output"]
-        return "fail", f"exit code {result.returncode}: {tail[0][:300]}"
+        return "fail", f"exit code {result.returncode}: {(raised(result.log) or tail[0])[:300]}"
     return None
+
+
+TRACEBACK = "Traceback (most recent call last):"
+CAUSED = "The above exception was the direct cause of the following exception:"
+
+
+def raised(log: str) -> str | None:
+    """The exception a Python process died of, read from its log: the last traceback's exception
+    (``Type: message``), when the log ends with it. When that exception was raised *from* another
+    (the "direct cause" chain: Hydra's instantiate wraps whatever the target raised in an
+    InstantiationException whose own text ends in ``full_key: ...``), the innermost cause, the
+    wrapper named after it. None when the log does not end in a traceback."""
+    lines = log.rstrip().splitlines()
+    last = len(lines) - 1
+    chain: list[tuple[str, str]] = []  # (type, message) from the outermost back to the cause
+    end = last + 1
+    while True:
+        starts = [i for i in range(end) if lines[i].rstrip() == TRACEBACK]
+        if not starts:
+            break
+        found = _exception_after(lines, starts[-1], end)
+        if found is None or (not chain and found[2] < last):  # the log goes on after it: not what ended it
+            break
+        chain.append(found[:2])
+        before = [line.strip() for line in lines[max(starts[-1] - 3, 0):starts[-1]] if line.strip()]
+        if not before or before[-1] != CAUSED:
+            break
+        end = starts[-1]
+    if not chain:
+        return None
+    kind, message = chain[-1]
+    text = f"{kind}: {message}" if message else kind
+    return text if len(chain) == 1 else f"{text} (raised inside {chain[0][0]})"
+
+
+def _exception_after(lines: list[str], header: int, end: int) -> tuple[str, str, int] | None:
+    """(type, message, index of its last line) of the exception a traceback starting at line
+    ``header`` ends with: the first line after its frames (indented) at column 0, and the lines
+    that follow it up to a blank one; None when there is none before ``end``."""
+    i = header + 1
+    while i < end and (not lines[i].strip() or lines[i][0] in " \t"):
+        i += 1
+    if i >= end:
+        return None
+    stop = i + 1
+    while stop < end and lines[stop].strip() and lines[stop].rstrip() not in (TRACEBACK, CAUSED):
+        stop += 1
+    kind, _, first = lines[i].partition(": ")
+    message = " ".join([first.strip(), *(line.strip() for line in lines[i + 1:stop])]).strip()
+    return kind.strip(), message, stop - 1
 
 
 # --------------------------------------------------------------------------------------
