@@ -80,10 +80,11 @@ def configs_of(spec: str, schemes: str = "") -> list[tuple[str, list[str]]]:
     return configs
 
 
-def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[bool], opts: dict, children
-                ) -> list[dict]:
-    """Time every path of one config and precision, then measure memory and evaluation; rows
-    per compile setting (eager first)."""
+def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[bool], opts: dict, children,
+                emit=lambda row: None) -> list[dict]:
+    """Time every path of one config and precision (together: their rounds interleave), then
+    measure each row's memory and evaluation; rows per compile setting (eager first), each given
+    to ``emit`` as soon as it is complete, so a bench stopped midway has written what it measured."""
     from benchkit.conf import model_config
     from benchkit.harness import time_paths
     from benchkit.probes import add_memory_and_eval
@@ -104,9 +105,10 @@ def bench_group(cfg: str, schemes: list[str], precision: str, compiles: list[boo
     for compile_ in compiles:
         group = {name: p for (name, c), p in paths.items() if c == compile_}
         eager = {name: p for (name, c), p in paths.items() if not c} if compile_ and False in compiles else {}
-        group_rows = timing_rows(cfg, model, precision, compile_, group, eager, opts, load_avg, peak, peak_source)
-        add_memory_and_eval(group_rows, cfg, model, precision, compile_, opts, children)
-        rows += group_rows
+        for row in timing_rows(cfg, model, precision, compile_, group, eager, opts, load_avg, peak, peak_source):
+            add_memory_and_eval([row], cfg, model, precision, compile_, opts, children)
+            emit(row)
+            rows.append(row)
     return rows
 
 
@@ -163,20 +165,21 @@ def main(argv: list[str]) -> int:
           f"rounds={opts['rounds']} steps={opts['steps']} warmup={opts['warmup']} load={os.getloadavg()}",
           flush=True)
     rows = []
+
+    def emit(row: dict) -> None:  # each row printed and appended the moment it is complete
+        line = json.dumps(row)
+        print("BENCH_JSON " + line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
     try:
         for cfg, schemes in configs:
             for precision in precisions:
                 t0 = time.perf_counter()
-                group = bench_group(cfg, schemes, precision, compiles, opts, children)
+                rows += bench_group(cfg, schemes, precision, compiles, opts, children, emit)
                 print(f"[bench] {cfg} {precision} compile={','.join(str(c) for c in compiles)}: "
                       f"{time.perf_counter() - t0:.0f} s", flush=True)
-                for row in group:
-                    line = json.dumps(row)
-                    print("BENCH_JSON " + line, flush=True)
-                    if out:
-                        out.write(line + "\n")
-                        out.flush()
-                rows += group
     finally:
         if out:
             out.close()
