@@ -48,16 +48,18 @@ import resource
 import shutil
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from data.lock import LOCK_TIMEOUT, build_lock
 from data.paths import PathError, disk_full, folder_problem, no_space
 
-FORMAT_VERSION = 3  # 2: hashes in meta.json, bytes separator 0x1E; 3: offsets .npy, corpus_stat, .bin sha256
+FORMAT_VERSION = 4  # 2: hashes in meta.json, bytes separator 0x1E; 3: offsets .npy, corpus_stat, .bin sha256;
+# 4: corpora of files sharded by group of files (data/shards.py), read in place
 SPLITS = ("train", "val")
 BATCH_DOCUMENTS = 1000  # documents per encode call
+REFERENCE_EVERY = 8  # Throughput: every 8th batch is also encoded by the raw tokenizer call
 MOVE_IT = "data.data_dir (or $PELAB_CACHE)"  # the options that say where the cache lives
 
 
@@ -110,22 +112,33 @@ def read_meta(out_dir: Path) -> tuple[dict | None, str | None]:
         return None, f"meta.json unreadable ({type(err).__name__}: {err})"
 
 
+def header_mismatch(meta: dict, tokenizer, tokenizer_hash: str) -> str | None:
+    """Why ``meta`` (a cache's or a manifest's) was not built by this format and tokenizer, or None."""
+    if meta.get("version") != FORMAT_VERSION:
+        return f"format version {meta.get('version')}, expected {FORMAT_VERSION}"
+    if meta.get("tokenizer") != tokenizer.name:
+        return f"tokenizer {meta.get('tokenizer')!r}, expected {tokenizer.name!r}"
+    if meta.get("tokenizer_hash") != tokenizer_hash:
+        return (f"tokenizer {tokenizer.name!r} changed (fingerprint {str(meta.get('tokenizer_hash'))[:12]} "
+                f"-> {tokenizer_hash[:12]})")
+    dtype = token_dtype(tokenizer.vocab_size)
+    if meta.get("vocab_size") != tokenizer.vocab_size or meta.get("dtype") != dtype.name:
+        return (f"vocabulary {meta.get('vocab_size')} ({meta.get('dtype')}), expected {tokenizer.vocab_size} "
+                f"({dtype.name})")
+    return None
+
+
 def cache_mismatch(meta: dict, out_dir: Path, tokenizer, tokenizer_hash: str, stat: str) -> tuple[str | None, bool]:
     """(what makes the cache unusable, whether a full check may clear it), or (None, False) when
     it matches. O(number of files): compares meta.json with the tokenizer, the corpus's cheap
     fingerprint and every file's size and mtime; reads no data."""
+    why = header_mismatch(meta, tokenizer, tokenizer_hash)
+    if why is not None:
+        return why, False
     try:
-        if meta.get("version") != FORMAT_VERSION:
-            return f"format version {meta.get('version')}, expected {FORMAT_VERSION}", False
-        if meta.get("tokenizer") != tokenizer.name:
-            return f"tokenizer {meta.get('tokenizer')!r}, expected {tokenizer.name!r}", False
-        if meta.get("tokenizer_hash") != tokenizer_hash:
-            return (f"tokenizer {tokenizer.name!r} changed (fingerprint {str(meta.get('tokenizer_hash'))[:12]} "
-                    f"-> {tokenizer_hash[:12]})"), False
         dtype = token_dtype(tokenizer.vocab_size)
-        if meta.get("vocab_size") != tokenizer.vocab_size or meta.get("dtype") != dtype.name:
-            return (f"vocabulary {meta.get('vocab_size')} ({meta.get('dtype')}), expected {tokenizer.vocab_size} "
-                    f"({dtype.name})"), False
+        if any("parts" in meta["splits"][split] for split in SPLITS):
+            return "a sharded cache's manifest, for a corpus that is not sharded", False
         for split in SPLITS:
             info = meta["splits"][split]
             path, offsets = out_dir / f"{split}.bin", offsets_path(out_dir, split)
@@ -187,7 +200,12 @@ def let_go(corpus, scratch: Path) -> None:
 
 
 def with_offsets(meta: dict, out_dir: Path) -> dict:
-    """``meta`` with each split's ``doc_offsets``: the offsets file as a read-only memmap."""
+    """``meta`` with each split's ``doc_offsets``: the offsets file as a read-only memmap (a
+    sharded cache: its parts' offsets, concatenated when first read: data/shards.py)."""
+    if any("parts" in meta["splits"][split] for split in SPLITS):
+        from data.shards import with_part_offsets
+
+        return with_part_offsets(meta, out_dir)
     for split in SPLITS:
         meta["splits"][split]["doc_offsets"] = np.load(offsets_path(out_dir, split), mmap_mode="r")
     return meta
@@ -197,7 +215,7 @@ def write_meta(meta: dict, out_dir: Path) -> None:
     plain = {**meta, "splits": {s: {k: v for k, v in info.items() if k != "doc_offsets"}
                                 for s, info in meta["splits"].items()}}
     tmp = out_dir / "meta.json.partial"
-    tmp.write_text(json.dumps(plain, indent=1))
+    tmp.write_text(json.dumps(plain, separators=(",", ":")))  # compact: a sharded cache's manifest lists every part
     os.replace(tmp, out_dir / "meta.json")
 
 
@@ -207,63 +225,86 @@ def cpu_seconds() -> float:
 
 
 class Throughput:
-    """Tokens, wall and CPU seconds of a whole build (fingerprint, load, tokenize, write).
-    With ``reference_tokens`` > 0 (scripts/prepare_data.py), the first batches are also encoded
-    by the tokenizer's raw batch call (``raw_encode_batch``: tiktoken's
-    ``encode_ordinary_batch``) until that many tokens, timed apart and left out of the build's
-    CPU seconds: the ratio of the two rates is how close the build comes to the raw tokenizer
-    on the same text."""
+    """Tokens, wall and CPU seconds of a whole build (fingerprint, reading, tokenizing, writing:
+    the process's CPU time, every thread).
+
+    With ``reference_tokens`` > 0 (scripts/prepare_data.py), batches spread over the whole build
+    (the first, then every ``REFERENCE_EVERY``-th) are encoded in
+    the calling thread and then once more by the tokenizer's raw batch call
+    (``raw_encode_batch``: tiktoken's ``encode_ordinary_batch``, one thread), each timed in that
+    thread's own CPU time (``time.thread_time``: other threads and processes do not count). The
+    raw calls are left out of the build's CPU seconds. So the raw rate is measured on the same
+    text as the build, at the same thread count (one), whatever else loads the machine."""
 
     def __init__(self, reference_tokens: int = 0) -> None:
         self.tokens, self.reference_tokens, self.built = 0, reference_tokens, False
-        self.raw_tokens, self.raw_cpu = 0, 0.0
+        self.batches, self.sampled_tokens, self.encode_cpu, self.raw_cpu = 0, 0, 0.0, 0.0
         self.wall, self.cpu = time.perf_counter(), cpu_seconds()
 
-    def reference(self, tokenizer, texts: list[str]) -> None:
-        if self.raw_tokens < self.reference_tokens:
-            start = cpu_seconds()
-            self.raw_tokens += sum(map(len, tokenizer.raw_encode_batch(texts)))
-            self.raw_cpu += cpu_seconds() - start
+    def sampled(self) -> bool:
+        """Whether the next batch is a reference batch (counts it)."""
+        self.batches += 1
+        return self.reference_tokens > 0 and self.batches % REFERENCE_EVERY == 1
+
+    def encode(self, tokenizer, texts: list[str], dtype: np.dtype, separate: bool) -> tuple[np.ndarray, np.ndarray]:
+        """``encode_array`` of a reference batch, then the raw call on the same texts, both timed."""
+        start = time.thread_time()
+        result = tokenizer.encode_array(texts, dtype, separate)
+        middle = time.thread_time()
+        tokenizer.raw_encode_batch(tokenizer._document_texts(texts))
+        end = time.thread_time()
+        self.encode_cpu, self.raw_cpu = self.encode_cpu + middle - start, self.raw_cpu + end - middle
+        self.sampled_tokens += len(result[0]) - (len(result[1]) if separate and tokenizer.eot_token is not None else 0)
+        return result
 
     def summary(self) -> dict:
         wall, cpu = time.perf_counter() - self.wall, cpu_seconds() - self.cpu - self.raw_cpu
         result = {"tokens": self.tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_cpu_s": self.tokens / max(cpu, 1e-9)}
         if self.raw_cpu > 0:
-            result["raw_tokens_per_cpu_s"] = self.raw_tokens / self.raw_cpu
+            result["raw_tokens_per_cpu_s"] = self.sampled_tokens / self.raw_cpu
+            result["encode_tokens_per_cpu_s"] = self.sampled_tokens / max(self.encode_cpu, 1e-9)
             result["fraction_of_raw"] = result["tokens_per_cpu_s"] / result["raw_tokens_per_cpu_s"]
         return result
 
     def line(self) -> str:
         r = self.summary()
         text = (f"{r['tokens']:,} tokens in {r['wall_s']:.1f} s ({r['tokens'] / max(r['wall_s'], 1e-9) / 1e6:.2f} M "
-                f"tok/s; {r['tokens_per_cpu_s'] / 1e6:.2f} M tok per CPU-s over {r['cpu_s']:.1f} CPU-s)")
+                f"tok/s; {r['tokens_per_cpu_s'] / 1e6:.2f} M tok per CPU-s of the whole build over {r['cpu_s']:.1f} "
+                f"CPU-s)")
         if "fraction_of_raw" in r:
-            text += (f"; the raw tokenizer call on the first {self.raw_tokens:,} tokens: "
-                     f"{r['raw_tokens_per_cpu_s'] / 1e6:.2f} M tok per CPU-s, so the build runs at "
+            text += (f"; on the same text ({self.sampled_tokens:,} tokens of batches spread over the build, one thread, "
+                     f"thread CPU time) the raw tokenizer call runs at {r['raw_tokens_per_cpu_s'] / 1e6:.2f} M tok per "
+                     f"CPU-s and pelab's encoding at {r['encode_tokens_per_cpu_s'] / 1e6:.2f}, so the build runs at "
                      f"{r['fraction_of_raw']:.0%} of it")
         return text
 
 
-def encoded_batches(dataset, tokenizer, dtype: np.dtype, separate: bool, num_proc: int | None, stats: Throughput):
-    """(ids, lengths) of every batch of ``dataset``'s documents, in order. With ``num_proc`` > 1,
-    batches are encoded in that many threads, at most 2 x num_proc of them in flight."""
-    batches = (table.column("text").to_pylist()
-               for table in dataset.with_format("arrow").iter(batch_size=BATCH_DOCUMENTS))
+def encoded_batches(batches, tokenizer, dtype: np.dtype, separate: bool, num_proc: int | None, stats: Throughput):
+    """(ids, lengths, tag) of every (texts, tag) of ``batches``, in order. With ``num_proc`` > 1,
+    batches are encoded in that many threads, at most 2 x num_proc of them in flight; a
+    reference batch (``stats.sampled``) is encoded in this thread."""
     workers = num_proc or 1
     if workers == 1:
-        for texts in batches:
-            stats.reference(tokenizer, texts)
-            yield tokenizer.encode_array(texts, dtype, separate)
+        for texts, tag in batches:
+            ids, lengths = (stats.encode(tokenizer, texts, dtype, separate) if stats.sampled()
+                            else tokenizer.encode_array(texts, dtype, separate))
+            yield ids, lengths, tag
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="pelab-tokenize") as pool:
         pending: deque = deque()
-        for texts in batches:
-            stats.reference(tokenizer, texts)
-            pending.append(pool.submit(tokenizer.encode_array, texts, dtype, separate))
+        for texts, tag in batches:
+            if stats.sampled():
+                done = Future()
+                done.set_result(stats.encode(tokenizer, texts, dtype, separate))
+                pending.append((done, tag))
+            else:
+                pending.append((pool.submit(tokenizer.encode_array, texts, dtype, separate), tag))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
+                future, tag_ = pending.popleft()
+                yield (*future.result(), tag_)
         while pending:
-            yield pending.popleft().result()
+            future, tag_ = pending.popleft()
+            yield (*future.result(), tag_)
 
 
 def write_split(dataset, tokenizer, dtype: np.dtype, separate: bool, out_dir: Path, split: str,
@@ -280,7 +321,9 @@ def write_split(dataset, tokenizer, dtype: np.dtype, separate: bool, out_dir: Pa
     digest, total, docs, max_id = hashlib.sha256(), 0, 0, -1
     with open(tmp, "wb") as out, tqdm(total=len(dataset), unit="doc", desc=f"tokenizing {split} ({tokenizer.name})",
                                       dynamic_ncols=True) as bar:
-        for ids, lengths in encoded_batches(dataset, tokenizer, dtype, separate, num_proc, stats):
+        batches = ((table.column("text").to_pylist(), None)
+                   for table in dataset.with_format("arrow").iter(batch_size=BATCH_DOCUMENTS))
+        for ids, lengths, _ in encoded_batches(batches, tokenizer, dtype, separate, num_proc, stats):
             out.write(ids)
             digest.update(ids)
             starts[docs + 1 : docs + 1 + len(lengths)] = total + np.cumsum(lengths)
@@ -363,6 +406,10 @@ def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None =
     corpus is opened: its data may have changed upstream) and every ``.bin``'s sha256.
     ``stats``: filled by a build (``stats.built``). ``lock_timeout``: seconds to wait for
     another process's build (``data.lock_timeout``), then one line (``data.lock.LockTimeout``)."""
+    if getattr(corpus, "sharded", False):  # a corpus of files: one shard per group of files
+        from data.shards import prepare_sharded
+
+        return prepare_sharded(corpus, tokenizer, out_dir, num_proc, verify, stats, lock_timeout)
     out_dir = Path(out_dir)
     stats = stats if stats is not None else Throughput()
     tokenizer_hash, stat = tokenizer.fingerprint(), corpus_stat(corpus)

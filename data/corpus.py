@@ -326,6 +326,8 @@ FILE_FORMATS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 _FORMAT_HELP = (".txt (a file is a document, or see data.text_sample_by), .jsonl (a document per line, in "
                 "data.text_field), .parquet (column data.text_field)")
 _GLOB_CHARS = re.compile(r"[*?\[]")
+TEXT_CHUNK = 10 << 20  # characters of a .txt read at once when it is split into paragraphs
+TEXT_BATCH = 1000  # rows of a .parquet read at once
 
 
 def find_corpus_files(paths: list[str]) -> list[Path]:
@@ -370,19 +372,24 @@ def find_corpus_files(paths: list[str]) -> list[Path]:
     return sorted(found)
 
 
-def jsonl_rows(data: bytes):
-    """(line number, the line's JSON value; None for a blank line) of a JSON lines file's bytes. A
-    line that is not UTF-8 or not JSON raises ValueError("line N is not ...: what and where")."""
-    for n, raw in enumerate(data.splitlines(), 1):
+class BadLine(ValueError):
+    """A corpus file's line that cannot be read (not UTF-8, not JSON, not an object)."""
+
+
+def jsonl_rows(data):
+    """(line number, the line's JSON value; None for a blank line) of a JSON lines file's bytes
+    (or of its lines: an open binary file, streamed). A line that is not UTF-8 or not JSON raises
+    ``BadLine`` (a ValueError): "line N is not ...: what and where"."""
+    for n, raw in enumerate(data.splitlines() if isinstance(data, bytes) else data, 1):
         if not raw.strip():
             yield n, None
             continue
         try:
             row = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as err:
-            raise ValueError(f"line {n} is not UTF-8: byte {raw[err.start]:#04x} at column {err.start + 1}") from None
+            raise BadLine(f"line {n} is not UTF-8: byte {raw[err.start]:#04x} at column {err.start + 1}") from None
         except ValueError as err:
-            raise ValueError(f"line {n} is not JSON: {err}") from None
+            raise BadLine(f"line {n} is not JSON: {err}") from None
         yield n, row
 
 
@@ -431,21 +438,24 @@ def held_out_by_hash(keys: np.ndarray, val_fraction: float) -> tuple[np.ndarray,
 
 class TextFilesCorpus:
     """The user's own files (``data=text data.paths=[...]``): plain text, JSONL or Parquet,
-    given as files, globs or directories (``find_corpus_files``), read with the ``datasets``
-    builders ``text``, ``json`` and ``parquet``.
+    given as files, globs or directories (``find_corpus_files``), read where they lie, file by
+    file in sorted order (``documents``; the token cache reads them group by group and keeps no
+    copy of the text: data/shards.py).
 
-    - ``.txt``: ``text_sample_by="document"`` makes each file one document; ``"paragraph"``
-      splits files at blank lines, ``"line"`` at newlines (newlines dropped), each piece a
-      document.
-    - ``.jsonl``: one JSON object per line, the document in ``text_field``.
-    - ``.parquet``: the document in column ``text_field``.
+    - ``.txt`` (UTF-8; universal newlines): ``text_sample_by="document"`` makes each file one
+      document; ``"paragraph"`` splits files at blank lines, ``"line"`` at newlines (newlines
+      dropped), each piece a document.
+    - ``.jsonl``: one JSON object per line, the document in ``text_field`` (streamed).
+    - ``.parquet``: the document in column ``text_field`` (read in batches with pyarrow).
 
     Empty and missing (null) documents are dropped. Held-out split by document:
     ``held_out_by_hash`` with ``val_fraction``. ``fingerprint()`` hashes the options and every
-    file's path and bytes, so any edit rebuilds the token cache; ``cache_name`` depends on
-    the file list and options only, so the rebuilt cache replaces the old one.
+    file's path and bytes, so any edit is seen; ``cache_name`` depends on ``data.paths`` and
+    the options only, so a corpus that gains or loses files keeps its cache folder and only the
+    changed groups of files are tokenized again.
     """
 
+    sharded = True  # the token cache is built per group of files (data/shards.py)
     rows_are_documents = True
 
     def __init__(self, paths: list[str] | str, text_field: str = "text", val_fraction: float = 0.05,
@@ -475,7 +485,10 @@ class TextFilesCorpus:
 
     @property
     def cache_name(self) -> str:
-        key = json.dumps([[str(f) for f in self.files], self._options()])
+        """The spec (``data.paths`` made absolute, and the options), not the files it finds: a
+        corpus that gains files keeps its cache folder, whose shards it reuses (data/shards.py)."""
+        spec = [os.path.abspath(os.path.expanduser(p)) for p in self.paths]
+        key = json.dumps([spec, self._options()])
         stem = re.sub(r"[^A-Za-z0-9]+", "_", Path(self.paths[0].rstrip("/*")).name or "files").strip("_")
         return f"files-{stem[:40]}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
@@ -492,56 +505,98 @@ class TextFilesCorpus:
             digest.update(json.dumps([str(path), path.stat().st_size, content]).encode())
         return digest.hexdigest()
 
-    def _read(self, builder: str, files: list[Path], cache: Path) -> datasets.Dataset:
-        options = {"sample_by": self.text_sample_by} if builder == "text" else {}
-        kind = next(s for s, b in FILE_FORMATS.items() if b == builder)
+    def file_documents(self, path: Path):
+        """The non-empty documents of one file, in order, read where it lies (streamed: a file is
+        held in memory whole only when it is one document): what the token cache tokenizes."""
+        builder = FILE_FORMATS[path.suffix.lower()]
         try:
-            # Re-read, never datasets' cache: it recognises local files by mtime only, and this
-            # runs only when the fingerprint says the files changed.
-            dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                            cache_dir=str(cache), download_mode="force_redownload", **options)
-        except Exception as err:
-            # the builder's own error names neither the file nor the line: found here, then said
-            found = next(((f, why) for f in files if (why := file_problem(f, builder))), None)
-            if found:
-                raise PathError(f"data.paths: {found[0]} {found[1]}, or leave the file out of data.paths") from None
-            raise ValueError(f"data.paths: could not read the {kind} files ({', '.join(map(str, files[:3]))}"
-                             f"{', ...' if len(files) > 3 else ''}): {type(err).__name__}: {err}") from err
-        field = "text" if builder == "text" else self.text_field
-        if field not in dataset.column_names:
-            raise ValueError(f"data.text_field={self.text_field!r} is not a field of the {kind} files "
-                             f"({', '.join(map(str, files[:3]))}{', ...' if len(files) > 3 else ''}); fields "
-                             f"found: {', '.join(dataset.column_names)}")
-        feature = dataset.features[field]
-        if getattr(feature, "dtype", None) not in ("string", "large_string"):
-            raise ValueError(f"data.text_field={self.text_field!r} holds {feature}, not text, in the {kind} files")
-        dataset = dataset.select_columns([field])
-        if field != "text":
-            dataset = dataset.rename_column(field, "text")
-        if dataset.features["text"] != datasets.Value("string"):
-            dataset = dataset.cast_column("text", datasets.Value("string"))
-        return dataset
+            if builder == "text":
+                texts = self._text_documents(path)
+            elif builder == "json":
+                texts = self._jsonl_documents(path)
+            else:
+                texts = self._parquet_documents(path)
+            for text in texts:
+                if text and not text.isspace():  # empty and missing documents are dropped
+                    yield text
+        except (UnicodeDecodeError, BadLine) as err:  # the decoder names neither file nor line: found here
+            why = file_problem(path, builder) or f"{type(err).__name__}: {err}"
+            raise PathError(f"data.paths: {path} {why}, or leave the file out of data.paths") from None
 
-    def load(self, workdir: Path) -> datasets.DatasetDict:
-        cache = workdir / "hf_cache"
-        by_builder: dict[str, list[Path]] = {}
-        for path in self.files:
-            by_builder.setdefault(FILE_FORMATS[path.suffix.lower()], []).append(path)
-        parts = [self._read(builder, files, cache) for builder, files in by_builder.items()]
-        documents = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    def documents(self, files: list[Path] | None = None):
+        """Every non-empty document of ``files`` (default: the whole corpus), file by file in the
+        given (sorted) order."""
+        for path in self.files if files is None else files:
+            yield from self.file_documents(path)
 
-        # One pass over Arrow batches (no map: no second Arrow copy of the text).
-        keep_parts, key_parts = [np.zeros(0, dtype=bool)], [np.zeros(0, dtype=np.uint64)]
-        for table in documents.with_format("arrow").iter(batch_size=1000):  # memory: one batch of text
-            texts = [t or "" for t in table.column("text").to_pylist()]
-            keep_parts.append(np.fromiter((bool(t) and not t.isspace() for t in texts), dtype=bool, count=len(texts)))
-            key_parts.append(np.fromiter(map(document_key, texts), dtype=np.uint64, count=len(texts)))
-        keep = np.flatnonzero(np.concatenate(keep_parts))
-        keys = np.concatenate(key_parts)[keep]
-        if len(keep) < 2:
-            raise ValueError(f"data.paths holds {len(keep)} non-empty document(s) in {len(self.files)} file(s) "
+    def _text_documents(self, path: Path):
+        # text mode: universal newlines become "\n", as the datasets ``text`` builder read them
+        with open(path, encoding="utf-8") as f:
+            if self.text_sample_by == "document":
+                yield f.read()
+            elif self.text_sample_by == "line":
+                yield from (line.rstrip("\n") for line in f)
+            else:  # paragraphs: blank-line separated, read in chunks finished at a line end
+                carry = ""
+                while chunk := f.read(TEXT_CHUNK):
+                    pieces = (carry + chunk + f.readline()).split("\n\n")
+                    carry = pieces.pop()
+                    yield from pieces
+                yield carry
+
+    def _jsonl_documents(self, path: Path):
+        fields: dict[str, None] = {}  # every field seen, in order: named when the text field is never one
+        found = rows = 0
+        with open(path, "rb") as f:
+            for n, row in jsonl_rows(f):
+                if row is None:
+                    continue
+                if not isinstance(row, dict):
+                    raise BadLine(f"line {n} is a JSON {type(row).__name__}, not an object")
+                rows += 1
+                text = row.get(self.text_field)
+                if text is None:
+                    fields.update(dict.fromkeys(row))
+                    continue
+                if not isinstance(text, str):
+                    raise ValueError(f"data.text_field={self.text_field!r} holds {type(text).__name__}, not text, "
+                                     f"in {path} line {n}")
+                found += 1
+                yield text
+        if rows and not found:
+            raise ValueError(f"data.text_field={self.text_field!r} is not a field of the .jsonl files ({path}); "
+                             f"fields found: {', '.join(fields)}")
+
+    def _parquet_documents(self, path: Path):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            source = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as err:
+            raise ValueError(f"data.paths: could not read the .parquet file {path}: {type(err).__name__}: "
+                             f"{err}") from None
+        schema = source.schema_arrow
+        if self.text_field not in schema.names:
+            raise ValueError(f"data.text_field={self.text_field!r} is not a field of the .parquet files ({path}); "
+                             f"fields found: {', '.join(schema.names)}")
+        kind = schema.field(self.text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ValueError(f"data.text_field={self.text_field!r} holds {kind}, not text, in the .parquet files "
+                             f"({path})")
+        for batch in source.iter_batches(batch_size=TEXT_BATCH, columns=[self.text_field]):
+            yield from batch.column(0).to_pylist()
+
+    def load(self, workdir: Path | None = None) -> datasets.DatasetDict:
+        """The splits as in-memory datasets (every document's text: for inspection and tests; the
+        token cache reads the files itself, group by group: data/shards.py)."""
+        texts = list(self.documents())
+        if len(texts) < 2:
+            raise ValueError(f"data.paths holds {len(texts)} non-empty document(s) in {len(self.files)} file(s) "
                              f"({', '.join(map(str, self.files[:3]))}): a held-out split needs at least two; add "
                              f"documents, or split plain text with data.text_sample_by=paragraph (or line)")
+        keys = np.fromiter(map(document_key, texts), dtype=np.uint64, count=len(texts))
         train, val = held_out_by_hash(keys, self.val_fraction)
-        documents = documents.select_columns(["text"])
-        return datasets.DatasetDict({"train": documents.select(keep[train]), "val": documents.select(keep[val])})
+        return datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": [texts[i] for i in rows]},
+                                                                      features=datasets.Features({"text": datasets.Value("string")}))
+                                     for name, rows in (("train", train), ("val", val))})

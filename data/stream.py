@@ -47,10 +47,79 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def load_tokens(path: Path, dtype: str) -> np.ndarray:
+def map_tokens(path: Path, dtype: str) -> np.ndarray:
     if path.stat().st_size == 0:  # an empty split: numpy cannot map an empty file
         return np.zeros(0, dtype=np.dtype(dtype))
     return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+class SplitParts:
+    """A split stored as several token ranges (a sharded cache, data/shards.py): ``parts`` =
+    (file, first token, end token) in order; ``name`` names it in messages. Small and picklable:
+    what a DataLoader worker receives instead of a mapping."""
+
+    def __init__(self, parts: list[tuple[Path, int, int]], name: Path) -> None:
+        self.parts, self.name = [(Path(f), int(a), int(b)) for f, a, b in parts], name
+
+    def __str__(self) -> str:
+        return f"{self.name} ({len(self.parts)} parts)"
+
+
+class ConcatTokens:
+    """The parts of a ``SplitParts`` read as one token array: ``len``, and slices (what the
+    windows and the probes take), equal to the same slice of the concatenated files. Each file is
+    mapped on first use; a slice inside one part is a view of its mapping (as one file's would
+    be), one that crosses parts a copy. O(parts) memory, a binary search per slice."""
+
+    def __init__(self, source: SplitParts, dtype: str) -> None:
+        self.source, self.dtype = source, np.dtype(dtype)
+        sizes = np.array([b - a for _, a, b in source.parts], dtype=np.int64)
+        self.ends = np.cumsum(sizes)  # token index where each part ends
+        self._maps: dict[Path, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def _part(self, i: int) -> np.ndarray:
+        path, a, b = self.source.parts[i]
+        if path not in self._maps:
+            self._maps[path] = map_tokens(path, self.dtype.name)
+        return self._maps[path][a:b]
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):
+            n = len(self)
+            i = int(index) + n if index < 0 else int(index)
+            if not 0 <= i < n:
+                raise IndexError(f"token {index} out of range for {n} tokens")
+            return self[i : i + 1][0]
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"{type(self).__name__} takes an integer or a slice with step 1, got {index!r}")
+        start, stop, _ = index.indices(len(self))
+        if stop <= start:
+            return np.zeros(0, dtype=self.dtype)
+        first = int(np.searchsorted(self.ends, start, side="right"))
+        last = int(np.searchsorted(self.ends, stop - 1, side="right"))
+        pieces = []
+        for i in range(first, last + 1):
+            begin = int(self.ends[i - 1]) if i else 0
+            pieces.append(self._part(i)[max(start - begin, 0) : stop - begin])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __getstate__(self) -> dict:  # a worker maps the files itself
+        return {**self.__dict__, "_maps": {}}
+
+
+def load_tokens(source, dtype: str):
+    """A split's tokens: a ``.bin`` file as a memmap, or a sharded split's parts (``SplitParts``)
+    as one ``ConcatTokens``."""
+    if isinstance(source, SplitParts):
+        return ConcatTokens(source, dtype)
+    return map_tokens(Path(source), dtype)
 
 
 def check_sampling(sampling) -> None:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from data.cache import prepare_token_files
 from data.lock import LOCK_TIMEOUT, check_timeout
 from data.packing import DocumentOptions, check_document_options
+from data.shards import token_source
 from data.stream import GlobalSamples, TrainWindows, check_sampling, load_tokens
 from data.synthetic import DEPTH_TASKS, VOCAB_SIZE, Task, TaskName, TaskSamples
 from data.tokenizers import Tokenizer, cache_dir, get_tokenizer, tokenizer_file, tokenizer_slug
@@ -176,8 +177,10 @@ class TextDataModule(StreamDataModule):
         return DocumentOptions(self.document_positions, self.document_mask,
                                self.tokenizer.eot_token if separate else None)
 
-    def split_path(self, split: str) -> Path:
-        return self.token_dir / f"{split}.bin"
+    def split_path(self, split: str):
+        """The split's tokens as ``load_tokens`` reads them: its ``.bin``, or a sharded cache's parts
+        (data/shards.py ``token_source``; known once ``setup`` has read the manifest)."""
+        return token_source(self.token_dir, self.meta, split)
 
     def prepare_data(self) -> None:
         prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc,
@@ -195,8 +198,8 @@ class TextDataModule(StreamDataModule):
         the loss a model with no context would reach. Learning means going well below it.
         Counted on at most ``max_tokens`` of each split, so hub-scale corpora stay quick."""
         meta = self.meta or prepare_token_files(self.corpus, self.tokenizer, self.token_dir)
-        train = load_tokens(self.split_path("train"), meta["dtype"])[:max_tokens]
-        val = load_tokens(self.split_path("val"), meta["dtype"])[:max_tokens]
+        train = load_tokens(token_source(self.token_dir, meta, "train"), meta["dtype"])[:max_tokens]
+        val = load_tokens(token_source(self.token_dir, meta, "val"), meta["dtype"])[:max_tokens]
         counts = np.bincount(train, minlength=self.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
         logp = np.log(counts / counts.sum())
         return float(-logp[val].mean())

@@ -13,13 +13,29 @@ import pytest
 from filelock import FileLock
 
 import data.cache
+import data.shards
 from data.cache import prepare_token_files
+from data.shards import token_source
+from data.stream import load_tokens
 from data.corpus import HubCorpus, TextFilesCorpus
 from data.tokenizers import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SEP = 0x1E
-CACHE_FILES = {"meta.json", "train.bin", "val.bin", "train.offsets.npy", "val.offsets.npy"}
+CACHE_FILES = {"meta.json", "shards"}  # a corpus of files: the manifest and one folder per group of files
+SHARD_FILES = {"shard.json", "train.bin", "val.bin", "train.offsets.npy", "val.offsets.npy"}
+
+
+def token_files(out_dir: Path) -> dict[str, bytes]:
+    """Every token and offsets file of a sharded cache, by relative path."""
+    return {p.relative_to(out_dir).as_posix(): p.read_bytes() for p in sorted(out_dir.rglob("*"))
+            if p.name.endswith((".bin", ".npy"))}
+
+
+def first_bin(out_dir: Path, split: str = "train") -> Path:
+    """The token file of the split's first part (data/shards.py)."""
+    key, file_split = json.loads((out_dir / "meta.json").read_text())["splits"][split]["parts"][0][:2]
+    return out_dir / "shards" / key / f"{file_split}.bin"
 
 
 def corpus_files(folder: Path, n: int = 24) -> TextFilesCorpus:
@@ -43,8 +59,10 @@ def preparer(out_dir, folder, start, results, slow):
     from data.cache import Throughput
 
     if slow:  # the builder holds the lock long enough for the others to find it held
-        original = data.cache.write_split
-        data.cache.write_split = lambda *a, **k: (time.sleep(slow), original(*a, **k))[1]
+        import data.shards
+
+        original = data.shards.build_shard
+        data.shards.build_shard = lambda *a, **k: (time.sleep(slow), original(*a, **k))[1]
     log = io.StringIO()
     stats = Throughput()
     start.wait()
@@ -84,21 +102,24 @@ def test_concurrent_preparers_build_once_and_agree(tmp_path):
     for r in waiters:
         assert "tokenizing" not in r[2] and (not r[2] or any(n in r[2] for n in named)), r[2]
     assert any("waiting for it" in r[2] for r in waiters), reports
-    for name in ("train.bin", "val.bin", "train.offsets.npy", "val.offsets.npy"):
-        assert (out / name).read_bytes() == (tmp_path / "alone" / name).read_bytes(), name
+    assert token_files(out) == token_files(tmp_path / "alone") and token_files(out)
     assert json.loads((out / "meta.json").read_text())["splits"]["val"]["sha256"] == alone["splits"]["val"]["sha256"]
 
 
 def crashing_builder(out_dir, folder):
-    """Dies (no cleanup, no exception handling) halfway through writing the token files."""
-    original = data.cache.write_split
+    """Dies (no cleanup, no exception handling) halfway through writing the token files: after
+    the first shard, in the middle of the second one's train split."""
+    import data.shards
 
-    def die_after_train(dataset, tokenizer, dtype, separate, out, split, *rest):
-        if split == "val":
+    original, writes = data.shards.SplitWriter.add, []
+
+    def die_in_second_shard(self, *args, **kwargs):
+        writes.append(self.path.parent)
+        if len(set(writes)) == 2:
             os._exit(3)
-        return original(dataset, tokenizer, dtype, separate, out, split, *rest)
+        return original(self, *args, **kwargs)
 
-    data.cache.write_split = die_after_train
+    data.shards.SplitWriter.add = die_in_second_shard
     prepare_token_files(TextFilesCorpus([folder], val_fraction=0.25), get_tokenizer("bytes"), Path(out_dir))
 
 
@@ -109,13 +130,20 @@ def test_a_crashed_builders_lock_is_released(tmp_path):
     proc.start()
     proc.join(timeout=60)
     assert proc.exitcode == 3
-    assert not (tmp_path / "t" / "meta.json").exists() and (tmp_path / "t" / "train.bin").exists()
-    with FileLock(tmp_path / "t" / "build.lock", timeout=5):  # free at once: the OS released it
-        pass
+    shards = tmp_path / "t" / "shards"
+    assert not (tmp_path / "t" / "meta.json").exists() and list(shards.glob("*/train.bin.partial"))
+    done = [p.parent for p in shards.glob("*/shard.json")]
+    assert len(done) == 1  # the first shard is complete, the second is not
+    kept = {p: p.stat().st_mtime_ns for p in done[0].glob("*.bin")}
+    for lock in (tmp_path / "t" / "build.lock", *shards.glob("*/build.lock")):
+        with FileLock(lock, timeout=5):  # free at once: the OS released it
+            pass
     meta = prepare_token_files(corpus, get_tokenizer("bytes"), tmp_path / "t")
-    assert np.fromfile(tmp_path / "t" / "val.bin", dtype=np.uint16).tolist() == expected_tokens(corpus, "val",
-                                                                                                 tmp_path / "w")
+    tokens = np.asarray(load_tokens(token_source(tmp_path / "t", meta, "val"), meta["dtype"])).tolist()
+    assert tokens == expected_tokens(corpus, "val", tmp_path / "w")
     assert meta["splits"]["val"]["num_tokens"] > 0
+    assert {p: p.stat().st_mtime_ns for p in done[0].glob("*.bin")} == kept  # the complete shard was reused
+    assert not list(shards.glob("*/*.partial"))
 
 
 def stale_lines(capsys) -> list[str]:
@@ -128,18 +156,19 @@ def test_token_file_corrupted_in_place_is_rebuilt(tmp_path, capsys):
     put back (bit rot), only a verifying run (scripts/prepare_data.py) sees it: it does."""
     corpus, tok, out = corpus_files(tmp_path / "c"), get_tokenizer("bytes"), tmp_path / "t"
     meta = prepare_token_files(corpus, tok, out)
-    good = (out / "train.bin").read_bytes()
-    assert meta["splits"]["train"]["max_id"] == max(good[::2])  # uint16 little-endian, ids < 256
-    built = os.stat(out / "train.bin")
+    target = first_bin(out)
+    good = target.read_bytes()
+    assert meta["splits"]["train"]["max_id"] >= max(good[::2])  # uint16 little-endian, ids < 256
+    built = os.stat(target)
 
     def corrupt(restore_mtime: bool):
-        with open(out / "train.bin", "r+b") as f:
+        with open(target, "r+b") as f:
             f.seek(40)
             f.write(b"\xff\xff" * 8)
-        recorded = json.loads((out / "meta.json").read_text())["splits"]["train"]["mtime_ns"]
+        recorded = json.loads((target.parent / "shard.json").read_text())["splits"]["train"]["mtime_ns"]
         # the write moves the mtime (by 1 s here: coarse clocks), or bit rot leaves it as recorded
-        os.utime(out / "train.bin", ns=(built.st_atime_ns, recorded if restore_mtime else recorded + 10**9))
-        assert (out / "train.bin").stat().st_size == len(good)
+        os.utime(target, ns=(built.st_atime_ns, recorded if restore_mtime else recorded + 10**9))
+        assert target.stat().st_size == len(good)
 
     capsys.readouterr()
     corrupt(restore_mtime=False)
@@ -147,26 +176,30 @@ def test_token_file_corrupted_in_place_is_rebuilt(tmp_path, capsys):
     lines = stale_lines(capsys)
     assert len(lines) == 1 and "train.bin was modified after it was built (sha256" in lines[0], lines
     assert "corrupted in place?; rebuilding" in lines[0]
-    assert (out / "train.bin").read_bytes() == good
+    assert target.read_bytes() == good
 
     corrupt(restore_mtime=True)
     prepare_token_files(corpus, tok, out)  # the cheap check cannot see it
-    assert stale_lines(capsys) == [] and (out / "train.bin").read_bytes() != good
+    assert stale_lines(capsys) == [] and target.read_bytes() != good
     prepare_token_files(corpus, tok, out, verify=True)
     assert "train.bin was modified after it was built" in stale_lines(capsys)[0]
-    assert (out / "train.bin").read_bytes() == good
+    assert target.read_bytes() == good
 
 
 def test_after_a_build_only_token_files_and_small_metadata_remain(tmp_path):
     corpus, out = corpus_files(tmp_path / "c", n=40), tmp_path / "t"
     meta = prepare_token_files(corpus, get_tokenizer("bytes"), out)
     assert {p.name for p in out.iterdir()} - {"build.lock"} == CACHE_FILES  # no Arrow copies, no build/ folder
+    shards = list((out / "shards").iterdir())
+    assert shards and all({p.name for p in s.iterdir()} - {"build.lock"} == SHARD_FILES for s in shards)
     saved = json.loads((out / "meta.json").read_text())
-    assert "doc_offsets" not in json.dumps(saved) and (out / "meta.json").stat().st_size < 2000
+    # offsets stay in the shards' .npy files (int64 memmaps): the manifest grows with shards, not documents
+    assert "doc_offsets" not in json.dumps(saved) and (out / "meta.json").stat().st_size < 1000 + 300 * len(shards)
+    assert all(np.load(f, mmap_mode="r").dtype == np.int64 for f in out.glob("shards/*/*.offsets.npy"))
     for split in ("train", "val"):
-        offsets = meta["splits"][split]["doc_offsets"]
-        assert isinstance(offsets, np.memmap) and offsets.dtype == np.int64
-        tokens = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
+        offsets = np.asarray(meta["splits"][split]["doc_offsets"])
+        assert offsets.dtype == np.int64
+        tokens = np.asarray(load_tokens(token_source(out, meta, split), "uint16"))
         assert offsets[0] == 0 and offsets[-1] == len(tokens) == saved["splits"][split]["num_tokens"]
         assert np.flatnonzero(tokens == SEP).tolist() == (offsets[1:] - 1).tolist()  # a separator ends each
         assert len(offsets) - 1 == saved["splits"][split]["num_documents"]
@@ -208,7 +241,7 @@ def test_prepare_script_builds_what_train_uses(tmp_path, monkeypatch, capsys):
     assert prepare_data.main(overrides) == 0
     first = capsys.readouterr()
     assert ": built;" in first.out and "M tok/s" in first.out and "so the build runs at" in first.out
-    assert "tokenizing train (bytes)" in first.err  # the progress bar
+    assert "groups of files checked or tokenized (bytes)" in first.err  # the progress bar
     cache = next((tmp_path / "cache" / "data").glob("files-c-*/bytes"))
     assert {p.name for p in cache.iterdir()} - {"build.lock"} == CACHE_FILES
 
@@ -216,6 +249,7 @@ def test_prepare_script_builds_what_train_uses(tmp_path, monkeypatch, capsys):
         cfg = compose("config", overrides=[*overrides, f"paths.output_dir={tmp_path / 'out'}"])
     datamodule = build_datamodule(cfg.data)
     monkeypatch.setattr(data.cache, "build", lambda *a, **k: pytest.fail("the training run tokenized"))
+    monkeypatch.setattr(data.shards, "build_shard", lambda *a, **k: pytest.fail("the training run tokenized"))
     datamodule.setup()
     assert datamodule.token_dir == cache and len(datamodule.val_set) > 0
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from data.corpus import GutenbergCorpus
-from data.stream import GlobalSamples, TrainWindows
+from data.stream import GlobalSamples, TrainWindows, load_tokens
 from pelab.datamodule import TextDataModule
 from tests.data.test_text_data import docs, write_txt
 
@@ -166,7 +166,7 @@ def test_epoch_stream_on_ranks_covers_the_split(module):
     once (the windows' token contents, as a multiset), then the next epoch starts over."""
     dm = rank_module(module, FakeTrainer(), "epoch")
     W = dm.train_set.num_windows
-    tokens = np.fromfile(dm.split_path("train"), dtype=np.uint16)
+    tokens = np.asarray(load_tokens(dm.split_path("train"), "uint16"))  # one file, or a sharded cache's parts
     expected = as_set(torch.from_numpy(tokens[: W * 16].astype(np.int64)).view(W, 16))
     steps = -(-W // 12) + 1  # 3 ranks x 4 samples a step, past the end of the first epoch
     rows, _ = run_steps(module, world=3, accumulation=1, first_step=0, steps=steps, sampling="epoch")

@@ -15,6 +15,8 @@ from hydra import compose, initialize_config_dir
 
 from data.corpus import HubCorpus, TextFilesCorpus, document_key, find_corpus_files, held_out_by_hash, held_out_evenly
 from data.cache import prepare_token_files
+from data.shards import token_source
+from data.stream import load_tokens
 from data.tokenizers import get_tokenizer
 from tests.cli import run_python
 
@@ -54,9 +56,20 @@ def split_texts(corpus, workdir: Path) -> dict[str, list[str]]:
     return {split: list(loaded[split]["text"]) for split in ("train", "val")}
 
 
+def split_tokens(out_dir: Path, meta: dict, split: str) -> np.ndarray:
+    """A split's tokens as the training run reads them (one file, or a sharded cache's parts)."""
+    return np.asarray(load_tokens(token_source(out_dir, meta, split), meta["dtype"]))
+
+
+def token_files(out_dir: Path) -> dict[str, bytes]:
+    """Every token and offsets file of a cache (a sharded one's under shards/), by relative path."""
+    return {p.relative_to(out_dir).as_posix(): p.read_bytes() for p in sorted(out_dir.rglob("*"))
+            if p.name.endswith((".bin", ".npy"))}
+
+
 def read_documents(out_dir: Path, meta: dict, split: str) -> list[bytes]:
-    tokens = np.fromfile(out_dir / f"{split}.bin", dtype=meta["dtype"])
-    offsets = meta["splits"][split]["doc_offsets"]
+    tokens = split_tokens(out_dir, meta, split)
+    offsets = np.asarray(meta["splits"][split]["doc_offsets"])
     return [bytes(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
@@ -174,11 +187,11 @@ def test_fingerprint_and_cache_follow_file_edits(tmp_path, capsys, monkeypatch):
     assert "token cache" not in capsys.readouterr().out
     monkeypatch.undo()
     # touched, content unchanged: hashed once, said so, not rebuilt
-    built = (out / "train.bin").stat().st_mtime_ns
+    built = {p: p.stat().st_mtime_ns for p in out.rglob("*.bin")}
     os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
     prepare_token_files(corpus, tok, out)
     assert "content is unchanged: used as it is" in capsys.readouterr().out
-    assert (out / "train.bin").stat().st_mtime_ns == built
+    assert built and {p: p.stat().st_mtime_ns for p in out.rglob("*.bin")} == built
     prepare_token_files(corpus, tok, out)
     assert "token cache" not in capsys.readouterr().out
 
@@ -288,10 +301,10 @@ def test_streamed_writer_uses_small_batches(tmp_path, monkeypatch, tokenizer="by
     monkeypatch.setattr(type(tok), "encode_array", lambda self, t, *a: encoded.append(len(t)) or original(self, t, *a))
     small = prepare_token_files(corpus, tok, tmp_path / "small")
     assert max(encoded) == 7 and sum(encoded) == 40 and len(encoded) >= 6
+    assert token_files(tmp_path / "whole") == token_files(tmp_path / "small")
     for split in ("train", "val"):
-        assert (tmp_path / "whole" / f"{split}.bin").read_bytes() == (tmp_path / "small" / f"{split}.bin").read_bytes()
         assert np.array_equal(whole["splits"][split]["doc_offsets"], small["splits"][split]["doc_offsets"])
-        tokens = np.fromfile(tmp_path / "small" / f"{split}.bin", dtype=np.uint16)
+        tokens = split_tokens(tmp_path / "small", small, split)
         offsets = small["splits"][split]["doc_offsets"]
         documents = [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
         assert documents == [tok.encode(t) + [tok.eot_token] for t in split_texts(corpus, tmp_path / split)[split]]
@@ -360,4 +373,6 @@ def test_train_py_on_own_files_writes_extrapolation_table(tmp_path):
     assert [(r.eval_length, r.ok) for r in rows] == [(32, True), (64, True)]
     assert all(1 < r.ppl < 300 for r in rows)
     cache = next((tmp_path / "cache" / "data").glob("files-corpus-*/bytes"))
-    assert sum(len(np.load(cache / f"{split}.offsets.npy")) - 1 for split in ("train", "val")) == 40
+    manifest = json.loads((cache / "meta.json").read_text())
+    assert sum(len(np.load(f)) - 1 for f in cache.glob("shards/*/*.offsets.npy")) == 40
+    assert sum(manifest["splits"][split]["num_documents"] for split in ("train", "val")) == 40

@@ -222,5 +222,5 @@ def test_trains_from_a_tokenizer_json_above_65535_ids(tmp_path):
     cache = next((tmp_path / "cache").glob("files-corpus-*/tokenizer-*"))
     meta = json.loads((cache / "meta.json").read_text())
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == BIG_VOCAB + 1
-    tokens = np.fromfile(cache / "train.bin", dtype=np.uint32)
+    tokens = np.concatenate([np.fromfile(f, dtype=np.uint32) for f in cache.glob("shards/*/train.bin")])
     assert tokens.min() > 65_535 and tokens.max() == BIG_VOCAB and meta["splits"]["train"]["max_id"] == BIG_VOCAB
