@@ -200,12 +200,7 @@ def let_go(corpus, scratch: Path) -> None:
 
 
 def with_offsets(meta: dict, out_dir: Path) -> dict:
-    """``meta`` with each split's ``doc_offsets``: the offsets file as a read-only memmap (a
-    sharded cache: its parts' offsets, concatenated when first read: data/shards.py)."""
-    if any("parts" in meta["splits"][split] for split in SPLITS):
-        from data.shards import with_part_offsets
-
-        return with_part_offsets(meta, out_dir)
+    """``meta`` with each split's ``doc_offsets``: the offsets file as a read-only memmap."""
     for split in SPLITS:
         meta["splits"][split]["doc_offsets"] = np.load(offsets_path(out_dir, split), mmap_mode="r")
     return meta
@@ -406,10 +401,9 @@ def prepare_token_files(corpus, tokenizer, out_dir: Path, num_proc: int | None =
     corpus is opened: its data may have changed upstream) and every ``.bin``'s sha256.
     ``stats``: filled by a build (``stats.built``). ``lock_timeout``: seconds to wait for
     another process's build (``data.lock_timeout``), then one line (``data.lock.LockTimeout``)."""
-    if getattr(corpus, "sharded", False):  # a corpus of files: one shard per group of files
-        from data.shards import prepare_sharded
-
-        return prepare_sharded(corpus, tokenizer, out_dir, num_proc, verify, stats, lock_timeout)
+    own = getattr(corpus, "prepare_token_files", None)
+    if own is not None:  # a corpus with its own cache layout (files: one shard per group, data/shards.py)
+        return own(tokenizer, out_dir, num_proc, verify=verify, stats=stats, lock_timeout=lock_timeout)
     out_dir = Path(out_dir)
     stats = stats if stats is not None else Throughput()
     tokenizer_hash, stat = tokenizer.fingerprint(), corpus_stat(corpus)

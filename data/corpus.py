@@ -455,7 +455,18 @@ class TextFilesCorpus:
     changed groups of files are tokenized again.
     """
 
-    sharded = True  # the token cache is built per group of files (data/shards.py)
+    def prepare_token_files(self, tokenizer, out_dir: Path, num_proc: int | None = None, **options):
+        """data/cache.py's ``prepare_token_files`` for this corpus: its token cache is built per
+        group of files (data/shards.py ``prepare_sharded``; ``options``: verify, stats,
+        lock_timeout, part, merge)."""
+        from data.shards import prepare_sharded
+
+        return prepare_sharded(self, tokenizer, out_dir, num_proc, **options)
+
+    @staticmethod
+    def document_keys(texts: list[str]) -> np.ndarray:
+        """``document_key`` of each text (uint64): below ``val_fraction`` x 2^64, held out."""
+        return np.fromiter(map(document_key, texts), dtype=np.uint64, count=len(texts))
     rows_are_documents = True
 
     def __init__(self, paths: list[str] | str, text_field: str = "text", val_fraction: float = 0.05,

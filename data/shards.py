@@ -59,8 +59,8 @@ from pathlib import Path
 import numpy as np
 
 import data.cache
-from data.cache import (FORMAT_VERSION, MOVE_IT, SPLITS, Throughput, encoded_batches, file_sha256,
-                        header_mismatch, read_meta, remove_token_files, reserve, token_dtype, write_meta)
+from data.cache import (FORMAT_VERSION, MOVE_IT, SPLITS, Throughput, check_cache_folder, corpus_stat, encoded_batches,
+                        file_sha256, header_mismatch, read_meta, remove_token_files, reserve, token_dtype, write_meta)
 from data.lock import LOCK_TIMEOUT, build_lock, holder_line, try_flock
 from data.paths import disk_full, no_space, process_alive
 from data.stream import SplitParts
@@ -237,16 +237,13 @@ def text_batches(corpus, files: list[Path]):
 def build_shard(corpus, shard: Shard, tokenizer, tokenizer_hash: str, dtype: np.dtype, num_proc: int | None,
                 stats: Throughput) -> dict:
     """Tokenize ``shard``'s files into its folder (the caller holds its lock); its ``shard.json``."""
-    from data.corpus import document_key
-
     shard.dir.mkdir(parents=True, exist_ok=True)
     (shard.dir / SHARD_META).unlink(missing_ok=True)  # first: a crash leaves no complete-looking shard
     stat, content = shard.stats(), shard.content()
     threshold = np.uint64(min(int(corpus.val_fraction * 2**64), 2**64 - 1))
     writers = {split: SplitWriter(shard.dir, split) for split in SPLITS}
     try:
-        keyed = ((texts, np.fromiter(map(document_key, texts), dtype=np.uint64, count=len(texts)))
-                 for texts in text_batches(corpus, shard.files))
+        keyed = ((texts, corpus.document_keys(texts)) for texts in text_batches(corpus, shard.files))
         for ids, lengths, keys in encoded_batches(keyed, tokenizer, dtype, True, num_proc, stats):
             held = keys < threshold
             if not held.any():
@@ -328,8 +325,6 @@ def split_parts(infos: list[tuple[Shard, dict]]) -> dict[str, list[list]]:
 
 
 def manifest(corpus, tokenizer, tokenizer_hash: str, infos: list[tuple[Shard, dict]]) -> dict:
-    from data.cache import corpus_stat
-
     dtype = token_dtype(tokenizer.vocab_size)
     documents = sum(info["splits"][s]["num_documents"] for _, info in infos for s in SPLITS)
     if documents < 2:
@@ -387,17 +382,13 @@ def prepare_sharded(corpus, tokenizer, out_dir: Path, num_proc: int | None = Non
     """data/cache.py ``prepare_token_files`` for a corpus of files, shard by shard. ``part=(i,
     n)``: build (or verify) groups i, i+n, ... only and return None; ``merge``: build nothing,
     check every shard, write the manifest (``MissingShards`` naming what is absent)."""
-    from data.cache import corpus_stat, with_offsets
-
     out_dir = Path(out_dir)
     stats = stats if stats is not None else Throughput()
     tokenizer_hash, stat = tokenizer.fingerprint(), corpus_stat(corpus)
     if part is None and not merge and not verify:
         meta, _ = read_meta(out_dir)
         if meta is not None and manifest_mismatch(meta, out_dir, tokenizer, tokenizer_hash, stat) is None:
-            return with_offsets(meta, out_dir)
-    from data.cache import check_cache_folder
-
+            return with_part_offsets(meta, out_dir)
     check_cache_folder(out_dir, built=False)
     (out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
     shards = plan(corpus, out_dir, tokenizer_hash)
@@ -415,7 +406,7 @@ def prepare_sharded(corpus, tokenizer, out_dir: Path, num_proc: int | None = Non
         if meta is not None and not verify and not merge:
             why = manifest_mismatch(meta, out_dir, tokenizer, tokenizer_hash, stat)
             if why is None:
-                return with_offsets(meta, out_dir)
+                return with_part_offsets(meta, out_dir)
         if meta is not None and meta.get("version") != FORMAT_VERSION:
             print(f"[pelab] token cache {out_dir}: format version {meta.get('version')}, expected {FORMAT_VERSION}; "
                   f"building it again beside the old files (scripts/prepare_data.py clean=true removes them)",
@@ -442,7 +433,7 @@ def prepare_sharded(corpus, tokenizer, out_dir: Path, num_proc: int | None = Non
                       f"files built, {len(shards) - built} reused; {stats.line()}", flush=True)
         meta = manifest(corpus, tokenizer, tokenizer_hash, infos)
         write_meta(meta, out_dir)
-    return with_offsets(meta, out_dir)
+    return with_part_offsets(meta, out_dir)
 
 
 def merged(shards: list[Shard], tokenizer, tokenizer_hash: str) -> list[tuple[Shard, dict]]:
