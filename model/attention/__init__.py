@@ -21,9 +21,12 @@ from model.attention.request import AttentionRequest
 from model.attention.sdpa import SDPA
 from model.attention.sdpa_key import SDPAKey
 from model.attention.sinks import SINKS
+from model.attention.triton_bias import TritonBias
 
 BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (SDPA(), SDPAKey(), Flex(), Math(), BiasGrad())}
-CHOICES = ("auto", *BACKENDS)  # the values of model.attention
+# backends whose kernels need a compiler beside torch (Triton): named, or taken by auto where they run
+KERNELS: dict[str, AttentionBackend] = {b.name: b for b in (TritonBias(),)}
+CHOICES = ("auto", *BACKENDS, *KERNELS)  # the values of model.attention
 
 
 def auto(request: AttentionRequest) -> str:
@@ -35,6 +38,8 @@ def auto(request: AttentionRequest) -> str:
         return "sdpa"
     if pe.key_only_slopes() is not None:  # on CPU the float32 mask measured faster (docs/performance.md, 5)
         return "sdpa_key" if request.cuda else "sdpa"
+    if request.cuda and request.grad and KERNELS["triton_bias"].refusal(request) is None:
+        return "triton_bias"  # a bias of the distance trains in one fused kernel (docs/design.md, section 5)
     if request.cuda and not request.dropout:
         return "flex"
     return "sdpa"
@@ -58,7 +63,7 @@ def resolve(name: str, request: AttentionRequest) -> AttentionBackend:
     def serves(backend: str) -> bool:
         return BACKENDS[backend].refusal(request) is None
 
-    backend = BACKENDS[auto(request) if name == "auto" else name]
+    backend = {**BACKENDS, **KERNELS}[auto(request) if name == "auto" else name]
     why = backend.refusal(request)
     if why and backend.strict and name != "auto":  # auto's pick is never an error
         raise ValueError(why)
@@ -161,5 +166,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: Any, dropout: float = 0.0, sink
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-__all__ = ["BACKENDS", "CHOICES", "NORMALISERS", "SINKS", "AttentionBackend", "AttentionRecorder", "AttentionRequest",
-           "Terms", "attend", "auto", "check_math_memory", "math_training_bytes", "resolve"]
+__all__ = ["BACKENDS", "CHOICES", "KERNELS", "NORMALISERS", "SINKS", "AttentionBackend", "AttentionRecorder",
+           "AttentionRequest", "Terms", "attend", "auto", "check_math_memory", "math_training_bytes", "resolve"]

@@ -86,9 +86,14 @@ class FIRE(PositionEncoding, name="fire"):
         """f(x): (...) normalised distances -> (..., H)."""
         return self.mlp(x[..., None].to(self.mlp[0].weight.dtype))
 
+    def bias_of_distance_at(self, q_positions: Tensor) -> bool:
+        """Whether the bias at these query positions is a function of p_i - p_j alone: every query
+        below L, so every row's normaliser is psi(L) (read on the host)."""
+        return bool((q_positions.float() < self.threshold).all())
+
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         with torch.autocast(q_positions.device.type, enabled=False):
-            if not torch.compiler.is_compiling() and bool((q_positions.float() < self.threshold).all()):
+            if not torch.compiler.is_compiling() and self.bias_of_distance_at(q_positions):
                 # a training window: every query below L, so the normaliser is psi(L) on every
                 # row and the bias depends on i - j alone; the MLP then runs once per distance,
                 # not once per (i, j) pair

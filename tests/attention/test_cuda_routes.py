@@ -41,6 +41,8 @@ def test_sdpa_never_gets_a_float_mask_of_another_dtype_on_cuda(monkeypatch, sche
     dtype = DTYPES[precision]
     calls = sdpa_calls(monkeypatch)
     for choice in CHOICES:
+        if choice == "triton_bias":
+            continue  # a Triton kernel (SDPA never): tests/attention/test_triton_bias.py
         if choice == "flex" and (dropout or SCHEMES[scheme].terms not in (None, *BACKENDS["flex"].terms)):
             continue  # refused by GPTConfig, or by resolve (flex cannot add CoPE's terms of the scores)
         cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout,
