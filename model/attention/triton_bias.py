@@ -55,6 +55,7 @@ from model.attention.request import AttentionRequest
 BLOCK = 64
 INTERPRETER_BLOCK = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TRITON = importlib.util.find_spec("triton") is not None  # installed (imported only when a kernel first runs)
 
 tl: Any = None  # triton.language, bound by ``kernels()`` before any kernel compiles
 
@@ -197,11 +198,6 @@ def kernels() -> tuple[Any, Any, Any]:
     return triton.jit(_forward), triton.jit(_backward_kv), triton.jit(_backward_q)
 
 
-@functools.lru_cache(maxsize=None)
-def triton_found() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -216,9 +212,10 @@ def upcast(q: Tensor) -> bool:
     return not q.is_cuda and q.dtype != torch.float32
 
 
-def precision(q: Tensor) -> str:
-    """float32 inputs multiply in full float32 (no TF32), as the other backends' float32 compute."""
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+def precision(q: Tensor) -> str | None:
+    """float32 inputs multiply in full float32 (no TF32), as the other backends' float32 compute;
+    bf16 and fp16 ones at Triton's default (their products are exact in the float32 accumulator)."""
+    return "ieee" if q.dtype == torch.float32 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +262,9 @@ def _attention_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Te
 
 @_attention_backward.register_fake
 def _(d_out, q, k, v, bias, out, lse, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(bias, dtype=torch.float32)
+    # contiguous, as the kernels write them (whatever the strides of the views q, k, v came as)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            bias.new_empty(bias.shape, dtype=torch.float32))
 
 
 def triton_cdiv(n: int, block: int) -> int:
@@ -355,7 +354,7 @@ class TritonBias(AttentionBackend):
         if hd < 16 or hd & (hd - 1):
             return (f"model.attention={self.name} tiles head_dim = model.n_embd / model.n_head = {hd}: it needs a "
                     f"power of two >= 16; use model.attention=auto")
-        if not triton_found():
+        if not TRITON:
             return f"model.attention={self.name} needs Triton (pip install triton); use model.attention=auto"
         if device.type == "cuda" and not torch.cuda.is_available():
             return f"model.attention={self.name}: no CUDA device for Triton to compile for; use model.attention=auto"

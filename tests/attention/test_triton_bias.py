@@ -148,7 +148,7 @@ def test_auto_takes_the_kernel_on_cuda_for_a_learned_bias_in_training(monkeypatc
             assert resolve("auto", AttentionRequest(pe, cpu, dtype, grad=True)).name == "bias_grad"
     assert resolve("auto", AttentionRequest(SCHEMES["rope"](cfg), CUDA, grad=True)).name == "sdpa"
     assert resolve("auto", AttentionRequest(SCHEMES["alibi"](cfg), CUDA, grad=True)).name == "sdpa_key"
-    monkeypatch.setattr(triton_bias, "triton_found", lambda: False)
+    monkeypatch.setattr(triton_bias, "TRITON", False)
     assert resolve("auto", AttentionRequest(SCHEMES["t5"](cfg), CUDA, grad=True)).name == "flex"
 
 
