@@ -22,6 +22,11 @@ GPU_CASES = (
     ("sdpa_key alibi sinks", "alibi", "sdpa_key", {"sinks": "learned"}),
     ("flex t5", "t5", "flex", {}),
     ("flex t5 sinks", "t5", "flex", {"sinks": "learned"}),
+    # issue 47: each learned bias on the fused Triton kernel (its ms beside "sdpa causal", rope's route)
+    ("triton_bias t5", "t5", "triton_bias", {}),
+    ("triton_bias kerple_log", "kerple_log", "triton_bias", {}),
+    ("triton_bias kerple_power", "kerple_power", "triton_bias", {}),
+    ("triton_bias fire", "fire", "triton_bias", {}),
 )
 # (what, numerator case, denominator case, target or None): issue 34's GPU targets
 GPU_RATIOS = (
