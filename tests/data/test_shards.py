@@ -78,6 +78,7 @@ def shard_state(out: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_a_grown_corpus_tokenizes_only_the_new_files_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(data.shards, "GROUP_FILES", 4)  # groups of about 4 files (the paths' hashes decide)
     write_corpus(tmp_path / "c", 50)
     tok, out = get_tokenizer("bytes"), tmp_path / "out"
     first = prepare_token_files(TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), tok, out)
@@ -95,17 +96,16 @@ def test_a_grown_corpus_tokenizes_only_the_new_files_group(tmp_path, monkeypatch
     built = [s for s in data.shards.plan(grown, out, tok.fingerprint()) if s.key not in old_keys]
     # the new file's group only (split in two when the new file ends a group), every other group reused
     assert 1 <= len(built) <= 2 and any(tmp_path / "c" / "025a.txt" in s.files for s in built)
-    assert len(old_keys - new_keys) == 1
+    assert len(old_keys - new_keys) <= 1  # none when the new file is a group alone
     files = [f for s in built for f in s.files]
-    assert sorted(encoded) == sorted(f.read_text() for f in files) and len(files) < 50 / 3  # .txt: a document each
+    assert sorted(encoded) == sorted(f.read_text() for f in files) and len(files) <= 51 // 2  # .txt: a document each
     assert stats.tokens == sum(len(tok.encode(f.read_text())) + 1 for f in files)
     after = shard_state(out)
     kept = {k: v for k, v in before.items() if k.split("/")[1] in new_keys}
-    assert len(kept) == 2 * (len(old_keys) - 1) and all(after[k] == v for k, v in kept.items())  # same inode, mtime
+    assert len(kept) == 2 * len(old_keys & new_keys) and all(after[k] == v for k, v in kept.items())  # same inode, mtime
     for split in ("train", "val"):
         assert np.array_equal(np.asarray(load_tokens(token_source(out, meta, split), meta["dtype"])),
                               naive_split(grown, tok, split))
-    monkeypatch.undo()
     fresh = tmp_path / "fresh"
     prepare_token_files(TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), tok, fresh)
     listed = {e["key"] for e in meta["shards"]}
@@ -159,7 +159,7 @@ def test_two_processes_build_the_parts_at_once(tmp_path):
 
 
 def stale_setup(tmp_path: Path) -> tuple[Path, dict, set]:
-    """A cache root with a current sharded cache whose corpus grew (its replaced shard is stale),
+    """A cache root with a current sharded cache whose corpus lost a file (its replaced shard is stale),
     an older-format cache, a build's leftover, a parallel build not merged, and a folder that is
     no cache. Returns (root, the current manifest, the paths clean must remove)."""
     root = tmp_path / "root"
@@ -168,7 +168,7 @@ def stale_setup(tmp_path: Path) -> tuple[Path, dict, set]:
     corpus = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2)
     out = root / corpus.cache_name / "bytes"
     first = prepare_token_files(corpus, tok, out)
-    write_corpus(tmp_path / "c", 1, start=700)
+    (tmp_path / "c" / "013.txt").unlink()  # its group's paths change: the old shard is no manifest's any more
     meta = prepare_token_files(TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), tok, out)
     listed = {e["key"] for e in meta["shards"]}
     stale = {out / "shards" / e["key"] for e in first["shards"] if e["key"] not in listed}
