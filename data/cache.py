@@ -233,6 +233,7 @@ class Throughput:
 
     def __init__(self, reference_tokens: int = 0) -> None:
         self.tokens, self.reference_tokens, self.built = 0, reference_tokens, False
+        self.copied = 0  # tokens a sharded build copied from other shards instead of encoding (data/shards.py)
         self.batches, self.sampled_tokens, self.encode_cpu, self.raw_cpu = 0, 0, 0.0, 0.0
         self.wall, self.cpu = time.perf_counter(), cpu_seconds()
 

@@ -181,33 +181,53 @@ def write_json(data: dict, path: Path) -> None:
 
 class SplitWriter:
     """One split of one shard: ``{split}.bin`` and ``{split}.offsets.npy`` as ``.partial`` files,
-    renamed into place by ``close``; the split's metadata."""
+    renamed into place by ``close``; the split's metadata, with each file's documents
+    (``per_file``: [first, end, extreme key, its document], the extreme being train's smallest
+    key, val's largest), so a later group holding the same file can copy them."""
 
     def __init__(self, folder: Path, split: str) -> None:
         self.path = folder / f"{split}.bin"
         self.tmp = self.path.with_name(self.path.name + ".partial")
         self.out = open(self.tmp, "wb")
-        self.digest, self.total, self.max_id = hashlib.sha256(), 0, -1
+        self.smallest = split == "train"
+        self.digest, self.total, self.max_id, self.documents = hashlib.sha256(), 0, -1, 0
         self.starts: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-        self.extreme: list | None = None  # [key, document index] of train's smallest / val's largest key
+        self.per_file: dict[int, list] = {}
 
-    @property
-    def documents(self) -> int:
-        return sum(map(len, self.starts)) - 1
+    def better(self, key: int, entry: list) -> bool:
+        return entry[2] is None or (key < entry[2] if self.smallest else key > entry[2])
 
-    def add(self, ids: np.ndarray, lengths: np.ndarray, keys: np.ndarray, smallest: bool) -> None:
-        if not len(lengths):
-            return
-        pick = int(np.argmin(keys) if smallest else np.argmax(keys))  # the first of equal keys, as argmin
-        better = self.extreme is None or (keys[pick] < self.extreme[0] if smallest else keys[pick] > self.extreme[0])
-        if better:
-            self.extreme = [int(keys[pick]), self.documents + pick]
+    def write(self, ids: np.ndarray, lengths: np.ndarray) -> int:
+        """Append documents; the index of the first."""
+        first = self.documents
         self.out.write(ids)
         self.digest.update(ids)
         self.starts.append(self.total + np.cumsum(lengths))
-        self.total += len(ids)
+        self.total, self.documents = self.total + len(ids), self.documents + len(lengths)
         if len(ids):
             self.max_id = max(self.max_id, int(ids.max()))
+        return first
+
+    def add(self, ids: np.ndarray, lengths: np.ndarray, keys: np.ndarray, files: np.ndarray) -> None:
+        """Encoded documents with their keys and the index of the file each came from."""
+        if not len(lengths):
+            return
+        first = self.write(ids, lengths)
+        bounds = [0, *(np.flatnonzero(np.diff(files)) + 1).tolist(), len(files)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            part = keys[lo:hi]
+            pick = lo + int(np.argmin(part) if self.smallest else np.argmax(part))  # the first of equal keys
+            entry = self.per_file.setdefault(int(files[lo]), [first + lo, first + hi, None, None])
+            entry[1] = first + hi
+            if self.better(int(keys[pick]), entry):
+                entry[2:] = [int(keys[pick]), first + pick]
+
+    def copy(self, ids: np.ndarray, lengths: np.ndarray, file: int, key: int | None, at: int | None) -> None:
+        """A file's documents copied from another shard, its extreme ``key`` at its document ``at``."""
+        if not len(lengths):
+            return
+        first = self.write(ids, lengths)
+        self.per_file[file] = [first, first + len(lengths), key, None if at is None else first + at]
 
     def close(self) -> dict:
         self.out.close()
@@ -217,42 +237,94 @@ class SplitWriter:
         reserve(offsets_tmp)
         os.replace(offsets_tmp, offsets)
         os.replace(self.tmp, self.path)
+        extremes = [e for e in self.per_file.values() if e[2] is not None]
+        best = min(extremes, key=lambda e: (e[2] if self.smallest else -e[2], e[3]), default=None)
         return {"num_tokens": self.total, "num_documents": self.documents, "max_id": self.max_id,
                 "sha256": self.digest.hexdigest(), "mtime_ns": self.path.stat().st_mtime_ns,
-                "extreme_key": self.extreme}
+                "extreme_key": None if best is None else best[2:],
+                "per_file": {str(f): e for f, e in sorted(self.per_file.items())}}
 
 
 def text_batches(corpus, files: list[Path]):
-    """The group's documents in batches of data/cache.py's ``BATCH_DOCUMENTS`` texts, read where they lie."""
+    """(texts, index in ``files`` of each text's file) of the files' documents, in batches of
+    data/cache.py's ``BATCH_DOCUMENTS``, read where they lie."""
     batch: list[str] = []
-    for text in corpus.documents(files):
-        batch.append(text)
-        if len(batch) == data.cache.BATCH_DOCUMENTS:
-            yield batch
-            batch = []
+    origin: list[int] = []
+    for n, path in enumerate(files):
+        for text in corpus.file_documents(path):
+            batch.append(text)
+            origin.append(n)
+            if len(batch) == data.cache.BATCH_DOCUMENTS:
+                yield batch, np.array(origin)
+                batch, origin = [], []
     if batch:
-        yield batch
+        yield batch, np.array(origin)
+
+
+class Donors:
+    """The files complete shards of this cache already hold (``shard.json``, same format,
+    tokenizer and dtype, token files as written), by [path, size, mtime]: a new group copies an unchanged file's tokens
+    from there instead of encoding it again (a grown corpus encodes only its new files)."""
+
+    def __init__(self, out_dir: Path, tokenizer_hash: str, dtype: np.dtype) -> None:
+        self.found: dict[str, tuple[Path, dict, int]] = {}
+        for folder in sorted((out_dir / SHARDS).glob("*/")) if (out_dir / SHARDS).is_dir() else []:
+            try:
+                info = json.loads((folder / SHARD_META).read_text())
+                if (info["version"], info["tokenizer_hash"], info["dtype"]) != (FORMAT_VERSION, tokenizer_hash,
+                                                                                dtype.name):
+                    continue
+                if any((found := (folder / f"{split}.bin").stat()).st_size != entry["num_tokens"] * dtype.itemsize
+                       or found.st_mtime_ns != entry["mtime_ns"] for split, entry in info["splits"].items()):
+                    continue  # its token files changed since they were written: copy nothing from them
+                for n, stat in enumerate(info["files"]):
+                    self.found[json.dumps(stat)] = (folder, info, n)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # incomplete or foreign: not a donor
+
+    def of(self, stat: list) -> tuple[Path, dict, int] | None:
+        return self.found.get(json.dumps(stat))
+
+
+def copy_file(writers: dict, donor: tuple[Path, dict, int], file: int, dtype: np.dtype) -> int:
+    """Copy one file's documents (both splits) from its donor shard; the tokens copied."""
+    folder, info, n = donor
+    copied = 0
+    for split, writer in writers.items():
+        entry = info["splits"][split]["per_file"].get(str(n))
+        if entry is None:
+            continue
+        offsets = np.load(folder / f"{split}.offsets.npy", mmap_mode="r")
+        lo, hi = int(offsets[entry[0]]), int(offsets[entry[1]])
+        ids = np.fromfile(folder / f"{split}.bin", dtype=dtype, count=hi - lo, offset=lo * dtype.itemsize)
+        lengths = np.diff(np.asarray(offsets[entry[0] : entry[1] + 1]))
+        writer.copy(ids, lengths, file, entry[2], None if entry[3] is None else entry[3] - entry[0])
+        copied += len(ids)
+    return copied
 
 
 def build_shard(corpus, shard: Shard, tokenizer, tokenizer_hash: str, dtype: np.dtype, num_proc: int | None,
-                stats: Throughput) -> dict:
-    """Tokenize ``shard``'s files into its folder (the caller holds its lock); its ``shard.json``."""
+                stats: Throughput, donors: Donors | None = None) -> dict:
+    """Tokenize ``shard``'s files into its folder (the caller holds its lock); its ``shard.json``.
+    A file some complete shard already holds unchanged (``donors``) is copied from there."""
     shard.dir.mkdir(parents=True, exist_ok=True)
     (shard.dir / SHARD_META).unlink(missing_ok=True)  # first: a crash leaves no complete-looking shard
     stat, content = shard.stats(), shard.content()
     threshold = np.uint64(min(int(corpus.val_fraction * 2**64), 2**64 - 1))
     writers = {split: SplitWriter(shard.dir, split) for split in SPLITS}
     try:
-        keyed = ((texts, corpus.document_keys(texts)) for texts in text_batches(corpus, shard.files))
-        for ids, lengths, keys in encoded_batches(keyed, tokenizer, dtype, True, num_proc, stats):
-            held = keys < threshold
-            if not held.any():
-                writers["train"].add(ids, lengths, keys, smallest=True)
-            else:
-                tokens_held = np.repeat(held, lengths)
-                writers["train"].add(ids[~tokens_held], lengths[~held], keys[~held], smallest=True)
-                writers["val"].add(ids[tokens_held], lengths[held], keys[held], smallest=False)
-            stats.tokens += len(ids)
+        run: list[int] = []  # files to encode, in order, until the next copied one
+        for n in range(len(shard.files) + 1):
+            donor = donors.of(stat[n]) if donors is not None and n < len(shard.files) else None
+            if n < len(shard.files) and donor is None:
+                run.append(n)
+                continue
+            if run:
+                encode_files(corpus, [shard.files[i] for i in run], run, writers, tokenizer, dtype, threshold,
+                             num_proc, stats)
+                run = []
+            if donor is not None:
+                stats.copied += copy_file(writers, donor, n, dtype)
         info = {"version": FORMAT_VERSION, "tokenizer_hash": tokenizer_hash, "dtype": dtype.name, "files": stat,
                 "content": content, "splits": {split: writer.close() for split, writer in writers.items()}}
         if stat != shard.stats():
@@ -268,8 +340,24 @@ def build_shard(corpus, shard: Shard, tokenizer, tokenizer_hash: str, dtype: np.
     return info
 
 
+def encode_files(corpus, files: list[Path], numbers: list[int], writers: dict, tokenizer, dtype: np.dtype,
+                 threshold: np.uint64, num_proc: int | None, stats: Throughput) -> None:
+    """Encode ``files`` (the group's files ``numbers``) and append their documents to each split."""
+    index = np.array(numbers)
+    keyed = ((texts, (corpus.document_keys(texts), index[origin])) for texts, origin in text_batches(corpus, files))
+    for ids, lengths, (keys, origin) in encoded_batches(keyed, tokenizer, dtype, True, num_proc, stats):
+        held = keys < threshold
+        if not held.any():
+            writers["train"].add(ids, lengths, keys, origin)
+        else:
+            tokens_held = np.repeat(held, lengths)
+            writers["train"].add(ids[~tokens_held], lengths[~held], keys[~held], origin[~held])
+            writers["val"].add(ids[tokens_held], lengths[held], keys[held], origin[held])
+        stats.tokens += len(ids)
+
+
 def ensure_shard(corpus, shard: Shard, tokenizer, tokenizer_hash: str, num_proc: int | None, verify: bool,
-                 stats: Throughput, lock_timeout: float) -> tuple[dict, bool]:
+                 stats: Throughput, lock_timeout: float, donors: Donors | None = None) -> tuple[dict, bool]:
     """(``shard.json`` of a complete, current ``shard``, whether this call built it): reused
     when its cheap check passes (``verify``: its full check), kept after a full check when only
     mtimes moved, else built, under the shard's own lock."""
@@ -294,7 +382,7 @@ def ensure_shard(corpus, shard: Shard, tokenizer, tokenizer_hash: str, num_proc:
                               f"is", flush=True)
                     return info, False
             print(f"[pelab] token cache {shard.dir} is stale: {why}; rebuilding", flush=True)
-        return build_shard(corpus, shard, tokenizer, tokenizer_hash, dtype, num_proc, stats), True
+        return build_shard(corpus, shard, tokenizer, tokenizer_hash, dtype, num_proc, stats, donors), True
 
 
 def split_parts(infos: list[tuple[Shard, dict]]) -> dict[str, list[list]]:
@@ -392,10 +480,12 @@ def prepare_sharded(corpus, tokenizer, out_dir: Path, num_proc: int | None = Non
     check_cache_folder(out_dir, built=False)
     (out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
     shards = plan(corpus, out_dir, tokenizer_hash)
+    # unchanged files already in some shard are copied, not encoded (a verifying run trusts no copy)
+    donors = None if verify else Donors(out_dir, tokenizer_hash, token_dtype(tokenizer.vocab_size))
     if part is not None:
         mine = shards[part[0] :: part[1]]
-        built = sum(ensure_shard(corpus, s, tokenizer, tokenizer_hash, num_proc, verify, stats, lock_timeout)[1]
-                    for s in mine)
+        built = sum(ensure_shard(corpus, s, tokenizer, tokenizer_hash, num_proc, verify, stats, lock_timeout,
+                                 donors)[1] for s in mine)
         stats.built = built > 0
         print(f"[pelab] token cache {out_dir}: shard={part[0]}/{part[1]}: {len(mine)} of {len(shards)} groups of "
               f"files, {built} built, {len(mine) - built} already complete; merge=true writes the manifest when "
@@ -421,7 +511,7 @@ def prepare_sharded(corpus, tokenizer, out_dir: Path, num_proc: int | None = Non
                       dynamic_ncols=True) as bar:
                 for shard in shards:
                     info, fresh = ensure_shard(corpus, shard, tokenizer, tokenizer_hash, num_proc, verify, stats,
-                                               lock_timeout)
+                                               lock_timeout, donors)
                     infos.append((shard, info))
                     built += fresh
                     bar.update(1)
@@ -429,8 +519,9 @@ def prepare_sharded(corpus, tokenizer, out_dir: Path, num_proc: int | None = Non
                                         f"M tok/s", refresh=False)
             stats.built = built > 0
             if built:
+                copied = f" ({stats.copied:,} tokens of unchanged files copied, not encoded)" if stats.copied else ""
                 print(f"[pelab] tokenized {corpus.cache_name} ({tokenizer.name}): {built} of {len(shards)} groups of "
-                      f"files built, {len(shards) - built} reused; {stats.line()}", flush=True)
+                      f"files built{copied}, {len(shards) - built} reused; {stats.line()}", flush=True)
         meta = manifest(corpus, tokenizer, tokenizer_hash, infos)
         write_meta(meta, out_dir)
     return with_part_offsets(meta, out_dir)

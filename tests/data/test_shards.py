@@ -1,5 +1,5 @@
-"""data/shards.py: a corpus of files cached per group of files. A grown corpus tokenizes only the
-new file's group and leaves every other shard's files untouched; parts built apart (shard=i/n,
+"""data/shards.py: a corpus of files cached per group of files. A grown corpus encodes only the
+new file (its group's other files copied) and leaves every other shard's files untouched; parts built apart (shard=i/n,
 in one process or two at once) then merged equal one process's build byte for byte; clean=true
 removes only what no current manifest references and refuses while a build holds a lock; bad
 input is one line; the parts read as one split equal a naive concatenation of the tokenizer's
@@ -77,7 +77,7 @@ def shard_state(out: Path) -> dict[str, tuple[int, int]]:
     return {p.relative_to(out).as_posix(): (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*.bin")}
 
 
-def test_a_grown_corpus_tokenizes_only_the_new_files_group(tmp_path, monkeypatch):
+def test_a_grown_corpus_encodes_only_the_new_file(tmp_path, monkeypatch):
     monkeypatch.setattr(data.shards, "GROUP_FILES", 4)  # groups of about 4 files (the paths' hashes decide)
     write_corpus(tmp_path / "c", 50)
     tok, out = get_tokenizer("bytes"), tmp_path / "out"
@@ -97,9 +97,11 @@ def test_a_grown_corpus_tokenizes_only_the_new_files_group(tmp_path, monkeypatch
     # the new file's group only (split in two when the new file ends a group), every other group reused
     assert 1 <= len(built) <= 2 and any(tmp_path / "c" / "025a.txt" in s.files for s in built)
     assert len(old_keys - new_keys) <= 1  # none when the new file is a group alone
-    files = [f for s in built for f in s.files]
-    assert sorted(encoded) == sorted(f.read_text() for f in files) and len(files) <= 51 // 2  # .txt: a document each
-    assert stats.tokens == sum(len(tok.encode(f.read_text())) + 1 for f in files)
+    # only the new file is encoded; its group's other files are copied from the shards that held them
+    new_file = tmp_path / "c" / "025a.txt"
+    assert encoded == [new_file.read_text()] and stats.tokens == len(tok.encode(new_file.read_text())) + 1
+    others = [f for s in built for f in s.files if f != new_file]
+    assert stats.copied == sum(len(tok.encode(f.read_text())) + 1 for f in others)
     after = shard_state(out)
     kept = {k: v for k, v in before.items() if k.split("/")[1] in new_keys}
     assert len(kept) == 2 * len(old_keys & new_keys) and all(after[k] == v for k, v in kept.items())  # same inode, mtime
@@ -198,6 +200,10 @@ def test_clean_removes_only_what_no_current_manifest_references(tmp_path, monkey
     out = next(root.glob("files-c-*/bytes"))
     again = prepare_token_files(TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), get_tokenizer("bytes"), out)
     assert again["splits"]["train"]["sha256"] == meta["splits"]["train"]["sha256"]
+    corpus = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2)  # the group that lost a file: copied right
+    for split in ("train", "val"):
+        assert np.array_equal(np.asarray(load_tokens(token_source(out, again, split), again["dtype"])),
+                              naive_split(corpus, get_tokenizer("bytes"), split))
     assert clean(root)[0] == []
 
 
