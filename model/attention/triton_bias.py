@@ -291,6 +291,7 @@ def attention_with_distance_bias(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, 
     v whose queries are the last Tq of the Tk keys (query i sees keys j <= Tk - Tq + i at distance
     d = Tk - Tq + i - j), with an (H, Tk) float32 bias vector b; gradients for q, k, v and b."""
     scale = default_scale(q) if scale is None else scale
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernels step rows, not dims
     return _attention(q, k, v, bias.float().contiguous(), scale)[0]
 
 
@@ -351,9 +352,9 @@ class TritonBias(AttentionBackend):
             return (f"model.attention={self.name} computes in float32, bf16 or fp16, not "
                     f"{str(request.dtype).removeprefix('torch.')}; use model.attention=math or sdpa")
         hd = pe.head_dim
-        if hd < 16 or hd & (hd - 1):
+        if not 16 <= hd <= 256 or hd & (hd - 1):
             return (f"model.attention={self.name} tiles head_dim = model.n_embd / model.n_head = {hd}: it needs a "
-                    f"power of two >= 16; use model.attention=auto")
+                    f"power of two from 16 to 256; use model.attention=auto")
         if not TRITON:
             return f"model.attention={self.name} needs Triton (pip install triton); use model.attention=auto"
         if device.type == "cuda" and not torch.cuda.is_available():

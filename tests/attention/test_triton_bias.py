@@ -173,6 +173,8 @@ def test_forced_route_it_cannot_serve_is_one_line_naming_the_key_and_the_way_out
             dict(interpret="0", device=cpu),
         "model.attention=triton_bias tiles head_dim = model.n_embd / model.n_head = 12: it needs a power of two":
             dict(n_embd=24),
+        "model.attention=triton_bias tiles head_dim = model.n_embd / model.n_head = 512: it needs a power of two "
+        "from 16 to 256": dict(n_embd=1024),
         "model.attention=triton_bias computes in float32, bf16 or fp16, not float64; use model.attention=math":
             dict(dtype=torch.float64),
         "model.attention=triton_bias has no attention dropout": dict(dropout=0.1),
