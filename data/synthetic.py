@@ -73,9 +73,9 @@ the answers (so the last answer token is a target, never an input):
   v1..vk`` and the variables of the chain that holds that value, in chain order. Answer: the
   variables. No depth (the chain is spread over the context).
 - ``state_tracking``, ``graphwalks``, ``babilong``, ``multi_query``, ``common_words``,
-  ``find_block``, ``latent_list``: the 2025–26 long-context tasks, laid out in data/tasks_2025.py (``state_tracking``'s targets label the
-  inputs rather than being the next tokens; ``graphwalks`` and ``common_words`` answer sets,
-  scored by exact match and F1).
+  ``find_block``, ``latent_list``, ``frequent_words``: the 2025–26 long-context tasks, laid out in data/tasks_2025.py (``state_tracking``'s targets label the
+  inputs rather than being the next tokens; ``graphwalks``, ``common_words`` and ``frequent_words``
+  answer sets, scored by exact match and F1).
 
 The harness's ``SyntheticDataModule`` (pelab/datamodule.py) serves training samples of length
 ``block_size`` keyed by the global sample index, as text data is (data/stream.py: sample g of
@@ -112,7 +112,8 @@ NIAH_END = b"."  # the haystack after it starts at a word break (a space)
 NIAH_QUESTION = b"\nWhat is the pass key? The pass key is "
 TaskName = Literal["passkey", "copy", "assoc_recall", "flipflop", "niah", "counting", "selective_copy",
                    "indirect_indexing", "multi_key", "multi_value", "variable_tracking", "state_tracking",
-                   "graphwalks", "babilong", "multi_query", "common_words", "find_block", "latent_list"]
+                   "graphwalks", "babilong", "multi_query", "common_words", "find_block", "latent_list",
+                   "frequent_words"]
 TASKS: tuple[str, ...] = TaskName.__args__
 SPLITS = ("train", "val", "test")
 _TASK_CODE = {name: code for code, name in enumerate(TASKS, start=1)}  # fixed: changing one changes every sample
@@ -139,10 +140,11 @@ class Task:
     max_answer: int = 6  # graphwalks: nodes in an answer at most (queries with more are not asked)
     qa: int = 1  # babilong: bAbI task 1, 2 or 3 (supporting facts)
     num_facts: int = 4  # babilong: fact sentences in the text (the supporting ones and distractors)
-    num_common: int = 3  # common_words: words that occur more often than the others, all asked
+    num_common: int = 3  # common_words: words more frequent than the others; frequent_words: top words asked
     block_length: int = 5  # find_block: distinct letters in a block (MTA's N = 5)
     query_length: int = 2  # find_block: letters of the target block asked (MTA's L = 2)
     num_ops: int = 4  # latent_list: operations on the asked list (the others act on a distractor list)
+    alpha: float = 2.0  # frequent_words: the Zipf exponent of the word counts (RULER's fwe: 2.0)
 
     def __post_init__(self) -> None:
         require(self.name in TASKS, "data.task", self.name, f"one of {', '.join(TASKS)}")
@@ -176,6 +178,9 @@ class Task:
         require(self.block_length <= 26, "data.block_length", self.block_length, "<= 26 (distinct letters 'a'-'z')")
         require(self.query_length <= self.block_length, "data.query_length", self.query_length,
                 f"<= data.block_length={self.block_length} (the letters asked are the target block's)")
+        require(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and 1 < self.alpha <= 4,
+                "data.alpha", self.alpha, "a number in (1, 4] (the Zipf exponent of frequent_words, RULER's 2.0: "
+                "the counts k^-alpha / zeta(alpha) need alpha > 1)")
         if self.name == "multi_query":  # assoc_recall's num_queries is bound by num_pairs instead
             require(self.num_queries <= self.num_needles, "data.num_queries", self.num_queries,
                     f"<= data.num_needles={self.num_needles} (asked keys are distinct needles)")

@@ -42,6 +42,16 @@ data/synthetic.py, except state_tracking, whose targets are labels of the inputs
   contexts), all shuffled; W = (n - 2 - 3c) // 4, s = n - 2 - 3c - 4W < 4. Then ``QUERY`` and the
   answer: the common words in alphabetical order (three letters each, no separator), then END.
   A set: scored by exact match and F1 (RULER scores recall of the words).
+- ``frequent_words`` (RULER's frequent-word extraction, fwe, the other aggregation task):
+  ``[PAD]*s`` then W words of three letters 'a'-'z', each followed by a space, in a random
+  order, whose counts follow Zipf's law: the word of rank k occurs floor(W k^-alpha / zeta(alpha))
+  times (``alpha``: RULER's 2.0); rank 1 is the noise word ``...`` (RULER's, which the question
+  says to ignore), which also takes the W slots the floors leave; W = (n - 2 - 3c) // 4, s = n -
+  2 - 3c - 4W < 4. Then ``QUERY`` and the answer: the words of ranks 2 .. c + 1 (c = ``num_common``,
+  RULER's 3), the c most frequent words, in alphabetical order (three letters each), then END.
+  Lengths where rank c + 1 does not occur more often than rank c + 2 (the answer would not be
+  the unique top c) are below ``min_length``. A set: scored by exact match and F1 (RULER scores
+  recall of the words).
 - ``find_block`` (MTA's toy task, Golovneva et al. 2025, after RAM's ``toy_task/generate_data.py``):
   ``[PAD]*s`` then B blocks of ``block_length`` distinct letters 'a'-'z' joined by '.', then
   ``QUERY`` and ``query_length`` distinct letters of the target block in a random order, then
@@ -73,7 +83,9 @@ NODE_BASE, MAX_NODES = 0x80, 128  # graphwalks: node ids 0x80..0xFF
 FORWARD, BACKWARD = ord(">"), ord("<")  # graphwalks: an edge u > v; a query's direction
 END = ord(".")  # graphwalks, common_words: after the last element of a set-valued answer
 COMMON_TIMES = 3  # common_words: occurrences of each common word (the others occur once)
-WORD = 3  # common_words: letters in a word
+WORD = 3  # common_words, frequent_words: letters in a word
+WORDS = 26**WORD  # distinct words of WORD letters
+NOISE_WORD = ord(".")  # frequent_words: the letters of the noise word (rank 1), "..."
 BLOCK_END = ord(".")  # find_block: between two blocks
 PERSONS = ("Mary", "John", "Daniel", "Sandra")  # babilong: bAbI's people, places, objects and verbs
 PLACES = ("bathroom", "hallway", "kitchen", "garden", "office", "bedroom")
@@ -82,7 +94,7 @@ MOVES = ("went", "moved", "journeyed", "travelled")
 TAKES = ("picked up", "grabbed", "got", "took")
 
 #: set-valued tasks: tokens per element of the answer (the answer is elements, then END)
-SET_ELEMENT_WIDTH = {"graphwalks": 1, "common_words": WORD}
+SET_ELEMENT_WIDTH = {"graphwalks": 1, "common_words": WORD, "frequent_words": WORD}
 
 
 @dataclass(frozen=True)
@@ -274,6 +286,77 @@ def common_words(task, rng: np.random.Generator, n: int, depth: None, split: str
     return np.concatenate([[PAD] * pad, listed, [QUERY], answer]), np.arange(n - len(answer), n)
 
 
+# --- frequent_words ------------------------------------------------------------------------
+
+def zeta(alpha: float) -> float:
+    """Riemann's zeta(alpha) for alpha > 1: 63 terms, then the Euler-Maclaurin remainder (error
+    below 1e-12 for alpha >= 1.01)."""
+    k = np.arange(1, 64, dtype=np.float64)
+    m = 64.0
+    return float(np.sum(k**-alpha) + m ** (1 - alpha) / (alpha - 1) + m**-alpha / 2 + alpha * m ** (-alpha - 1) / 12
+                 - alpha * (alpha + 1) * (alpha + 2) * m ** (-alpha - 3) / 720)
+
+
+def zipf_counts(words: int, alpha: float) -> np.ndarray:
+    """Occurrences of the words of rank 1, 2, ... among ``words`` (the ranks that occur at all):
+    floor(words k^-alpha / zeta(alpha)), RULER's counts; rank 1 (the noise) also takes the slots
+    the floors leave, so they sum to ``words``."""
+    scale = words / zeta(alpha)
+    ranks = np.arange(1, int(scale ** (1 / alpha)) + 2, dtype=np.float64)  # one past the last with a count >= 1
+    counts = np.floor(scale * ranks**-alpha).astype(np.int64)
+    counts = counts[counts > 0]
+    if len(counts):
+        counts[0] += words - counts.sum()
+    return counts
+
+
+def frequent_words_fit(words: int, alpha: float, asked: int) -> bool:
+    """The ``asked`` words after the noise occur, each more often than every other word, and the
+    words there are differ (three letters each)."""
+    counts = zipf_counts(words, alpha)
+    after = counts[asked + 1] if len(counts) > asked + 1 else 0
+    return len(counts) > asked and counts[asked] > after and len(counts) - 1 <= WORDS
+
+
+def frequent_words_slots(n: int, asked: int) -> int:
+    return (n - 2 - WORD * asked) // (WORD + 1)
+
+
+@functools.lru_cache(maxsize=None)
+def frequent_words_range(alpha: float, asked: int) -> tuple[int, int]:
+    """(fewest, most) words W such that every W between fits: from rank ``asked`` + 1's count
+    passing rank ``asked`` + 2's for good (W (a - b) >= 1) downward to the first that does not
+    fit; up to the last W whose ranks fit the three-letter words (the count of ranks grows with W)."""
+    z = zeta(alpha)
+    a, b = (asked + 1) ** -alpha / z, (asked + 2) ** -alpha / z
+    low = int(np.ceil(1 / (a - b)))
+    while low > 1 and frequent_words_fit(low - 1, alpha, asked):
+        low -= 1
+    high, step = low, 1
+    while frequent_words_fit(high + step, alpha, asked) and high + step < 2**40:  # doubling, then halving
+        high, step = high + step, step * 2
+    while step > 1:
+        step //= 2
+        if frequent_words_fit(high + step, alpha, asked):
+            high += step
+    return low, high
+
+
+def frequent_words(task, rng: np.random.Generator, n: int, depth: None, split: str):
+    c, words = task.num_common, frequent_words_slots(n, task.num_common)
+    counts = zipf_counts(words, task.alpha)
+    assert frequent_words_fit(words, task.alpha, c), (n, words)  # min_length / max_length keep it so
+    ranked = rng.choice(WORDS, len(counts) - 1, replace=False)  # the words of ranks 2, 3, ... as numbers base 26
+    text = rng.permutation(np.repeat(np.concatenate([[-1], ranked]), counts))  # -1: the noise word
+    letters = lambda w: (w[:, None] // 26 ** np.arange(WORD - 1, -1, -1)) % 26 + LOWER  # noqa: E731
+    spelled = np.where(text[:, None] < 0, NOISE_WORD, letters(np.maximum(text, 0)))
+    listed = np.concatenate([spelled, np.full((len(text), 1), ord(" "))], axis=1).reshape(-1)
+    answer = np.concatenate([letters(np.sort(ranked[:c])).reshape(-1), [END]])
+    pad = n - len(listed) - 1 - len(answer)
+    assert 0 <= pad <= WORD, pad  # the answer is never cut off
+    return np.concatenate([[PAD] * pad, listed, [QUERY], answer]), np.arange(n - len(answer), n)
+
+
 # --- find_block ----------------------------------------------------------------------------
 
 def find_block(task, rng: np.random.Generator, n: int, depth: float | None, split: str):
@@ -329,12 +412,14 @@ def latent_list(task, rng: np.random.Generator, n: int, depth: None, split: str)
 #: name -> layout(task, rng, n, depth, split): (seq, answer indices) or Labelled
 LAYOUTS = {"state_tracking": state_tracking, "graphwalks": graphwalks, "babilong": babilong,
            "multi_query": multi_query, "common_words": common_words, "find_block": find_block,
-           "latent_list": latent_list}
+           "latent_list": latent_list, "frequent_words": frequent_words}
 
 
 def min_length(task) -> int:
     """The shortest input length whose layout fits (graphwalks: two edges)."""
     k = task.key_length
+    if task.name == "frequent_words":  # n = length + 1 ids hold W words, QUERY, the answer and END
+        return (WORD + 1) * frequent_words_range(task.alpha, task.num_common)[0] + WORD * task.num_common + 1
     return {"state_tracking": 1, "graphwalks": 10 + task.max_answer, "babilong": babilong_min_length(task),
             "multi_query": task.num_needles * (k + 2) + task.num_queries * (k + 1),
             "common_words": (WORD + 1) * COMMON_TIMES * task.num_common + WORD * task.num_common + 1,
@@ -345,6 +430,8 @@ def max_length(task) -> int | None:
     """The longest input length whose layout fits (graphwalks: every edge of 128 nodes); None: any."""
     if task.name == "graphwalks":
         return 3 * MAX_NODES * (MAX_NODES - 1) + 4 + task.max_answer
+    if task.name == "frequent_words":  # its ranks fit the three-letter words (s <= 3 PADs more)
+        return (WORD + 1) * frequent_words_range(task.alpha, task.num_common)[1] + WORD * task.num_common + 1 + WORD
     return None
 
 

@@ -8,9 +8,9 @@ prediction is their argmax. That is exactly greedy decoding for the exact-match 
 every answer token is the argmax given the true prefix, greedy decoding reproduces the answer,
 and if one is not, greedy decoding fails at the first such token. ``token_accuracy`` is the
 fraction of answer tokens right given the true prefix (teacher-forced, pooled over samples).
-Tasks whose answer is a set (``Task.set_valued``: graphwalks, common_words) also get ``f1``, the
-mean over samples of the F1 of the predicted elements against the true set, teacher-forced too
-(``set_f1``): GraphWalks' score; NaN for every other task.
+Tasks whose answer is a set (``Task.set_valued``: graphwalks, common_words, frequent_words) also
+get ``f1``, the mean over samples of the F1 of the predicted elements against the true set,
+teacher-forced too (``set_f1``): GraphWalks' score; NaN for every other task.
 
 Rows follow ``evaluation/extrapolation.py``: learned PE past its table is "not applicable"
 (never clamped), a length shorter than the task's layout is "skipped", nothing is estimated
@@ -89,7 +89,7 @@ class TaskEvalConfig(LengthSweepOptions):
         """F1 asked of a task whose answers are single (not sets) is refused, naming both."""
         require(self.f1 is not True or task.set_valued, "eval.tasks.f1", self.f1,
                 f"null or false for data.task={task.name}: its answer is a single one, and F1 scores set-valued "
-                f"answers (graphwalks, common_words)")
+                f"answers ({', '.join(SET_ELEMENT_WIDTH)})")
 
     def scores_f1(self, task: Task) -> bool:
         return self.f1 is not False and task.set_valued

@@ -269,6 +269,7 @@ class SyntheticDataModule(StreamDataModule):
         block_length: int = 5,
         query_length: int = 2,
         num_ops: int = 4,
+        alpha: float = 2.0,
         curriculum_batches: int = 0,
         curriculum_start: int | None = None,
     ) -> None:
@@ -277,7 +278,7 @@ class SyntheticDataModule(StreamDataModule):
                          num_vars=num_vars, num_tokens=num_tokens, max_offset=max_offset, num_needles=num_needles,
                          num_chains=num_chains, num_hops=num_hops, group=group, walk_depth=walk_depth,
                          max_answer=max_answer, qa=qa, num_facts=num_facts, num_common=num_common,
-                         block_length=block_length, query_length=query_length, num_ops=num_ops)
+                         block_length=block_length, query_length=query_length, num_ops=num_ops, alpha=alpha)
         require(isinstance(block_size, int) and block_size >= self.task.min_length, "data.block_size", block_size,
                 f"an integer >= {self.task.min_length} (the shortest {task} sample with these options)")
         for key, value, low in (("batch_size", batch_size, 1), ("val_samples", val_samples, 1),

@@ -22,7 +22,7 @@ Welch's two-sided t-test at α = 0.05 (p-values in the CSV); the plot draws the 
 bands. With one run per group (or no config.yaml) the output is one line per run; two runs of
 one scheme are named by the settings that differ (else by run directory). Task accuracy is the
 exact-match accuracy of a run averaged over its passkey depths; tasks with set-valued answers
-(graphwalks, common_words) show their F1 beside it (single runs: ``62.5 (F1 80.0)`` in a cell;
+(graphwalks, common_words, frequent_words) show their F1 beside it (single runs: ``62.5 (F1 80.0)`` in a cell;
 seed groups: a section ``TASK F1`` after the task's). A run below the learned criterion at its
 training length is marked once: ``[not learned at L]`` after its label (seed groups: ``[k/n not
 learned at L]``), with the criterion below the tables.

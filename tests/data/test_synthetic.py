@@ -146,7 +146,8 @@ def test_random_parts_have_the_stated_distributions():
 @pytest.mark.parametrize("make,message", [
     (lambda: Task("pasky"), "data.task must be one of passkey, copy, assoc_recall, flipflop, niah, counting, "
                             "selective_copy, indirect_indexing, multi_key, multi_value, variable_tracking, "
-                            "state_tracking, graphwalks, babilong, multi_query, common_words, find_block, latent_list, got 'pasky'"),
+                            "state_tracking, graphwalks, babilong, multi_query, common_words, find_block, latent_list, "
+                            "frequent_words, got 'pasky'"),
     (lambda: Task("assoc_recall", num_pairs=4, num_queries=5), "data.num_queries must be <= data.num_pairs=4"),
     (lambda: Task("assoc_recall", num_pairs=27), "data.num_pairs must be <= 26"),
     (lambda: Task("flipflop", p_ignore=1.0), "data.p_ignore must be a number in [0, 1), got 1.0"),
@@ -237,7 +238,7 @@ def test_configs_compose_validate_and_build():
                                           r"'flipflop', 'niah', 'counting', 'selective_copy', 'indirect_indexing', "
                                           r"'multi_key', 'multi_value', 'variable_tracking', 'state_tracking', 'graphwalks', "
                                           r"'babilong', 'multi_query', 'common_words', 'find_block', 'latent_list', "
-                                          r"got 'pasky'"):
+                                          r"'frequent_words', got 'pasky'"):
         validate_config(compose(["data=synthetic", "data.task=pasky", "eval.extrapolation.enabled=false"]))
 
 

@@ -1,4 +1,5 @@
-"""data/tasks_2025.py's state_tracking, graphwalks, babilong, multi_query and common_words: each
+"""data/tasks_2025.py's state_tracking, graphwalks, babilong, multi_query, common_words, find_block,
+latent_list and frequent_words: each
 layout written out by hand at its shortest length, every sample read back by a naive reader of
 the bytes written from the task's definition (each reader first checked on a hand-made
 sequence), F1 of set-valued answers by hand, the refusals, and one tiny training run."""
@@ -131,6 +132,22 @@ def read_common_words(x: bytes, common: int) -> list[int]:
     return list(answer)
 
 
+def read_frequent_words(x: bytes, asked: int) -> list[int]:
+    """The words counted (the noise word ``...`` set aside, it outnumbers every other); the
+    ``asked`` most frequent must outnumber the rest."""
+    body = x.lstrip(bytes([PAD]))
+    words, tail = body.split(Q)
+    counts = Counter(words.split())
+    noise = counts.pop(b"...", 0)
+    assert words.endswith(b" ") and all(len(w) == 3 and w.isalpha() and w.islower() for w in counts)
+    ranked = counts.most_common()
+    assert len(ranked) >= asked and noise >= ranked[0][1]
+    assert ranked[asked - 1][1] > (ranked[asked][1] if len(ranked) > asked else 0)  # the top words are unique
+    answer = b"".join(sorted(w for w, _ in ranked[:asked])) + b"."
+    assert tail == answer[:-1]
+    return list(answer)
+
+
 def read_find_block(x: bytes, size: int, asked: int) -> list[int]:
     body = x.lstrip(bytes([PAD]))
     assert len(x) - len(body) <= size
@@ -185,12 +202,15 @@ def test_readers_on_hand_made_sequences():
     assert read_babilong(story + b"\nWhere was the milk before the hallway? offic", 6) == list(b"office")
     assert read_multi_query(b"T\x1cA1h\x1cB2e\x1cC3\x1fCA3", 1, 3, 2) == list(b"31")
     assert read_common_words(b"\x00abc xyz abc abc qrs \x1fabc", 1) == list(b"abc.")
+    assert read_frequent_words(b"\x00... abc xyz ... abc ... qrs xyz abc \x1fabcxyz", 2) == list(b"abcxyz.")
     assert read_find_block(b"\x00abc.bcd.cde\x1fdbbc", 3, 2) == list(b"bcd")
     assert read_latent_list(b"a+1b+2a<3a~.b-.a-.\x1f1", 4) == list(b"1.")  # [1] [3 1] [1 3] [1]
     with pytest.raises(AssertionError):
         read_find_block(b"abc.bcd.cbe\x1fcbbc", 3, 2)  # two blocks hold b and c
     with pytest.raises(AssertionError):
         read_common_words(b"abc xyz abc abc xyz \x1fabc", 1)  # a word twice: neither common nor rare
+    with pytest.raises(AssertionError):
+        read_frequent_words(b"... ... abc xyz ... abc qrs xyz \x1fabc", 1)  # abc and xyz tie for the top
 
 
 TASKS = [Task("state_tracking"), Task("state_tracking", group="A5"), Task("state_tracking", group="S3"),
@@ -198,7 +218,8 @@ TASKS = [Task("state_tracking"), Task("state_tracking", group="A5"), Task("state
          Task("babilong", qa=2, num_facts=3), Task("babilong", qa=3), Task("multi_query"),
          Task("multi_query", num_needles=6, num_queries=2, key_length=2), Task("common_words"),
          Task("common_words", num_common=1), Task("find_block"), Task("find_block", block_length=3, query_length=3),
-         Task("latent_list"), Task("latent_list", num_ops=12)]
+         Task("latent_list"), Task("latent_list", num_ops=12), Task("frequent_words"),
+         Task("frequent_words", num_common=1), Task("frequent_words", alpha=1.5, num_common=2)]
 
 
 def answers_of(task: Task, x: np.ndarray, y: np.ndarray) -> list[int]:
@@ -209,7 +230,8 @@ def answers_of(task: Task, x: np.ndarray, y: np.ndarray) -> list[int]:
             "multi_query": lambda: read_multi_query(raw, task.key_length, task.num_needles, task.num_queries),
             "common_words": lambda: read_common_words(raw, task.num_common),
             "find_block": lambda: read_find_block(raw, task.block_length, task.query_length),
-            "latent_list": lambda: read_latent_list(raw, task.num_ops)}[task.name]()
+            "latent_list": lambda: read_latent_list(raw, task.num_ops),
+            "frequent_words": lambda: read_frequent_words(raw, task.num_common)}[task.name]()
 
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t.name)
@@ -486,3 +508,99 @@ def test_task_evaluation_scores_depth_rows_only_for_find_block():
         assert [(r.eval_length, r.ok) for r in rows] == [(n, True) for n in (200, 400) for _ in range(1 + depth)]
         assert all(math.isnan(r.depth) != depth for r in rows)
         assert all(math.isnan(r.f1) != Task(name).set_valued for r in rows)
+
+
+# --- frequent_words ---------------------------------------------------------------------------------
+
+def test_frequent_words_shortest_layout_by_hand():
+    """One word asked, alpha 2, length 32: 33 ids = 7 words of 4 ids, QUERY, the word, END. RULER's
+    counts of 7 words: rank 1 floor(7/zeta(2)) = 4, rank 2 floor(7/(4 zeta(2))) = 1, rank 3 0; the
+    noise (rank 1) takes the 2 the floors leave: 6 x "... " and the word once."""
+    x, y = layout(Task("frequent_words", num_common=1), 32)
+    words = [bytes(x[i : i + 4]) for i in range(0, 28, 4)]
+    word = next(w for w in words if w != b"... ")
+    assert sorted(words) == [b"... "] * 6 + [word] and word[:3].isalpha()
+    assert x[28] == QUERY and bytes(x[29:]) == word[:3] and y == [-1] * 28 + [*word[:3], ord(".")]
+
+
+@pytest.mark.parametrize("alpha,asked,length", [(2.0, 3, 222), (2.0, 3, 1024), (1.1, 3, 2048), (3.0, 2, 4096)])
+def test_frequent_words_counts_are_rulers_zipf_counts(alpha, asked, length):
+    """Counted back from the bytes: rank k (k >= 2) occurs floor(W k^-alpha / zeta(alpha)) times
+    (scipy's zeta), the noise word the rest of the W words."""
+    from scipy.special import zeta
+
+    task = Task("frequent_words", alpha=alpha, num_common=asked)
+    for index in range(3):
+        x, _ = task.sample(length, index, seed=4, split="test")
+        words = bytes(x.astype(np.uint8).tolist()).lstrip(bytes([PAD])).split(Q)[0].split()
+        counts = Counter(words)
+        noise = counts.pop(b"...")
+        total = len(words)
+        expected = [math.floor(total * k**-alpha / zeta(alpha)) for k in range(2, total + 2)]
+        assert sorted(counts.values(), reverse=True) == [c for c in expected if c > 0]
+        assert noise == total - sum(counts.values()) and total == (length - 1 - 3 * asked) // 4
+
+
+def test_frequent_words_shortest_length_is_where_the_top_words_are_unique():
+    """At alpha 2 with 3 asked, 52 words (length 221) give ranks 4 and 5 one occurrence each
+    (52 / (16 zeta(2)) = 1.98, 52 / (25 zeta(2)) = 1.26): a tie, refused; 53 (length 222) is
+    the shortest from which on rank 4 always outnumbers rank 5."""
+    from scipy.special import zeta
+
+    counts = lambda words, k: math.floor(words * k**-2 / zeta(2))  # noqa: E731
+    assert counts(52, 4) == counts(52, 5) == 1
+    assert all(counts(w, 4) > counts(w, 5) for w in range(53, 2000))
+    assert Task("frequent_words").min_length == 4 * 53 + 9 + 1
+    with pytest.raises(ValueError, match=r"length must be an integer >= 222 \(the shortest frequent_words sample\)"):
+        Task("frequent_words").sample(221, 0)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: Task("frequent_words", alpha=1.0), "data.alpha must be a number in (1, 4] (the Zipf exponent of "
+                                                "frequent_words, RULER's 2.0: the counts k^-alpha / zeta(alpha) need "
+                                                "alpha > 1), got 1.0"),
+    (lambda: Task("frequent_words", alpha=True), "data.alpha must be a number in (1, 4]"),
+    (lambda: Task("frequent_words", alpha="2"), "got '2'"),
+    (lambda: SyntheticDataModule("frequent_words", block_size=128),
+     "data.block_size must be an integer >= 222 (the shortest frequent_words sample with these options), got 128"),
+    (lambda: SyntheticDataModule("frequent_words", block_size=512, alpha=1.1),
+     "data.block_size must be an integer >= 790"),
+    (lambda: TaskEvalConfig(f1=True).check_task(Task("passkey")),
+     "F1 scores set-valued answers (graphwalks, common_words, frequent_words)"),
+])
+def test_frequent_words_bad_options_are_one_line(make, message):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_frequent_words_builds_as_typed_and_scores_f1(monkeypatch):
+    """``data=synthetic data.task=frequent_words`` at the default length (256) builds and takes a
+    step; evaluation scores its set answers with F1 (first word missed: F1 2(3-1)/(2*3-1) = 0.8)."""
+    import torch
+
+    import evaluation.tasks as tasks
+    from pelab.datamodule import build_datamodule
+    from pelab.validate import validate_config
+
+    cfg = compose(["data=synthetic", "data.task=frequent_words", "model.block_size=256", "data.batch_size=2"])
+    validate_config(cfg)
+    dm = build_datamodule(cfg.data)
+    assert dm.task == Task("frequent_words") and dm.task.alpha == 2.0
+    dm.setup()
+    x, y = next(iter(dm.train_dataloader()))
+    gpt = tiny_gpt("rope", config=GPTConfig(vocab_size=256, block_size=256, n_layer=1, n_head=2, n_embd=16))
+    _, loss = gpt(x, y)
+    loss.backward()
+    assert x.shape == (2, 256) and torch.isfinite(loss) and int((y[0] >= 0).sum()) == 3 * 3 + 1
+
+    def first_element_missed(gpt, inputs, targets, *args):
+        out = targets.clone()
+        for row in out:
+            row[int((row >= 0).nonzero()[0])] = ord(".")
+        return out
+
+    monkeypatch.setattr(tasks, "predict_answers", first_element_missed)
+    config = TaskEvalConfig(multipliers=[1], samples=4, precision="32")
+    (row,) = tasks.evaluate_tasks(gpt, Task("frequent_words"), 256, config, seed=0, log=lambda _: None)
+    assert row.accuracy == 0 and row.f1 == pytest.approx(0.8)
