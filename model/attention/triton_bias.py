@@ -34,10 +34,12 @@ tests use it. Forward and backward are ``torch.library`` custom ops, opaque to t
 
 from __future__ import annotations
 
+import builtins
 import functools
 import importlib
 import importlib.util
 import os
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +59,7 @@ INTERPRETER_BLOCK = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TRITON = importlib.util.find_spec("triton") is not None  # installed (imported only when a kernel first runs)
 
-tl: Any = None  # triton.language, bound by ``kernels()`` before any kernel compiles
+tl: Any = None  # triton.language: bound in the namespace ``kernels()`` gives the kernels' copies
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,14 +190,15 @@ def _backward_q(Q, K, V, Bias, dO, Lse, Delta, dQ, dBias, s_b, s_h, s_t, sk_b, s
 
 
 @functools.lru_cache(maxsize=None)
-def kernels() -> tuple[Any, Any, Any]:
-    """The jitted (forward, dK/dV, dQ/db) kernels, Triton imported by name on first use."""
-    global tl
+def kernels(interpret: bool) -> tuple[Any, Any, Any]:
+    """The jitted (forward, dK/dV, dQ/db) kernels, compiled or, with ``interpret`` (TRITON_INTERPRET=1,
+    which triton.jit reads as it wraps), interpreted: Triton imported by name on first use, the
+    functions above copied into a namespace of their own per mode, where they find each other."""
     triton = importlib.import_module("triton")
-    tl = importlib.import_module("triton.language")
-    for helper in ("_add", "_max", "_dot", "_logits"):  # the kernels call the jitted helpers by their global names
-        globals()[helper] = triton.jit(globals()[helper])
-    return triton.jit(_forward), triton.jit(_backward_kv), triton.jit(_backward_q)
+    namespace = {"__builtins__": builtins, "__name__": __name__, "tl": importlib.import_module("triton.language")}
+    for name in ("_add", "_max", "_dot", "_logits", "_forward", "_backward_kv", "_backward_q"):
+        namespace[name] = triton.jit(types.FunctionType(globals()[name].__code__, namespace, name))
+    return namespace["_forward"], namespace["_backward_kv"], namespace["_backward_q"]
 
 
 def interpreted() -> bool:
@@ -209,7 +212,7 @@ def launch_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int, int, int]:
 
 
 def upcast(q: Tensor) -> bool:
-    return not q.is_cuda and q.dtype != torch.float32
+    return interpreted() and q.dtype != torch.float32
 
 
 def precision(q: Tensor) -> str | None:
@@ -225,7 +228,7 @@ def precision(q: Tensor) -> str | None:
 
 @torch.library.custom_op("pelab::triton_bias_attention", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    forward, _, _ = kernels()
+    forward, _, _ = kernels(interpreted())
     B, H, Tq, Tk, D, block = launch_shape(q, k)
     out = torch.empty(B, H, Tq, D, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
@@ -245,7 +248,7 @@ def _(q, k, v, bias, scale):
 @torch.library.custom_op("pelab::triton_bias_attention_backward", mutates_args=())
 def _attention_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, out: Tensor, lse: Tensor,
                         scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _, backward_kv, backward_q = kernels()
+    _, backward_kv, backward_q = kernels(interpreted())
     B, H, Tq, Tk, D, block = launch_shape(q, k)
     q, d_out = q.contiguous(), d_out.to(v.dtype).contiguous()  # one set of strides for q, dO and dQ
     k, v = k.contiguous(), v.contiguous()

@@ -41,7 +41,7 @@ def interpreter(monkeypatch):
 def naive_distance_attention(q, k, v, b):
     """float64 softmax(q k^T / sqrt(D) + b[h, i' - j]) v over keys j <= i', i' = Tk - Tq + i."""
     Tq, Tk, D = q.shape[2], k.shape[2], q.shape[-1]
-    distance = torch.arange(Tk - Tq, Tk)[:, None] - torch.arange(Tk)[None, :]
+    distance = (torch.arange(Tk - Tq, Tk)[:, None] - torch.arange(Tk)[None, :]).to(q.device)
     logits = q @ k.transpose(-1, -2) / D ** 0.5 + b[:, distance.clamp(min=0)]
     return torch.softmax(logits.masked_fill(distance < 0, float("-inf")), -1) @ v
 
@@ -69,6 +69,32 @@ def test_kernel_equals_the_float64_reference_with_the_bias_gradient(interpreter,
         assert scale > 1e-3, f"d{name}: the check needs a non-zero gradient"
         torch.testing.assert_close(got.grad.double(), want.grad, atol=tol * scale, rtol=tol,
                                    msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_kernel_on_cuda_equals_the_float64_reference(dtype):
+    """The compiled kernels at their GPU tile (64 rows) and gpt2's head size: T = 200 (a partial
+    fourth tile), query chunks (Tq = 70), three heads; bf16/fp16 within their P and dS rounding."""
+    B, H, Tk, D = 2, 3, 200, 64
+    for Tq in (Tk, 70):
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(B, H, T, D, generator=g).to(dtype).cuda() for T in (Tq, Tk, Tk))
+        b = torch.randn(H, Tk, generator=g).cuda()
+        weights = torch.randn(B, H, Tq, D, generator=g, dtype=torch.float64).cuda()
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v, b)]
+        out = attention_with_distance_bias(*inputs)
+        (out.double() * weights).sum().backward()
+        ref_inputs = [t.detach().double().requires_grad_(True) for t in (q, k, v, b)]
+        ref = naive_distance_attention(*ref_inputs)
+        (ref * weights).sum().backward()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=lambda m: f"output at Tq={Tq}: {m}")
+        for name, got, want in zip("qkvb", inputs, ref_inputs):
+            scale = want.grad.abs().max().item()
+            torch.testing.assert_close(got.grad.double(), want.grad, atol=tol * scale, rtol=tol,
+                                       msg=lambda m, n=name: f"d{n} at Tq={Tq}: {m}")
 
 
 def distance_model(scheme):
