@@ -27,6 +27,7 @@ from model.config import GPTConfig
 from model.temperature import check_init_temperature
 from model.pe.scaling import scaling_of
 from pelab.checkpoint import check_init_from, check_resume, init_state
+from pelab.checkpoint.mesh import check_mesh
 from pelab.config import (ConfigError, build, check_options, describe, fail, matches, plain, require,
                           target_class)
 from pelab.datamodule import build_datamodule, data_options
@@ -184,6 +185,9 @@ def check_trainer(trainer: dict, optim: OptimConfig) -> None:
     interval = trainer.get("val_check_interval")
     if isinstance(interval, (int, float)):
         require(interval > 0, "trainer.val_check_interval", interval, "> 0 (steps, or a fraction of an epoch)")
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and strategy.get("device_mesh") is not None:  # trainer=hsdp: the mesh covers the world
+        check_mesh(strategy["device_mesh"], trainer.get("num_nodes") or 1, trainer.get("devices"))
 
 
 def check_evaluation(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:

@@ -14,8 +14,10 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 
 from data.paths import aside_name, remove_dead_leftovers
+from pelab.checkpoint.async_save import AsyncSaves
 from pelab.checkpoint.atomic import disk_full_error, fsync_dir
 from pelab.checkpoint.errors import CheckpointError
+from pelab.checkpoint.mesh import build_mesh, mesh_shape
 
 # Lightning writes a sharded checkpoint as a directory: torch.distributed.checkpoint's shards and
 # ``.metadata`` (written last, by rank 0, once every rank's shards are on disk) and ``meta.pt``
@@ -57,12 +59,33 @@ class FSDPStrategy(LightningFSDPStrategy):
                              "set trainer.accelerator=gpu, or use trainer=default / trainer=ddp on this machine")
         self._accelerator = accelerator
 
-    def __init__(self, *args: Any, state_dict_type: str = "auto", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, state_dict_type: str = "auto", async_save: bool = False,
+                 device_mesh: Any = None, **kwargs: Any) -> None:
         if state_dict_type not in ("auto", "full", "sharded"):
             raise ValueError(f"trainer.strategy.state_dict_type must be auto, full or sharded, got "
                              f"{state_dict_type!r}")
+        if async_save not in (True, False):
+            raise ValueError(f"trainer.strategy.async_save must be true or false, got {async_save!r}")
+        if async_save and state_dict_type == "full":
+            raise ValueError("trainer.strategy.async_save=true saves sharded checkpoints in the background "
+                             "(torch.distributed.checkpoint.async_save), and state_dict_type=full gathers one file on "
+                             "rank 0; allowed: state_dict_type=sharded or auto with async_save=true")
         self.requested_state_dict_type = state_dict_type
-        super().__init__(*args, state_dict_type="full" if state_dict_type == "auto" else state_dict_type, **kwargs)
+        self.async_saves = AsyncSaves() if async_save else None
+        mesh = device_mesh if hasattr(device_mesh, "get_group") else mesh_shape(device_mesh)  # a DeviceMesh as it is
+        super().__init__(*args, state_dict_type="full" if state_dict_type == "auto" else state_dict_type,
+                         device_mesh=mesh, **kwargs)
+
+    def setup_environment(self) -> None:
+        """Lightning's, with a ``(replicas, shards)`` mesh built on the training device's type
+        (Lightning builds it on CUDA only) and checked against the world the job started, and the
+        asynchronous saves' own process group."""
+        shape = self.kwargs.pop("device_mesh", None) if isinstance(self.kwargs.get("device_mesh"), tuple) else None
+        super().setup_environment()
+        if shape is not None:
+            self.kwargs["device_mesh"] = build_mesh(shape, self.root_device.type, self.world_size)
+        if self.async_saves is not None:
+            self.async_saves.setup()
 
     @property
     def state_dict_type(self) -> str:
@@ -71,7 +94,52 @@ class FSDPStrategy(LightningFSDPStrategy):
     def setup(self, trainer) -> None:
         if self.requested_state_dict_type == "auto":  # the model is built (configure_model) before setup
             self._state_dict_type = auto_state_dict_type(sum(p.numel() for p in self.lightning_module.parameters()))
+        if self.async_saves is not None and self._state_dict_type == "full" and self.is_global_zero:
+            print("[pelab] trainer.strategy.async_save=true: this model's checkpoints are full (state_dict_type=auto, "
+                  "state under 2 GiB): they are saved synchronously", flush=True)
         super().setup(trainer)
+
+    def teardown(self) -> None:
+        if self.async_saves is not None:
+            self.async_saves.wait()  # the last checkpoint is complete before the process may exit
+        super().teardown()
+
+    def remove_checkpoint(self, filepath) -> None:
+        """A checkpoint superseded while a save is in flight is removed once that save is complete."""
+        if self.async_saves is not None and self.is_global_zero and self.async_saves.defer(
+                lambda: LightningFSDPStrategy.remove_checkpoint(self, filepath)):
+            return
+        super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory resumed as Lightning resumes it, but for the optimizer state: that is
+        read into this rank's own layout of it (``FSDP.optim_state_dict`` of an optimizer whose
+        state exists), so FULL_SHARD and HYBRID_SHARD alike get their AdamW moments back exactly.
+        Lightning's ``load_sharded_optimizer_state_dict`` lays hybrid sharding's 2-D state out over
+        the whole world: the weights came back right, the moments wrong. Anything else (a full
+        file, validation only, several optimizers) is Lightning's."""
+        import torch
+        from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        path = Path(self.broadcast(checkpoint_path))
+        module = self.lightning_module
+        if not (path.is_dir() and (path / META_FILE).is_file()) or module.trainer.state.fn != TrainerFn.FITTING \
+                or len(self.optimizers) != 1:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        optimizer = self.optimizers[0]
+        with _get_sharded_state_dict_context(self.model):
+            state = {"model": self.model.state_dict()}
+            load(state, checkpoint_id=path)
+            self.model.load_state_dict(state["model"], strict=module.strict_loading)
+            _init_optim_state(optimizer)  # AdamW creates its state at its first step (here with lr 0: no change)
+            state = {"optimizer_0": FSDP.optim_state_dict(self.model, optimizer)}  # this rank's layout, filled in
+            load(state, checkpoint_id=path)
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(self.model, optimizer, state["optimizer_0"]))
+        return torch.load(path / META_FILE, weights_only=weights_only)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(filepath))
@@ -79,6 +147,8 @@ class FSDPStrategy(LightningFSDPStrategy):
                 get_filesystem(path), LocalFileSystem):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         tmp = path.parent / self.broadcast(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")  # rank 0's name
+        if self.async_saves is not None:
+            return self._save_async(checkpoint, tmp, path)
         error = None
         try:
             super().save_checkpoint(checkpoint, tmp)  # every rank's shards, .metadata, then rank 0's meta.pt
@@ -96,10 +166,23 @@ class FSDPStrategy(LightningFSDPStrategy):
                                       "already there are intact")
             raise disk_full_error(error, path) or error
         if self.is_global_zero:
-            replace_dir(tmp, path)
-            for stale in path.parent.glob(f".{path.name}.*.partial"):  # left behind by a save that was killed
-                shutil.rmtree(stale, ignore_errors=True)
+            _into_place(tmp, path)
         self.barrier("pelab.FSDPStrategy.save_checkpoint")
+
+    def _save_async(self, checkpoint: dict[str, Any], tmp: Path, path: Path) -> None:
+        """Lightning's sharded layout (``model``, ``optimizer_N`` through torch.distributed.checkpoint,
+        the rest in rank zero's ``meta.pt``), written in the background; returns once the state is
+        copied to CPU memory (after the previous save is complete)."""
+        state = {"model": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        self.async_saves.start(state, checkpoint, tmp, path, self.is_global_zero, _into_place)
+
+
+def _into_place(tmp: Path, path: Path) -> None:
+    """Rank zero: the complete directory under its name, and any killed save's leftovers removed."""
+    replace_dir(tmp, path)
+    for stale in path.parent.glob(f".{path.name}.*.partial"):  # left behind by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def auto_state_dict_type(parameters: int) -> str:
