@@ -48,7 +48,7 @@ import resource
 import shutil
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +59,6 @@ FORMAT_VERSION = 4  # 2: hashes in meta.json, bytes separator 0x1E; 3: offsets .
 # 4: corpora of files sharded by group of files (data/shards.py), read in place
 SPLITS = ("train", "val")
 BATCH_DOCUMENTS = 1000  # documents per encode call
-REFERENCE_EVERY = 8  # Throughput: every 8th batch is also encoded by the raw tokenizer call
 MOVE_IT = "data.data_dir (or $PELAB_CACHE)"  # the options that say where the cache lives
 
 
@@ -223,44 +222,64 @@ class Throughput:
     """Tokens, wall and CPU seconds of a whole build (fingerprint, reading, tokenizing, writing:
     the process's CPU time, every thread).
 
-    With ``reference_tokens`` > 0 (scripts/prepare_data.py), batches spread over the whole build
-    (the first, then every ``REFERENCE_EVERY``-th) are encoded in
-    the calling thread and then once more by the tokenizer's raw batch call
-    (``raw_encode_batch``: tiktoken's ``encode_ordinary_batch``, one thread), each timed in that
-    thread's own CPU time (``time.thread_time``: other threads and processes do not count). The
-    raw calls are left out of the build's CPU seconds. So the raw rate is measured on the same
-    text as the build, at the same thread count (one), whatever else loads the machine."""
+    With ``reference_tokens`` > 0 (scripts/prepare_data.py), the build keeps the text of batches
+    spread evenly over it (every batch, then every 2nd, 4th, ... whenever the kept text passes
+    about ``reference_tokens`` tokens, 4 characters each). When the build is done (its time
+    taken), that text is encoded again in batches of ``BATCH_DOCUMENTS``, by pelab
+    (``encode_array``) and by the tokenizer's raw batch call (``raw_encode_batch``: tiktoken's
+    ``encode_ordinary_batch``), both at one thread with nothing else running, each timed in the
+    process's CPU seconds (other processes loading the machine do not count). So the build's
+    rate is compared with the raw call on the same text at the same thread count."""
 
     def __init__(self, reference_tokens: int = 0) -> None:
         self.tokens, self.reference_tokens, self.built = 0, reference_tokens, False
         self.copied = 0  # tokens a sharded build copied from other shards instead of encoding (data/shards.py)
-        self.batches, self.sampled_tokens, self.encode_cpu, self.raw_cpu = 0, 0, 0.0, 0.0
+        self.kept: list[list[str]] = []
+        self.kept_chars, self.stride, self.batches, self.encoding = 0, 1, 0, None
         self.wall, self.cpu = time.perf_counter(), cpu_seconds()
+        self._summary: dict | None = None
 
-    def sampled(self) -> bool:
-        """Whether the next batch is a reference batch (counts it)."""
+    def keep(self, tokenizer, texts: list[str], dtype: np.dtype, separate: bool) -> None:
+        """Keep every ``stride``-th batch's text, halving what is kept when it grows past the budget."""
+        if self.reference_tokens <= 0:
+            return
+        self.encoding = (tokenizer, dtype, separate)
+        if self.batches % self.stride == 0:
+            self.kept.append(texts)
+            self.kept_chars += sum(map(len, texts))
+            if self.kept_chars > 4 * self.reference_tokens:
+                self.kept, self.stride = self.kept[::2], 2 * self.stride
+                self.kept_chars = sum(len(t) for batch in self.kept for t in batch)
         self.batches += 1
-        return self.reference_tokens > 0 and self.batches % REFERENCE_EVERY == 1
 
-    def encode(self, tokenizer, texts: list[str], dtype: np.dtype, separate: bool) -> tuple[np.ndarray, np.ndarray]:
-        """``encode_array`` of a reference batch, then the raw call on the same texts, both timed."""
-        start = time.thread_time()
-        result = tokenizer.encode_array(texts, dtype, separate)
-        middle = time.thread_time()
-        tokenizer.raw_encode_batch(tokenizer._document_texts(texts))
-        end = time.thread_time()
-        self.encode_cpu, self.raw_cpu = self.encode_cpu + middle - start, self.raw_cpu + end - middle
-        self.sampled_tokens += len(result[0]) - (len(result[1]) if separate and tokenizer.eot_token is not None else 0)
-        return result
+    def reference(self) -> dict:
+        """(tokens, pelab's CPU seconds, the raw call's CPU seconds) on the kept text."""
+        tokenizer, dtype, separate = self.encoding
+        texts = [t for batch in self.kept for t in batch]
+        tokens, mine, raw = 0, 0.0, 0.0
+        for i in range(0, len(texts), BATCH_DOCUMENTS):
+            chunk = texts[i : i + BATCH_DOCUMENTS]
+            start = cpu_seconds()
+            ids, _ = tokenizer.encode_array(chunk, dtype, separate)
+            middle = cpu_seconds()
+            tokenizer.raw_encode_batch(tokenizer._document_texts(chunk))
+            raw, mine = raw + cpu_seconds() - middle, mine + middle - start
+            tokens += len(ids)
+        return {"reference_tokens": tokens, "encode_cpu_s": mine, "raw_cpu_s": raw}
 
     def summary(self) -> dict:
-        wall, cpu = time.perf_counter() - self.wall, cpu_seconds() - self.cpu - self.raw_cpu
-        result = {"tokens": self.tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_cpu_s": self.tokens / max(cpu, 1e-9)}
-        if self.raw_cpu > 0:
-            result["raw_tokens_per_cpu_s"] = self.sampled_tokens / self.raw_cpu
-            result["encode_tokens_per_cpu_s"] = self.sampled_tokens / max(self.encode_cpu, 1e-9)
-            result["fraction_of_raw"] = result["tokens_per_cpu_s"] / result["raw_tokens_per_cpu_s"]
-        return result
+        """The build's figures (taken at the first call, the end of the build) and the comparison."""
+        if self._summary is None:
+            wall, cpu = time.perf_counter() - self.wall, cpu_seconds() - self.cpu
+            result = {"tokens": self.tokens, "wall_s": wall, "cpu_s": cpu,
+                      "tokens_per_cpu_s": self.tokens / max(cpu, 1e-9)}
+            if self.kept and self.encoding is not None:
+                result.update(self.reference())
+                result["raw_tokens_per_cpu_s"] = result["reference_tokens"] / max(result["raw_cpu_s"], 1e-9)
+                result["encode_tokens_per_cpu_s"] = result["reference_tokens"] / max(result["encode_cpu_s"], 1e-9)
+                result["fraction_of_raw"] = result["tokens_per_cpu_s"] / result["raw_tokens_per_cpu_s"]
+            self._summary = result
+        return self._summary
 
     def line(self) -> str:
         r = self.summary()
@@ -268,33 +287,27 @@ class Throughput:
                 f"tok/s; {r['tokens_per_cpu_s'] / 1e6:.2f} M tok per CPU-s of the whole build over {r['cpu_s']:.1f} "
                 f"CPU-s)")
         if "fraction_of_raw" in r:
-            text += (f"; on the same text ({self.sampled_tokens:,} tokens of batches spread over the build, one thread, "
-                     f"thread CPU time) the raw tokenizer call runs at {r['raw_tokens_per_cpu_s'] / 1e6:.2f} M tok per "
-                     f"CPU-s and pelab's encoding at {r['encode_tokens_per_cpu_s'] / 1e6:.2f}, so the build runs at "
-                     f"{r['fraction_of_raw']:.0%} of it")
+            text += (f"; on the same text ({r['reference_tokens']:,} tokens of batches spread over the build, one "
+                     f"thread each, CPU time) the raw tokenizer call runs at {r['raw_tokens_per_cpu_s'] / 1e6:.2f} M "
+                     f"tok per CPU-s and pelab's encoding at {r['encode_tokens_per_cpu_s'] / 1e6:.2f}, so the build "
+                     f"runs at {r['fraction_of_raw']:.0%} of it")
         return text
 
 
 def encoded_batches(batches, tokenizer, dtype: np.dtype, separate: bool, num_proc: int | None, stats: Throughput):
     """(ids, lengths, tag) of every (texts, tag) of ``batches``, in order. With ``num_proc`` > 1,
-    batches are encoded in that many threads, at most 2 x num_proc of them in flight; a
-    reference batch (``stats.sampled``) is encoded in this thread."""
+    batches are encoded in that many threads, at most 2 x num_proc of them in flight."""
     workers = num_proc or 1
     if workers == 1:
         for texts, tag in batches:
-            ids, lengths = (stats.encode(tokenizer, texts, dtype, separate) if stats.sampled()
-                            else tokenizer.encode_array(texts, dtype, separate))
-            yield ids, lengths, tag
+            stats.keep(tokenizer, texts, dtype, separate)
+            yield (*tokenizer.encode_array(texts, dtype, separate), tag)
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="pelab-tokenize") as pool:
         pending: deque = deque()
         for texts, tag in batches:
-            if stats.sampled():
-                done = Future()
-                done.set_result(stats.encode(tokenizer, texts, dtype, separate))
-                pending.append((done, tag))
-            else:
-                pending.append((pool.submit(tokenizer.encode_array, texts, dtype, separate), tag))
+            stats.keep(tokenizer, texts, dtype, separate)
+            pending.append((pool.submit(tokenizer.encode_array, texts, dtype, separate), tag))
             if len(pending) >= 2 * workers:
                 future, tag_ = pending.popleft()
                 yield (*future.result(), tag_)

@@ -23,13 +23,17 @@ defined, as chunking by rolling hash is): a group ends after file ``f`` when
 ``GROUP_BYTES`` or more, which is a group alone. Why not fixed runs of N files: one file
 inserted in the middle would shift every later group and re-tokenize half the corpus; here a
 new file changes only the group it falls in (which may split in two). Why not one shard per
-file: 50,000 small files would mean 100,000 memory maps per loading process and 250,000 files
-in the cache; groups keep both near ``corpus bytes / GROUP_BYTES`` for big corpora and
-``files / GROUP_FILES`` for many small ones, and a new file costs one group's tokenization
-(``GROUP_FILES`` small files, or at most ``GROUP_BYTES`` of text). A shard's key hashes the
-format, the tokenizer's fingerprint, the corpus options and the group's paths: its files'
-sizes and mtimes are checked against ``shard.json`` (the cheap check), then its content (files
-touched but unchanged: kept, as a whole cache was).
+file: 50,000 small files would mean 100,000 memory maps per loading process, 250,000 files in
+the cache, and a lock, a folder and 5 files written per corpus file (4,508 small files: the
+build ran at a third of the raw tokenizer's rate with groups of 8 files, two thirds with 64:
+docs/performance.md); groups keep these near ``corpus bytes / GROUP_BYTES`` for big corpora
+and ``files / GROUP_FILES`` for many small ones. A rebuilt group encodes only its new or
+changed files: ``shard.json`` records each file's documents, and the group's unchanged files
+are copied from the shards holding them (``Donors``), so a corpus that gains a file encodes
+that file's text and copies at most one group's tokens. A shard's key hashes the format, the
+tokenizer's fingerprint, the corpus options and the group's paths: its files' sizes and mtimes
+are checked against ``shard.json`` (the cheap check), then its content (files touched but
+unchanged: kept, as a whole cache was).
 
 **The held-out split** is decided per document by its hash (``held_out_by_hash``'s threshold),
 so each shard splits its own documents. The rule "at least one document each side" is global:
@@ -65,8 +69,8 @@ from data.lock import LOCK_TIMEOUT, build_lock, holder_line, try_flock
 from data.paths import disk_full, no_space, process_alive
 from data.stream import SplitParts
 
-GROUP_FILES = 8  # a group ends after about this many small files ...
-GROUP_BYTES = 16 << 20  # ... or about this many bytes of source files
+GROUP_FILES = 64  # a group ends after about this many small files ...
+GROUP_BYTES = 64 << 20  # ... or about this many bytes of source files
 SHARDS = "shards"
 SHARD_META = "shard.json"
 

@@ -33,8 +33,8 @@ process holds a build lock there.
 
 Prints a progress bar while building, then the build's tokens per CPU-second (the whole
 process: reading, tokenizing, writing), compared with the tokenizer's raw batch call (tiktoken's
-``encode_ordinary_batch``) on the same text: batches spread over the build, encoded by both at
-one thread, timed in thread CPU time (data/cache.py ``Throughput``).
+``encode_ordinary_batch``) on the same text: batches spread over the build, encoded again by
+both at one thread once the build is done, timed in CPU seconds (data/cache.py ``Throughput``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 from _cli import HELP, usage
 from _common import ROOT
 
-REFERENCE = 1  # Throughput(reference_tokens=...): > 0 compares with the raw tokenizer call
+REFERENCE_TOKENS = 2_000_000  # text of about this many tokens, spread over the build, timed against the raw call
 OWN_KEYS = ("shard", "merge", "clean")  # this script's own options, beside train.py's overrides
 
 
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         tokenizer = datamodule.tokenizer  # a tokenizer file is read here: its errors name data.tokenizer
-        stats = Throughput(reference_tokens=REFERENCE)
+        stats = Throughput(reference_tokens=REFERENCE_TOKENS)
         if own["shard"] or own["merge"]:
             meta = sharded(tokenizer, datamodule.token_dir, datamodule.tokenize_num_proc, verify=not own["merge"],
                            stats=stats, lock_timeout=datamodule.lock_timeout, part=own["shard"], merge=own["merge"])

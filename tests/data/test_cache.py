@@ -123,7 +123,8 @@ def crashing_builder(out_dir, folder):
     prepare_token_files(TextFilesCorpus([folder], val_fraction=0.25), get_tokenizer("bytes"), Path(out_dir))
 
 
-def test_a_crashed_builders_lock_is_released(tmp_path):
+def test_a_crashed_builders_lock_is_released(tmp_path, monkeypatch):
+    monkeypatch.setattr(data.shards, "GROUP_FILES", 4)  # several groups of files: a second shard to die in
     corpus = corpus_files(tmp_path / "c")
     proc = multiprocessing.get_context("fork").Process(target=crashing_builder,
                                                        args=(str(tmp_path / "t"), str(tmp_path / "c")))

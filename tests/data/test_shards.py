@@ -27,6 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SEP = 0x1E
 
 
+@pytest.fixture(autouse=True)
+def small_groups(monkeypatch):
+    """Groups of about 4 files (the paths' hashes decide): small corpora make several shards."""
+    monkeypatch.setattr(data.shards, "GROUP_FILES", 4)
+
+
 def write_corpus(folder: Path, n: int, start: int = 0) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(start, start + n):
@@ -78,7 +84,6 @@ def shard_state(out: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_a_grown_corpus_encodes_only_the_new_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(data.shards, "GROUP_FILES", 4)  # groups of about 4 files (the paths' hashes decide)
     write_corpus(tmp_path / "c", 50)
     tok, out = get_tokenizer("bytes"), tmp_path / "out"
     first = prepare_token_files(TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), tok, out)
@@ -274,8 +279,7 @@ def test_the_parts_read_as_one_split_equal_the_naive_stream(tmp_path, monkeypatc
     """The reader (ConcatTokens over the manifest's parts) against the tokenizer's own ids
     concatenated by hand: every token, random slices across parts, and the training (random and
     epoch) and validation windows of one file holding the same tokens."""
-    monkeypatch.setattr(data.shards, "GROUP_FILES", 4)  # many small shards: many part boundaries
-    write_corpus(tmp_path / "c", 60)
+    write_corpus(tmp_path / "c", 60)  # groups of about 4 files: many part boundaries
     corpus, tok = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), get_tokenizer("bytes")
     meta = prepare_token_files(corpus, tok, tmp_path / "out")
     assert len(meta["splits"]["train"]["parts"]) >= 8
