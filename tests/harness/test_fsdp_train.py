@@ -112,10 +112,12 @@ def runs(tmp_path_factory) -> dict:
     def lane_async():  # killed in its step-4 save, resumed; then the whole run's step 2 on one rank
         killer = ["+callbacks.kill._target_=tests.harness.fsdp_train.KillDuringAsyncSave", "+callbacks.kill.step=4",
                   f"+callbacks.kill.marker={tmp / 'killed' / 'marker'}"]
-        out["killed"] = train(tmp / "killed", [*fsdp, "trainer.strategy.async_save=true", *killer], data)
+        best_only = ["callbacks.model_checkpoint.save_top_k=1", "callbacks.model_checkpoint.monitor=train/loss"]
+        out["killed"] = train(tmp / "killed", [*fsdp, "trainer.strategy.async_save=true", *killer, *best_only], data)
         out["after_kill"] = sorted(p.name for p in (tmp / "killed" / "checkpoints").iterdir())
         out["partial_metadata"] = [p.name for p in (tmp / "killed" / "checkpoints").glob(".*.partial/*")]
-        out["continued"] = train(tmp / "killed", [*fsdp, "trainer.strategy.async_save=true"], data)
+        out["continued"] = train(tmp / "killed", [*fsdp, "trainer.strategy.async_save=true",
+                                                  "callbacks.model_checkpoint.save_last=true"], data)
         whole_done.wait()
         keep_only(tmp / "whole", tmp / "one", 2)
         out["one"] = train(tmp / "one", ["trainer=fsdp", "trainer.devices=1", "data.batch_size=4",
@@ -128,7 +130,8 @@ def runs(tmp_path_factory) -> dict:
                   f"+callbacks.sharding.prefix={tmp / 'hybrid' / 'sharding'}"]
         out["hybrid"] = train(tmp / "hybrid", [*hsdp, *record], data, nodes=2)
         keep_only(tmp / "hybrid", tmp / "hybrid_resumed", 4)
-        out["hybrid_resumed"] = train(tmp / "hybrid_resumed", hsdp, data, nodes=2)
+        out["hybrid_resumed"] = train(tmp / "hybrid_resumed", [*hsdp, "trainer.strategy.async_save=true"], data,
+                                      nodes=2)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(3) as pool:
@@ -214,9 +217,9 @@ def test_hybrid_sharding_shards_in_a_node_replicates_across_and_trains_as_fsdp(r
 
 
 def test_a_hybrid_sharded_checkpoint_resumes_exactly(runs):
-    """Step 4 of the hybrid run resumed on 2 x 2 ends at step 6 with its state bit for bit (with
-    Lightning's optimizer load the first step after it trained right, the second did not: the
-    AdamW moments came back wrong)."""
+    """Step 4 of the hybrid run resumed on 2 x 2 (saving asynchronously: DTensor shards) ends at
+    step 6 with its state bit for bit (with Lightning's optimizer load the first step after it
+    trained right, the second did not: the AdamW moments came back wrong)."""
     finished(runs["hybrid_resumed"])
     resumed = runs["dir"] / "hybrid_resumed"
     assert f"continuing from {step_dir(resumed, 4)}" in runs["hybrid_resumed"]["log"]
@@ -225,9 +228,12 @@ def test_a_hybrid_sharded_checkpoint_resumes_exactly(runs):
 
 def test_a_kill_during_an_async_save_resumes_from_the_previous_checkpoint(runs):
     """Every rank SIGKILLed in the middle of writing step 4's shards, after training had gone on
-    to step 5 (the save ran beside it): only step 2 bears a checkpoint's name, the half-written
-    directory stays hidden without its .metadata; resume=auto continues from step 2 and, saving
-    asynchronously again, ends exactly as the uninterrupted (synchronously saved) run."""
+    to step 5 (the save ran beside it). The run kept the best checkpoint only (by train/loss, lower
+    at 4 than at 2), so step 4's save superseded step 2: its removal waited for the save, which
+    never finished, and step 2 is still there, the only name; the half-written directory stays
+    hidden without its .metadata. resume=auto continues from step 2 and, saving asynchronously
+    again (each step's directory, then last.ckpt over the previous one), ends exactly as the
+    uninterrupted (synchronously saved) run."""
     killed = runs["killed"]
     assert killed["codes"] == [-signal.SIGKILL], killed["log"][-5000:]
     assert (runs["dir"] / "killed" / "marker").read_text() == "ASYNC"  # step 5 trained while step 4 was saved
@@ -239,9 +245,11 @@ def test_a_kill_during_an_async_save_resumes_from_the_previous_checkpoint(runs):
     run = runs["dir"] / "killed"
     assert f"resume=auto: continuing from {step_dir(run, 2)}" in runs["continued"]["log"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "config.yaml", "step000002.ckpt", "step000004.ckpt", "step000006.ckpt"]  # the partial one removed
-    for step in (4, STEPS):
-        ours, theirs = saved(step_dir(run, step)), saved(step_dir(runs["dir"] / "whole", step))
+        "config.yaml", "last.ckpt", "step000002.ckpt", "step000004.ckpt", "step000006.ckpt"]  # no partial left
+    whole = runs["dir"] / "whole"
+    for ours, theirs in ((step_dir(run, 4), step_dir(whole, 4)), (step_dir(run, STEPS), step_dir(whole, STEPS)),
+                         (run / "checkpoints" / "last.ckpt", step_dir(whole, STEPS))):
+        ours, theirs = saved(ours), saved(theirs)
         assert ours["step"] == theirs["step"] and ours["data"] == theirs["data"]
         assert_same_state(ours, theirs)
 
