@@ -36,6 +36,12 @@ batch of ``BATCH_DOCUMENTS`` documents at a time, each batch encoded by
 ``{split}.bin.partial``, hashed on the way; ``tokenize_num_proc`` > 1 encodes batches in that many
 threads (the tokenizers release the GIL), written in order. Memory stays at a few batches
 whatever the corpus size. ``build/`` is deleted at the end, so only the files above remain.
+``Throughput`` measures a build and compares it with the tokenizer's raw call on the same text.
+
+**Corpora of files** (``data=text``) bring their own ``prepare_token_files``: the cache is a
+set of shards, one per group of files, read in place (no ``build/`` copy), with a manifest as
+``meta.json`` listing each split's parts, so a grown corpus encodes only its new files and the
+work splits across processes (data/shards.py; same checks, lock and messages, per shard).
 """
 
 from __future__ import annotations
