@@ -2,8 +2,11 @@
 
 - ``atomic``: ``AtomicCheckpointIO``, the Trainer's CheckpointIO plugin (conf/trainer/default.yaml):
   a save goes to a hidden temporary file beside the target, is fsynced, then renamed over it.
-- ``sharded``: ``FSDPStrategy`` (conf/trainer/fsdp.yaml), Lightning's with ``state_dict_type=auto``
-  and sharded (torch.distributed.checkpoint) directories renamed into place when complete.
+- ``sharded``: ``FSDPStrategy`` (conf/trainer/fsdp.yaml, hsdp.yaml), Lightning's with
+  ``state_dict_type=auto``, sharded (torch.distributed.checkpoint) directories renamed into place
+  when complete, and the optimizer state resumed in each rank's own layout (any rank count, HSDP).
+- ``async_save``: ``AsyncSaves``, sharded saves written beside training (``async_save=true``).
+- ``mesh``: hybrid sharding's ``(replicas, shards)`` device mesh, checked against the world.
 - ``read``: ``read_checkpoint`` opens a file or a sharded directory as a pelab checkpoint or raises
   ``CheckpointError`` naming the file and what is wrong; ``verify=True`` checks every CRC-32.
 - ``compare``: the ``pe``/``model`` settings that differ between a checkpoint and a run.

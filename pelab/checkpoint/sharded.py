@@ -1,5 +1,6 @@
-"""FSDP's sharded checkpoint directories (conf/trainer/fsdp.yaml): written under a hidden name and
-renamed into place when complete, ``state_dict_type=auto``, and gathered whole on one process."""
+"""FSDP's sharded checkpoint directories (conf/trainer/fsdp.yaml, hsdp.yaml): written under a
+hidden name and renamed into place when complete (also in the background: async_save.py),
+``state_dict_type=auto``, resumed on any number of ranks, and gathered whole on one process."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class FSDPStrategy(LightningFSDPStrategy):
     mid-save leaves a half-written one under the real name; here it is written under a hidden
     name beside it (``.NAME.<id>.partial``) and renamed into place once every rank's shards and
     ``meta.pt`` are on disk.
+
+    ``async_save``: sharded saves written by a background thread while training goes on
+    (``AsyncSaves``), still renamed into place only when complete. ``device_mesh``: hybrid
+    sharding's ``[replicas, shards]`` (conf/trainer/hsdp.yaml), built on the training device.
     """
 
     # Lightning refuses FSDP without a GPU only for its own class (an exact type check in its
@@ -176,6 +181,8 @@ class FSDPStrategy(LightningFSDPStrategy):
         state = {"model": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self.async_saves.start(state, checkpoint, tmp, path, self.is_global_zero, _into_place)
+        if path.name.startswith("hpc_ckpt_"):  # SLURM's requeue signal: the job is stopped right after this save
+            self.async_saves.wait()
 
 
 def _into_place(tmp: Path, path: Path) -> None:
