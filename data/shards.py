@@ -271,22 +271,30 @@ class Donors:
     from there instead of encoding it again (a grown corpus encodes only its new files)."""
 
     def __init__(self, out_dir: Path, tokenizer_hash: str, dtype: np.dtype) -> None:
-        self.found: dict[str, tuple[Path, dict, int]] = {}
+        self.out_dir, self.tokenizer_hash, self.dtype = out_dir, tokenizer_hash, dtype
+        self.found: dict[str, tuple[Path, dict, int]] | None = None  # read when a shard is first built
+
+    def scan(self) -> dict[str, tuple[Path, dict, int]]:
+        found: dict[str, tuple[Path, dict, int]] = {}
+        out_dir, tokenizer_hash, dtype = self.out_dir, self.tokenizer_hash, self.dtype
         for folder in sorted((out_dir / SHARDS).glob("*/")) if (out_dir / SHARDS).is_dir() else []:
             try:
                 info = json.loads((folder / SHARD_META).read_text())
                 if (info["version"], info["tokenizer_hash"], info["dtype"]) != (FORMAT_VERSION, tokenizer_hash,
                                                                                 dtype.name):
                     continue
-                if any((found := (folder / f"{split}.bin").stat()).st_size != entry["num_tokens"] * dtype.itemsize
-                       or found.st_mtime_ns != entry["mtime_ns"] for split, entry in info["splits"].items()):
+                if any((now := (folder / f"{split}.bin").stat()).st_size != entry["num_tokens"] * dtype.itemsize
+                       or now.st_mtime_ns != entry["mtime_ns"] for split, entry in info["splits"].items()):
                     continue  # its token files changed since they were written: copy nothing from them
                 for n, stat in enumerate(info["files"]):
-                    self.found[json.dumps(stat)] = (folder, info, n)
+                    found[json.dumps(stat)] = (folder, info, n)
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # incomplete or foreign: not a donor
+        return found
 
     def of(self, stat: list) -> tuple[Path, dict, int] | None:
+        if self.found is None:
+            self.found = self.scan()
         return self.found.get(json.dumps(stat))
 
 
@@ -627,8 +635,12 @@ def stale_entries(root: Path) -> tuple[list[tuple[Path, str]], list[tuple[Path, 
                 kept.append((folder, f"{len(shard_dirs)} shards and no manifest: a parallel build not merged yet "
                                      f"(merge=true), kept"))
             continue
-        listed = {entry.get("key") for entry in meta.get("shards", [])}
+        if "shards" not in meta:
+            continue
+        listed = {entry.get("key") for entry in meta["shards"]}
         stale += [(p, "no manifest references it") for p in shard_dirs if p.name not in listed]
+        old_files = [folder / f"{split}{suffix}" for split in SPLITS for suffix in (".bin", ".offsets.npy")]
+        stale += [(p, "a token file of the older, unsharded format") for p in old_files if p.is_file()]
     return stale, kept
 
 

@@ -7,8 +7,6 @@ own ids, window for window."""
 
 import json
 import multiprocessing
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -338,11 +336,11 @@ def test_a_build_needs_no_scratch_beyond_its_result(tmp_path, monkeypatch):
     assert 0 < peak[0] <= final + tokens
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="inode numbers and fork")
 def test_an_old_format_cache_is_rebuilt_beside_and_said_once(tmp_path, capsys):
     write_corpus(tmp_path / "c", 12)
-    corpus, tok, out = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), get_tokenizer("bytes"), tmp_path / "o"
-    out.mkdir()
+    corpus, tok = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2), get_tokenizer("bytes")
+    out = tmp_path / "root" / corpus.cache_name / "bytes"
+    out.mkdir(parents=True)
     (out / "meta.json").write_text(json.dumps({"version": 3, "splits": {}}))
     (out / "train.bin").write_bytes(b"\0\0" * 10)
     meta = prepare_token_files(corpus, tok, out)
@@ -351,4 +349,5 @@ def test_an_old_format_cache_is_rebuilt_beside_and_said_once(tmp_path, capsys):
     assert np.array_equal(np.asarray(load_tokens(token_source(out, meta, "train"), meta["dtype"])),
                           naive_split(corpus, tok, "train"))
     assert (out / "train.bin").exists()  # the old files stay until clean=true
-    assert os.path.exists(out / "meta.json")
+    removed, _ = clean(tmp_path / "root")
+    assert [p for p, _, _ in removed] == [out / "train.bin"] and (out / "meta.json").exists()
