@@ -1,7 +1,9 @@
 """Text corpora as Hugging Face ``DatasetDict``s with ``train``/``val`` splits of documents.
 
-Each corpus yields rows ``{"text": str}``; the data module tokenizes them with
-``datasets.map`` and writes one token memmap per split. ``rows_are_documents`` says whether
+Each corpus yields rows ``{"text": str}``; data/cache.py tokenizes them into one token memmap
+per split. ``TextFilesCorpus`` (the user's files) is read where its files lie, file by file
+(``documents``), and brings its own sharded cache (data/shards.py); its ``load`` is for
+inspection. ``rows_are_documents`` says whether
 a row is a whole document (an end-of-text separator goes after each: Gutenberg books, and
 hub corpora by default) or a line of one running text (no separator: WikiText).
 ``fingerprint()`` is a hash of the corpus content and options, stored with the token cache
@@ -451,9 +453,11 @@ class TextFilesCorpus:
     Empty and missing (null) documents are dropped. Held-out split by document:
     ``held_out_by_hash`` with ``val_fraction``. ``fingerprint()`` hashes the options and every
     file's path and bytes, so any edit is seen; ``cache_name`` depends on ``data.paths`` and
-    the options only, so a corpus that gains or loses files keeps its cache folder and only the
-    changed groups of files are tokenized again.
+    the options only, so a corpus that gains or loses files keeps its cache folder and only its
+    new or changed files are tokenized again.
     """
+
+    rows_are_documents = True
 
     def prepare_token_files(self, tokenizer, out_dir: Path, num_proc: int | None = None, **options):
         """data/cache.py's ``prepare_token_files`` for this corpus: its token cache is built per
@@ -467,7 +471,6 @@ class TextFilesCorpus:
     def document_keys(texts: list[str]) -> np.ndarray:
         """``document_key`` of each text (uint64): below ``val_fraction`` x 2^64, held out."""
         return np.fromiter(map(document_key, texts), dtype=np.uint64, count=len(texts))
-    rows_are_documents = True
 
     def __init__(self, paths: list[str] | str, text_field: str = "text", val_fraction: float = 0.05,
                  text_sample_by: str = "document") -> None:
