@@ -167,7 +167,7 @@ def stale_setup(tmp_path: Path) -> tuple[Path, dict, set]:
     """A cache root with a current sharded cache whose corpus lost a file (its replaced shard is stale),
     an older-format cache, a build's leftover, a parallel build not merged, and a folder that is
     no cache. Returns (root, the current manifest, the paths clean must remove)."""
-    root = tmp_path / "root"
+    root = tmp_path / "cache" / "data"  # $PELAB_CACHE/data
     write_corpus(tmp_path / "c", 30)
     tok = get_tokenizer("bytes")
     corpus = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.2)
@@ -218,7 +218,7 @@ def hold_lock(folder, ready, release):
         release.wait(60)
 
 
-def test_clean_refuses_while_a_build_holds_a_lock(tmp_path):
+def test_clean_refuses_while_a_build_holds_a_lock(tmp_path, monkeypatch, capsys):
     root, _, expected = stale_setup(tmp_path)
     shard = next(p for p in expected if p.parent.name == "shards")
     ctx = multiprocessing.get_context("fork")
@@ -232,6 +232,15 @@ def test_clean_refuses_while_a_build_holds_a_lock(tmp_path):
         message = str(refused.value)
         assert "\n" not in message and f"{shard} is being built by pid {holder.pid}" in message
         assert "nothing was removed" in message and all(p.exists() for p in expected)
+        monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # the command: one line, exit status 1
+        monkeypatch.setenv("PELAB_CACHE", str(tmp_path / "cache"))
+        import prepare_data
+
+        capsys.readouterr()
+        assert prepare_data.main(["data=text", f"data.paths=[{tmp_path / 'c'}]", "clean=true"]) == 1
+        err = capsys.readouterr().err
+        assert err.strip().count("\n") == 0 and f"{shard} is being built by pid {holder.pid}" in err
+        assert all(p.exists() for p in expected)
     finally:
         release.set()
         holder.join(timeout=30)
