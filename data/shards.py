@@ -412,7 +412,8 @@ def split_parts(infos: list[tuple[Shard, dict]]) -> dict[str, list[list]]:
             continue
         candidates = [(info["splits"][other]["extreme_key"], n) for n, (_, info) in enumerate(infos)
                       if info["splits"][other]["extreme_key"] is not None]
-        (key, doc), n = (min if smallest else max)(candidates, key=lambda c: (c[0][0] if smallest else -c[0][0], c[1]))
+        # the smallest (largest) key, the first shard's of equal ones: np.argmin (argmax) over the corpus
+        (key, doc), n = min(candidates, key=lambda c: (c[0][0] if smallest else -c[0][0], c[1]))
         shard = infos[n][0]
         offsets = np.load(shard.dir / f"{other}.offsets.npy", mmap_mode="r")
         start, end = int(offsets[doc]), int(offsets[doc + 1])

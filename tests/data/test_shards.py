@@ -325,6 +325,20 @@ def test_no_document_below_the_threshold_holds_out_the_smallest_key(tmp_path):
                               naive_split(corpus, tok, split))
 
 
+def test_every_document_below_the_threshold_trains_the_largest_key(tmp_path):
+    """The other side of the rule: all held out, the largest-keyed document trains."""
+    texts = [t for t in (f"short document {i}\n" for i in range(400)) if document_key(t) < 2**63][:12]
+    (tmp_path / "c").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "c" / f"{i:02d}.txt").write_text(text)
+    corpus, tok = TextFilesCorpus([str(tmp_path / "c")], val_fraction=0.5), get_tokenizer("bytes")
+    meta = prepare_token_files(corpus, tok, tmp_path / "out")
+    assert meta["splits"]["train"]["num_documents"] == 1 and len(meta["shards"]) >= 2
+    for split in ("train", "val"):
+        assert np.array_equal(np.asarray(load_tokens(token_source(tmp_path / "out", meta, split), meta["dtype"])),
+                              naive_split(corpus, tok, split))
+
+
 def test_a_build_needs_no_scratch_beyond_its_result(tmp_path, monkeypatch):
     """Sampled after every batch written: the cache folder never holds more than the finished
     cache plus 1 byte per token (the text is read where it lies; only the shard's .partial files)."""
