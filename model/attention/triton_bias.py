@@ -23,8 +23,8 @@ those float32 additions varies between runs (as in other fused backwards).
 A forward whose bias is not one vector of the distance (FIRE with a query at or past L,
 per-sequence positions, positions that do not step by one) runs the route this backend
 replaces: flex on CUDA (its table), bias_grad on CPU. A compiled graph cannot read positions on
-the host: there 1-D positions are a training window (the model's default 0..T-1) and FIRE takes
-that route.
+the host: there 1-D positions must be a training window (the model's default 0..T-1; checked on
+the device, ``torch._assert_async``) and FIRE takes that route.
 
 Triton is imported on first use, by name (``importlib``), never at import: model/ runs with torch
 and the standard library alone (the Hugging Face export ships it), and this backend refuses where
@@ -318,8 +318,13 @@ def distance_vector(terms: Terms) -> Tensor | None:
     if q.dim() != 1 or k.dim() != 1 or terms.documents or terms.window is not None:
         return None
     compiling = torch.compiler.is_compiling()
-    if not compiling and not bool(((k.diff() == 1).all() & (q == k[k.shape[0] - q.shape[0]:]).all())):
-        return None  # keys that step by one, the queries the last of them (read on the host)
+    window = (k.diff() == 1).all() & (q == k[k.shape[0] - q.shape[0]:]).all()  # the queries the last of the keys
+    if compiling:  # no host read: checked on the device, an error rather than a wrong bias
+        torch._assert_async(window, "model.attention=triton_bias in a compiled graph takes 1-D positions as a "
+                                    "training window (consecutive keys, the queries the last of them); use "
+                                    "model.attention=auto for others")
+    elif not bool(window):
+        return None
     if not pe.bias_of_distance and (compiling or not pe.bias_of_distance_at(q)):
         return None
     return pe.bias(q[-1:], k)[:, 0].flip(-1).float()
