@@ -34,7 +34,8 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    """Triton's interpreter for this test only (the kernels are jitted on first use, then kept)."""
+    """Triton's interpreter for this test only (the interpreted kernels are built on first use, apart
+    from the compiled ones a CUDA test uses)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
