@@ -154,7 +154,9 @@ def main(argv: list[str]) -> int:
     tokens = sum(meta["splits"][s]["num_tokens"] for s in meta["splits"])
     counts = ", ".join(f"{s} {meta['splits'][s]['num_tokens']:,} tokens / {meta['splits'][s]['num_documents']:,} "
                        f"documents" for s in meta["splits"])
-    print(f"[pelab] token cache {out}: {'built' if stats.built else 'verified, already complete'}; {counts}; "
+    done = "merged (every shard present and complete)" if own["merge"] else (
+        "built" if stats.built else "verified, already complete")
+    print(f"[pelab] token cache {out}: {done}; {counts}; "
           f"{meta['dtype']}, vocabulary {meta['vocab_size']:,}; {human_bytes(size)} on disk "
           f"({size / max(tokens, 1):.2f} bytes per token)")
     if stats.built:

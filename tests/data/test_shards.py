@@ -278,7 +278,7 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
     assert built and not list((tmp_path / "cache").rglob("meta.json"))
     assert prepare_data.main([*data_args, "shard=1/2"]) == 0 and prepare_data.main([*data_args, "merge=true"]) == 0
     out = capsys.readouterr().out
-    assert ": built;" in out or "verified, already complete" in out
+    assert ": merged (every shard present and complete);" in out
     assert {k: v for k, v in token_files(tmp_path / "cache").items() if k in built} == built  # nothing built lost
 
 
