@@ -24,8 +24,8 @@ sharing PELAB_CACHE then need no network (data/tokenizers.py).
 
 ``shard=i/n`` builds (or verifies) groups i, i+n, ... only, each under its own lock; ``merge=true``
 tokenizes nothing: it checks every shard is present and complete, names any missing one, and
-writes the manifest; the cache is then byte for byte what one process builds. A corpus that
-gains files keeps its cache folder: only the changed groups are tokenized again.
+writes the manifest; the cache's token files are then byte for byte what one process builds.
+A corpus that gains files keeps its cache folder: only its new or changed files are encoded.
 ``clean=true`` lists and removes, under the cache root (``data.data_dir``, else
 ``$PELAB_CACHE/data``), caches of an older format, shards no manifest references and a build's
 leftovers; shards not merged yet are kept; it refuses (one line, nothing removed) while any
