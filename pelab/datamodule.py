@@ -11,6 +11,8 @@ are built by data/cache.py (``prepare_token_files``); synthetic tasks by data/sy
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from pathlib import Path
 
 import hydra
@@ -20,10 +22,10 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from data.cache import prepare_token_files
+from data.cache import prepare_token_files, with_offsets
 from data.lock import LOCK_TIMEOUT, check_timeout
 from data.packing import DocumentOptions, check_document_options
-from data.shards import token_source
+from data.shards import token_source, with_part_offsets
 from data.stream import GlobalSamples, TrainWindows, check_sampling, load_tokens
 from data.synthetic import DEPTH_TASKS, VOCAB_SIZE, Task, TaskName, TaskSamples
 from data.tokenizers import Tokenizer, cache_dir, get_tokenizer, tokenizer_file, tokenizer_slug
@@ -134,10 +136,13 @@ class TextDataModule(StreamDataModule):
         check_sampling(sampling)
         self.sampling = sampling
         # prepare_data on global rank 0 only (Lightning's default is local rank 0 of every node):
-        # caches sit on a filesystem the nodes share ($PELAB_CACHE, data.data_dir). A node-local
-        # data_dir still works: every rank's setup() checks the cache, and the first on a node
-        # to find it missing builds it under the cache's lock while the others wait.
+        # caches sit on a filesystem the nodes share ($PELAB_CACHE, data.data_dir). Rank 0's check
+        # is the only one that reads the corpus files; setup() hands its verdict to the others
+        # (``cache_for_this_rank``). A node-local data_dir still works: a rank whose meta.json is
+        # not the one rank 0 found valid checks the cache itself, and the first on a node to find
+        # it missing builds it under the cache's lock while the others wait.
         self.prepare_data_per_node = False
+        self._prepared: dict | None = None  # prepare_data's checked cache, for this process's next setup()
         self.document_positions, self.document_mask = document_positions, document_mask
         for key, value, low in (("batch_size", batch_size, 1), ("val_batch_size", val_batch_size, 1),
                                 ("num_workers", num_workers, 0), ("tokenize_num_proc", tokenize_num_proc, 1)):
@@ -182,16 +187,46 @@ class TextDataModule(StreamDataModule):
         (data/shards.py ``token_source``; known once ``setup`` has read the manifest)."""
         return token_source(self.token_dir, self.meta, split)
 
+    def check_cache(self) -> dict:
+        """The cache's metadata after checking it against the corpus files (and building it when
+        missing or stale): data/cache.py ``prepare_token_files``."""
+        return prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc,
+                                   lock_timeout=self.lock_timeout)
+
     def prepare_data(self) -> None:
-        prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc,
-                            lock_timeout=self.lock_timeout)
+        self._prepared = self.check_cache()
 
     def setup(self, stage: str | None = None) -> None:
-        self.meta = prepare_token_files(self.corpus, self.tokenizer, self.token_dir, self.tokenize_num_proc,
-                                        lock_timeout=self.lock_timeout)
+        self.meta = self.cache_for_this_rank()
         dtype = self.meta["dtype"]
         self.train_set = TrainWindows(self.split_path("train"), dtype, self.block_size, self.seed, self.sampling)
         self.val_set = ValidationWindows(self.split_path("val"), dtype, self.block_size, self.val_windows)
+
+    def cache_for_this_rank(self) -> dict:
+        """The checked cache, read by one process only: global rank 0 uses prepare_data's check
+        (or checks now) and broadcasts its verdict, the sha256 of the meta.json it found valid
+        (or its error, so the others do not wait for a broadcast that never comes); another rank
+        opens the cache from its own meta.json when it is that one, stat-ing no corpus file, and
+        otherwise (a node-local data_dir) checks it itself. Alone (no trainer, one process):
+        prepare_data's check, else a check now."""
+        checked, self._prepared = self._prepared, None
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return checked if checked is not None else self.check_cache()
+        if trainer.global_rank == 0:
+            try:
+                meta = checked if checked is not None else self.check_cache()
+                verdict = ("valid", meta_digest(self.token_dir))
+            except BaseException as err:
+                trainer.strategy.broadcast(("failed", f"{type(err).__name__}: {err}"), src=0)
+                raise
+            trainer.strategy.broadcast(verdict, src=0)
+            return meta
+        kind, value = trainer.strategy.broadcast(None, src=0)
+        if kind == "failed":
+            raise RuntimeError(f"global rank 0 could not prepare the token cache {self.token_dir}: {value}")
+        meta = opened_if_same(self.token_dir, value)
+        return meta if meta is not None else self.check_cache()
 
     def unigram_loss(self, max_tokens: int = 50_000_000) -> float:
         """Cross-entropy (nats) of the train-split unigram distribution on the val split:
@@ -203,6 +238,29 @@ class TextDataModule(StreamDataModule):
         counts = np.bincount(train, minlength=self.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
         logp = np.log(counts / counts.sum())
         return float(-logp[val].mean())
+
+
+def meta_digest(token_dir: Path) -> str | None:
+    """sha256 of a cache's meta.json (None: there is none)."""
+    try:
+        return hashlib.sha256((Path(token_dir) / "meta.json").read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def opened_if_same(token_dir: Path, digest: str | None) -> dict | None:
+    """The cache's metadata from its meta.json, read as it is (no corpus file touched), when that
+    file's sha256 is ``digest`` (what global rank 0 checked); else None."""
+    path = Path(token_dir) / "meta.json"
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if digest is None or hashlib.sha256(text).hexdigest() != digest:
+        return None
+    meta = json.loads(text)
+    sharded = "parts" in meta["splits"]["train"]  # data/shards.py's manifest; else one .bin per split
+    return with_part_offsets(meta, token_dir) if sharded else with_offsets(meta, token_dir)
 
 
 class TextFilesDataModule(TextDataModule):
