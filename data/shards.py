@@ -25,7 +25,7 @@ inserted in the middle would shift every later group and re-tokenize half the co
 new file changes only the group it falls in (which may split in two). Why not one shard per
 file: 50,000 small files would mean 100,000 memory maps per loading process, 250,000 files in
 the cache, and a lock, a folder and 5 files written per corpus file (4,508 small files: the
-build ran at a third of the raw tokenizer's rate with groups of 8 files, two thirds with 64:
+build ran at 41% of the raw tokenizer's rate with groups of 8 files, 67% with 64:
 docs/performance.md); groups keep these near ``corpus bytes / GROUP_BYTES`` for big corpora
 and ``files / GROUP_FILES`` for many small ones. A rebuilt group encodes only its new or
 changed files: ``shard.json`` records each file's documents, and the group's unchanged files
