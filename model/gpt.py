@@ -290,9 +290,8 @@ class GPT(nn.Module):
                 batch: int | None = None, documents: bool = False) -> AttentionRequest:
         """What decides the attention route of a forward now: the scheme, device, dtype, dropout and
         grad mode, number of queries, batch size, packed documents, normaliser and windows."""
-        dropout = self.config.dropout if self.training else 0.0
-        return AttentionRequest(self.pe, device, dtype, dropout, torch.is_grad_enabled(), queries, documents, batch,
-                                len(self.blocks), self.config.normaliser, self.config.windowed)
+        return AttentionRequest.of_model(self.config, self.pe, device, dtype, self.training, torch.is_grad_enabled(),
+                                         queries=queries, batch=batch, documents=documents)
 
     def attention_backend(self, device: torch.device, name: str | None = None,
                           dtype: torch.dtype = torch.float32) -> str:

@@ -138,9 +138,8 @@ def check_attention(cfg: DictConfig, model: GPTConfig, position: Position, datam
     if device is None:
         return
     dtype = COMPUTE_DTYPES.get(str(trainer.get("precision", "32")).split("-")[0], torch.float32)
-    request = AttentionRequest(position.scheme, device, dtype, model.dropout, True,
-                               documents=bool(getattr(datamodule, "document_mask", False)), layers=model.n_layer,
-                               normaliser=model.normaliser, windows=model.windowed)
+    request = AttentionRequest.of_model(model, position.scheme, device, dtype, training=True, grad=True,
+                                        documents=bool(getattr(datamodule, "document_mask", False)))
     build("model.attention", resolve, model.attention, request)
 
 

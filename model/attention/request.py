@@ -25,6 +25,15 @@ class AttentionRequest:
     normaliser: str = "softmax"  # model.normaliser (model/attention/normalisers.py)
     windows: bool = False  # some layer has a sliding window
 
+    @classmethod
+    def of_model(cls, config, pe, device: torch.device, dtype: torch.dtype, training: bool, grad: bool, *,
+                 queries: int | None = None, batch: int | None = None, documents: bool = False) -> "AttentionRequest":
+        """The request of a forward of a model built from ``config`` (model/config.py's GPTConfig):
+        what a forward adds (device, dtype, mode, its shape) beside what the config fixes. Built by
+        ``GPT.request`` for each forward and by the launch check before any model exists."""
+        return cls(pe, device, dtype, config.dropout if training else 0.0, grad, queries, documents, batch,
+                   config.n_layer, config.normaliser, config.windowed)
+
     @property
     def terms(self) -> str | None:
         """The scheme's kind of data-dependent terms: None, "layer" or "scores" (PositionEncoding.terms)."""
