@@ -38,7 +38,8 @@ def auto(request: AttentionRequest) -> str:
         return "sdpa"
     if pe.key_only_slopes() is not None:  # on CPU the float32 mask measured faster (docs/performance.md, 5)
         return "sdpa_key" if request.cuda else "sdpa"
-    if request.cuda and request.grad and KERNELS["triton_bias"].refusal(request) is None:
+    kernel = KERNELS["triton_bias"]
+    if kernel.in_auto and request.cuda and request.grad and kernel.refusal(request) is None:
         return "triton_bias"  # a bias of the distance trains in one fused kernel (docs/design.md, section 5)
     if request.cuda and not request.dropout:
         return "flex"

@@ -340,6 +340,9 @@ class Delegated:
 
 class TritonBias(AttentionBackend):
     name = "triton_bias"
+    # auto takes it on CUDA only once a GPU run has compiled and timed it (docs/gpu.md); until then
+    # it runs where it is named (model.attention=triton_bias) and auto keeps today's routes
+    in_auto = False
     dropout = False
     strict = True  # named, what it cannot serve is an error naming the way out
     decode = "math"  # one decoded token: nothing to tile

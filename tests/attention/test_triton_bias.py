@@ -159,10 +159,23 @@ def test_fire_past_its_threshold_takes_the_route_the_kernel_replaces(interpreter
     check_layer(model, attn, torch.arange(0, 20), delegated=True)
 
 
-def test_auto_takes_the_kernel_on_cuda_for_a_learned_bias_in_training(monkeypatch):
-    """auto on CUDA with Triton present: triton_bias for t5, kerple and fire under autograd without
-    dropout; flex without autograd or with Triton absent (today's route); CPU routes unchanged."""
+def test_auto_keeps_todays_route_until_the_kernel_is_measured_on_a_gpu(monkeypatch):
+    """Not yet compiled or timed on a GPU: auto on CUDA keeps flex for a learned bias, and the kernel
+    runs only where it is named."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    for scheme in SCHEMES_OF_DISTANCE:
+        pe = SCHEMES[scheme](cfg)
+        assert resolve("auto", AttentionRequest(pe, CUDA, torch.bfloat16, grad=True)).name == "flex"
+        assert resolve("triton_bias", AttentionRequest(pe, CUDA, torch.bfloat16, grad=True)).name == "triton_bias"
+
+
+def test_auto_takes_the_kernel_on_cuda_for_a_learned_bias_in_training(monkeypatch):
+    """Once switched on (TritonBias.in_auto), auto on CUDA with Triton present: triton_bias for t5,
+    kerple and fire under autograd without dropout; flex without autograd or with Triton absent
+    (today's route); CPU routes unchanged."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_bias.TritonBias, "in_auto", True)
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
     cpu = torch.device("cpu")
     for scheme in SCHEMES_OF_DISTANCE:
