@@ -226,6 +226,7 @@ class HubCorpus:
         self.keep_arrow = keep_arrow
         self._splits: datasets.DatasetDict | None = None
         self._workdir: Path | None = None  # where load() writes the Arrow copy (None: the Hugging Face cache)
+        self._sources: dict | None = None  # the parquet data files and their origins (see _parquet_files)
 
     loads_to_fingerprint = True  # see the class docstring
 
@@ -272,12 +273,16 @@ class HubCorpus:
                          self.rows_are_documents, self.val_documents, self.data_files, file_stats(self.local_files()))
 
     def fingerprint(self) -> str:
-        """sha256 of the options and of the ``datasets`` fingerprints of both splits. Loads the
-        corpus (from the local HF cache after the first download; offline that needs
-        HF_HUB_OFFLINE=1)."""
+        """sha256 of the options and of what the rows come from: the parquet data files and their
+        origins (a hub revision, a local file's mtime: what ``datasets`` hashes) when the corpus
+        is parquet, else the ``datasets`` fingerprints of both loaded splits. Loads the corpus
+        (from the local HF cache after the first download; offline that needs HF_HUB_OFFLINE=1)."""
         splits = self.load()
-        key = [self.path, self.name, self.train_split, self.val_split, self.text_column, self.rows_are_documents,
-               splits["train"]._fingerprint, splits["val"]._fingerprint]
+        key = [self.path, self.name, self.train_split, self.val_split, self.text_column, self.rows_are_documents]
+        if self._sources is not None:  # the same whether the rows are read in place or through Arrow
+            key.append(self._sources)
+        else:
+            key += [splits["train"]._fingerprint, splits["val"]._fingerprint]
         if self.val_split is None:
             key.append(self.val_documents)
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
@@ -291,7 +296,7 @@ class HubCorpus:
     def release(self) -> None:
         self._splits = None
 
-    def _load(self) -> datasets.DatasetDict:
+    def _load(self) -> datasets.DatasetDict | dict[str, ParquetRows]:
         if self.needs_hub and not _offline_env() and not hub_reachable():  # now, not after minutes of retries
             raise self._failure(f"{hub_endpoint()} is unreachable (the hub is unreachable from this machine)")
         wanted = [self.train_split] if self.val_split is None else [self.train_split, self.val_split]
@@ -300,12 +305,17 @@ class HubCorpus:
             arrow = {"cache_dir": str(self._workdir / "hf_cache"),
                      "download_config": datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH)}
         try:
-            loaded = datasets.load_dataset(self.path, self.name, split=wanted, data_files=self.data_files,
-                                           num_proc=self.num_proc, **arrow)
+            files = self._parquet_files(wanted, arrow)
+            in_place = files is not None and not self.keep_arrow  # parquet: read in place, no Arrow copy anywhere
+            if not in_place:
+                loaded = datasets.load_dataset(self.path, self.name, split=wanted, data_files=self.data_files,
+                                               num_proc=self.num_proc, **arrow)
         except Exception as err:
             if not self.needs_hub:
                 raise
             raise self._failure(f"{type(err).__name__}: {err}") from err
+        if in_place:
+            return self._in_place(wanted, files)
         for split, dataset in zip(wanted, loaded):
             if self.text_column not in dataset.column_names:
                 raise ValueError(f"data.corpus.text_column={self.text_column!r} is not a column of {self.path!r} "
@@ -316,11 +326,103 @@ class HubCorpus:
         if self.val_split is not None:
             return datasets.DatasetDict({"train": loaded[0], "val": loaded[1]})
         whole = loaded[0]
-        if len(whole) <= self.val_documents:
-            raise ValueError(f"{self.path!r} split {self.train_split!r} has {len(whole)} rows: "
-                             f"data.corpus.val_documents={self.val_documents} must leave some for training")
-        train, val = held_out_evenly(len(whole), self.val_documents)
+        train, val = self._held_out(len(whole))
         return datasets.DatasetDict({"train": whole.select(train), "val": whole.select(val)})
+
+    def _held_out(self, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        if num_rows <= self.val_documents:
+            raise ValueError(f"{self.path!r} split {self.train_split!r} has {num_rows} rows: "
+                               f"data.corpus.val_documents={self.val_documents} must leave some for training")
+        return held_out_evenly(num_rows, self.val_documents)
+
+    def _parquet_files(self, wanted: list[str], arrow: dict) -> dict[str, list[str]] | None:
+        """The local parquet files of each wanted split, in ``datasets``' row order (downloaded
+        into the HF cache first if needed), and their origins in ``self._sources``; None when
+        the corpus is not plain parquet (another format, a split slice, a filter or a cast):
+        ``datasets`` then reads it through its Arrow copy, as before."""
+        from datasets.packaged_modules.parquet.parquet import Parquet
+
+        self._sources = None
+        builder = datasets.load_dataset_builder(self.path, self.name, data_files=self.data_files, **arrow)
+        config, data_files = builder.config, builder.config.data_files
+        plain = (isinstance(builder, Parquet) and config.filters is None and config.features is None
+                 and config.on_bad_files == "error" and data_files is not None
+                 and all(split in data_files and len(data_files[split]) for split in wanted))
+        if not plain:
+            return None
+        download = datasets.DownloadManager(
+            dataset_name=builder.dataset_name, data_dir=config.data_dir, base_path=builder.base_path,
+            download_config=datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH))
+        local = {split: [str(f) for f in download.download(list(data_files[split]))] for split in wanted}
+        self._sources = {split: [list(data_files[split]), [list(o) for o in data_files[split].origin_metadata]]
+                         for split in wanted}
+        return local
+
+    def _in_place(self, wanted: list[str], files: dict[str, list[str]]) -> dict[str, ParquetRows]:
+        """The splits as rows of the parquet files, counted from their footers; held-out rows are
+        the same row numbers as through ``datasets`` (which reads the files in the same order)."""
+        import pyarrow.parquet as pq
+
+        for split in wanted:
+            names = pq.read_schema(files[split][0]).names
+            if self.text_column not in names:
+                raise ValueError(f"data.corpus.text_column={self.text_column!r} is not a column of {self.path!r} "
+                                 f"split {split!r}; columns: {', '.join(names)}")
+        if self.val_split is not None:
+            return {"train": ParquetRows(files[wanted[0]], self.text_column),
+                    "val": ParquetRows(files[wanted[1]], self.text_column)}
+        whole = ParquetRows(files[wanted[0]], self.text_column)
+        train, val = self._held_out(len(whole))
+        return {"train": ParquetRows(whole.files, self.text_column, train),
+                "val": ParquetRows(whole.files, self.text_column, val)}
+
+
+class ParquetRows:
+    """A split read in place from parquet files: every row of ``files`` in order, or only the
+    row numbers ``rows`` (ascending, counted over the files together). It offers what the token
+    cache reads of a ``datasets.Dataset`` (``len``, ``with_format("arrow").iter(batch_size)``
+    giving tables with one ``text`` column) and ``split["text"]`` for inspection."""
+
+    def __init__(self, files: list[str], column: str, rows: np.ndarray | None = None) -> None:
+        import pyarrow.parquet as pq
+
+        self.files, self.column, self.rows = files, column, rows
+        self.file_rows = [pq.read_metadata(f).num_rows for f in files]  # the footers: no data read
+
+    def __len__(self) -> int:
+        return sum(self.file_rows) if self.rows is None else len(self.rows)
+
+    def with_format(self, kind: str) -> ParquetRows:
+        if kind != "arrow":
+            raise ValueError(f"ParquetRows gives arrow tables only, got format {kind!r}")
+        return self
+
+    def iter(self, batch_size: int):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        start = 0  # row number of the batch's first row over all files
+        for path, count in zip(self.files, self.file_rows):
+            if self.rows is not None and np.searchsorted(self.rows, start) == np.searchsorted(self.rows, start + count):
+                start += count  # no wanted row in this file: its data is not read
+                continue
+            first = start
+            with pq.ParquetFile(path) as source:
+                for batch in source.iter_batches(batch_size=batch_size, columns=[self.column]):
+                    texts = batch.column(0)
+                    if self.rows is not None:
+                        lo, hi = np.searchsorted(self.rows, [start, start + len(batch)])
+                        texts = texts.take(pa.array(self.rows[lo:hi] - start))
+                    start += len(batch)
+                    if len(texts):
+                        yield pa.table({"text": texts})
+            if start - first != count:  # the held-out row numbers were counted from the footers
+                raise RuntimeError(f"{path} gave {start - first} rows, its footer says {count}")
+
+    def __getitem__(self, key: str) -> list:
+        if key != "text":
+            raise KeyError(key)
+        return [t for table in self.iter(TEXT_BATCH) for t in table.column("text").to_pylist()]
 
 
 # data=text: the user's own files. Suffix -> the ``datasets`` packaged builder that reads it.
