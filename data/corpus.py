@@ -186,11 +186,15 @@ class HubCorpus:
     over the train split are held out (``held_out_evenly``), the same rows in every run.
     ``num_proc``: processes for ``load_dataset``'s download and preparation.
 
-    **Disk.** ``load(workdir)`` (the token cache's build folder) writes the dataset's Arrow copy
-    under ``workdir``, which the build removes with everything in it: the Hugging Face cache
-    (``HF_HOME``) keeps only the download (a hub repository's files; local ``data_files`` are
-    read where they are). ``keep_arrow=True`` keeps the Arrow copy in the Hugging Face cache
-    instead, as ``datasets`` does by default, so a rebuild skips the conversion.
+    **Disk.** A parquet corpus (the hub's own repositories, ``path="parquet"``) is read in place:
+    ``load`` asks ``datasets`` only for the data files of each split (downloading a hub
+    repository's files into the Hugging Face cache, ``HF_HOME``, if they are not there), and the
+    token cache reads them in pyarrow batches (``ParquetRows``); no Arrow copy is made, so the
+    build's scratch is its own partial token files. Other corpora (another format, a split slice,
+    a filter) take ``datasets``' Arrow copy, written under ``load(workdir)``'s ``workdir`` (the
+    token cache's build folder), which the build removes with everything in it; ``HF_HOME`` keeps
+    only the download. ``keep_arrow=True`` reads through the Arrow copy even for parquet and
+    keeps it in the Hugging Face cache, as ``datasets`` does by default.
     ``loads_to_fingerprint``: the full fingerprint needs the loaded dataset, so the token cache
     loads it into its build folder first; ``release()`` lets go of the loaded splits (their
     memory maps would keep the removed files' space allocated).
