@@ -165,6 +165,18 @@ def _offline_env() -> bool:
                for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
+def hub_snapshot(repo_id: str) -> str | None:
+    """The folder of a hub dataset repository's files downloaded into the Hugging Face cache
+    (its ``main`` revision), read offline like a local dataset folder (its README's configs
+    name the data files); None when nothing of it was downloaded."""
+    import huggingface_hub
+
+    try:
+        return huggingface_hub.snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+    except Exception:  # not in the cache (LocalEntryNotFoundError), or an unusable cache: the usual path fails clearly
+        return None
+
+
 def held_out_evenly(num_rows: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) row indices: ``count`` val rows spread evenly over ``num_rows`` (row
     i·num_rows // count for i < count, so the first row is one), the rest train."""
@@ -347,7 +359,10 @@ class HubCorpus:
         from datasets.packaged_modules.parquet.parquet import Parquet
 
         self._sources = None
-        builder = datasets.load_dataset_builder(self.path, self.name, data_files=self.data_files, **arrow)
+        source = self.path
+        if self.needs_hub and _offline_env():  # datasets offline finds only its Arrow cache: read the download
+            source = hub_snapshot(self.path) or self.path
+        builder = datasets.load_dataset_builder(source, self.name, data_files=self.data_files, **arrow)
         config, data_files = builder.config, builder.config.data_files
         plain = (isinstance(builder, Parquet) and config.filters is None and config.features is None
                  and config.on_bad_files == "error" and data_files is not None

@@ -177,3 +177,37 @@ def test_a_corpus_that_is_not_parquet_goes_through_an_arrow_copy_removed_after(t
     train_rows, _ = held_out_evenly(len(texts), 6)
     expected = [b for i in train_rows for b in list(texts[i].encode()) + [tok.eot_token]]
     assert np.fromfile(out / "train.bin", dtype=np.uint16).tolist() == expected
+
+
+def test_a_hub_repository_downloaded_earlier_builds_offline_from_the_download(tmp_path, offline_hf, monkeypatch):
+    """A hub dataset repository as the Hugging Face cache holds it after a download (refs/main, a
+    snapshot with the README's configs and the parquet files of one config) and no Arrow cache:
+    with HF_HUB_OFFLINE=1 the build reads that download in place, the right config's rows."""
+    import huggingface_hub
+
+    hub = tmp_path / "hf" / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    repo = hub / "datasets--someone--web-corpus"
+    snapshot = repo / "snapshots" / ("ab" * 20)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("ab" * 20)
+    texts, other = web_texts(120), web_texts(30, seed=2)
+    for k in range(2):
+        (snapshot / "sample" / "small").mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": texts[k * 60:(k + 1) * 60]}), snapshot / "sample" / "small" / f"{k:03d}.parquet")
+    (snapshot / "other").mkdir()
+    pq.write_table(pa.table({"text": other}), snapshot / "other" / "000.parquet")
+    (snapshot / "README.md").write_text(
+        "---\nconfigs:\n- config_name: sample-small\n  data_files:\n  - split: train\n    path: sample/small/*\n"
+        "- config_name: other\n  data_files:\n  - split: train\n    path: other/*\n---\n# a corpus\n")
+    corpus = HubCorpus("someone/web-corpus", "sample-small", val_split=None, val_documents=12)
+    assert corpus.needs_hub
+    tok = get_tokenizer("bytes")
+    out = tmp_path / "cache"
+    meta = prepare_token_files(corpus, tok, out)
+    train_rows, val_rows = held_out_evenly(len(texts), 12)
+    for split, rows in (("train", train_rows), ("val", val_rows)):
+        naive = [b for i in rows for b in list(texts[i].encode()) + [tok.eot_token]]
+        assert np.fromfile(out / f"{split}.bin", dtype=np.uint16).tolist() == naive
+    assert meta["splits"]["train"]["num_documents"] == 108
+    assert {p.name for p in out.iterdir()} == CACHE_FILES and arrow_files(tmp_path / "hf") == []
