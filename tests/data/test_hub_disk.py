@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import data.cache
 import data.corpus
 from data.cache import prepare_token_files
 from data.corpus import HubCorpus, held_out_evenly
@@ -134,18 +135,24 @@ def test_in_place_build_scratch_is_under_one_byte_per_token(tmp_path, offline_hf
     folder = tmp_path / "corpus"
     folder.mkdir()
     texts = web_texts(2000)
-    for k in range(4):
-        pq.write_table(pa.table({"text": texts[k::4]}), folder / f"part-{k}.parquet", row_group_size=100)
+    for k in range(4):  # with a metadata column, as the hub's corpora have (datasets' Arrow copy holds it too)
+        part = texts[k::4]
+        urls = [f"https://example.com/crawl-2024-10/{k}/{i}/{'index' * (i % 9)}.html" for i in range(len(part))]
+        pq.write_table(pa.table({"text": part, "url": urls}), folder / f"part-{k}.parquet", row_group_size=100)
     hf_home, out = tmp_path / "hf", tmp_path / "cache"
     download = folder_bytes(folder, hf_home)  # local data_files: the download is the files themselves
-    peak = [0]
+    peak, arrow_seen = [0], []
 
     def sample():
         peak[0] = max(peak[0], folder_bytes(folder, hf_home, out))
+        arrow_seen.extend(arrow_files(out) + arrow_files(hf_home))
 
+    write_split = data.cache.write_split  # a sample as each split begins: any copy of the corpus exists by then
+    monkeypatch.setattr(data.cache, "write_split", lambda *a: sample() or write_split(*a))
     original = data.corpus.ParquetRows.iter
+    # batches of 50 rows: a sample after each of many batches
     monkeypatch.setattr(data.corpus.ParquetRows, "iter",
-                        lambda self, batch_size: (sample() or table for table in original(self, 50)))  # small batches: many samples
+                        lambda self, batch_size: (sample() or table for table in original(self, 50)))
     done = threading.Event()
     sampler = threading.Thread(target=lambda: [sample() for _ in iter(lambda: done.wait(0.002), True)])
     sampler.start()
@@ -159,6 +166,7 @@ def test_in_place_build_scratch_is_under_one_byte_per_token(tmp_path, offline_hf
     result = folder_bytes(out)
     assert folder_bytes(folder, hf_home) == download and arrow_files(hf_home) == []
     scratch = peak[0] - download - result
+    assert arrow_seen == []  # no copy of the corpus at any time
     assert scratch <= tokens, (scratch, tokens)  # <= 1 byte per token beyond the result
     assert peak[0] >= download + result * 0.5  # the sampling saw the build's files
 
@@ -192,9 +200,9 @@ def test_a_hub_repository_downloaded_earlier_builds_offline_from_the_download(tm
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("ab" * 20)
     texts, other = web_texts(120), web_texts(30, seed=2)
+    (snapshot / "sample" / "small").mkdir(parents=True)
     for k in range(2):
-        (snapshot / "sample" / "small").mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table({"text": texts[k * 60:(k + 1) * 60]}), snapshot / "sample" / "small" / f"{k:03d}.parquet")
+        pq.write_table(pa.table({"text": texts[k * 60:(k + 1) * 60]}), snapshot / "sample" / "small" / f"{k}.parquet")
     (snapshot / "other").mkdir()
     pq.write_table(pa.table({"text": other}), snapshot / "other" / "000.parquet")
     (snapshot / "README.md").write_text(
