@@ -213,7 +213,8 @@ class HubCorpus:
 
     Offline it fails in seconds with what is needed: without ``HF_HUB_OFFLINE``/
     ``HF_DATASETS_OFFLINE`` one TCP connect to the hub (3 s at most) before any download;
-    with them, ``datasets`` looks only in its local cache.
+    with them, ``datasets`` looks only in its local cache, and a hub repository downloaded earlier
+    is read from the Hugging Face cache's copy of it (``hub_snapshot``), Arrow cache or not.
     """
 
     def __init__(
@@ -371,7 +372,8 @@ class HubCorpus:
             return None
         download = datasets.DownloadManager(
             dataset_name=builder.dataset_name, data_dir=config.data_dir, base_path=builder.base_path,
-            download_config=datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH))
+            download_config=datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH,
+                                                    num_proc=self.num_proc))
         local = {split: [str(f) for f in download.download(list(data_files[split]))] for split in wanted}
         self._sources = {split: [list(data_files[split]), [list(o) for o in data_files[split].origin_metadata]]
                          for split in wanted}
