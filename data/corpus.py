@@ -177,6 +177,18 @@ def hub_snapshot(repo_id: str) -> str | None:
         return None
 
 
+def _as_hub_files(repo_id: str, snapshot: Path, files: list[str]) -> list | None:
+    """``datasets``' names and origins of a snapshot's files as it gives them online
+    (``hf://datasets/<repo>@<commit>/<path>``, origin ``[repo, commit]``); None for a file
+    outside the snapshot."""
+    commit = snapshot.name  # the Hugging Face cache names a snapshot's folder after its commit
+    try:
+        paths = [Path(f).relative_to(snapshot).as_posix() for f in files]
+    except ValueError:
+        return None
+    return [[f"hf://datasets/{repo_id}@{commit}/{p}" for p in paths], [[repo_id, commit]] * len(paths)]
+
+
 def held_out_evenly(num_rows: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) row indices: ``count`` val rows spread evenly over ``num_rows`` (row
     i·num_rows // count for i < count, so the first row is one), the rest train."""
@@ -377,6 +389,9 @@ class HubCorpus:
         local = {split: [str(f) for f in download.download(list(data_files[split]))] for split in wanted}
         self._sources = {split: [list(data_files[split]), [list(o) for o in data_files[split].origin_metadata]]
                          for split in wanted}
+        if source != self.path:  # the hub snapshot: its files named as online (one fingerprint either way)
+            self._sources = {split: _as_hub_files(self.path, Path(source), local[split]) or self._sources[split]
+                             for split in wanted}
         return local
 
     def _in_place(self, wanted: list[str], files: dict[str, list[str]]) -> dict[str, ParquetRows]:

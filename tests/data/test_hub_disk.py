@@ -202,7 +202,10 @@ def test_a_hub_repository_downloaded_earlier_builds_offline_from_the_download(tm
     texts, other = web_texts(120), web_texts(30, seed=2)
     (snapshot / "sample" / "small").mkdir(parents=True)
     for k in range(2):
-        pq.write_table(pa.table({"text": texts[k * 60:(k + 1) * 60]}), snapshot / "sample" / "small" / f"{k}.parquet")
+        blob = repo / "blobs" / f"{k:064x}"  # a snapshot's files are links to blobs named by content
+        blob.parent.mkdir(exist_ok=True)
+        pq.write_table(pa.table({"text": texts[k * 60:(k + 1) * 60]}), blob)
+        (snapshot / "sample" / "small" / f"{k}.parquet").symlink_to(blob)
     (snapshot / "other").mkdir()
     pq.write_table(pa.table({"text": other}), snapshot / "other" / "000.parquet")
     (snapshot / "README.md").write_text(
@@ -218,4 +221,7 @@ def test_a_hub_repository_downloaded_earlier_builds_offline_from_the_download(tm
         naive = [b for i in rows for b in list(texts[i].encode()) + [tok.eot_token]]
         assert np.fromfile(out / f"{split}.bin", dtype=np.uint16).tolist() == naive
     assert meta["splits"]["train"]["num_documents"] == 108
+    commit = "ab" * 20  # the files named as datasets names them online: one fingerprint either way
+    assert corpus._sources == {"train": [[f"hf://datasets/someone/web-corpus@{commit}/sample/small/{k}.parquet"
+                                          for k in range(2)], [["someone/web-corpus", commit]] * 2]}
     assert {p.name for p in out.iterdir()} == CACHE_FILES and arrow_files(tmp_path / "hf") == []
