@@ -520,6 +520,9 @@ def prepare_sharded(corpus, tokenizer, out_dir: Path, num_proc: int | None = Non
             from tqdm.auto import tqdm
 
             infos, built = [], 0
+            if not verify:  # a verifying run says what it found below
+                print(f"[pelab] tokenizing {corpus.cache_name} ({tokenizer.name}) into {out_dir}: {len(shards)} groups of "
+                      f"files, each built unless a complete shard of it is there", flush=True)
             with tqdm(total=len(shards), unit="group", desc=f"groups of files checked or tokenized ({tokenizer.name})",
                       dynamic_ncols=True) as bar:
                 for shard in shards:
