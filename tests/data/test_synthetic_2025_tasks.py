@@ -4,6 +4,7 @@ layout written out by hand at its shortest length, every sample read back by a n
 the bytes written from the task's definition (each reader first checked on a hand-made
 sequence), F1 of set-valued answers by hand, the refusals, and one tiny training run."""
 
+import functools
 import itertools
 import math
 import os
@@ -512,6 +513,7 @@ def test_task_evaluation_scores_depth_rows_only_for_find_block():
 
 # --- frequent_words ---------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)  # a million terms: computed once per alpha
 def zeta(alpha: float) -> float:
     """Riemann's zeta by brute force, independent of the layout's: a million terms and the
     integral of the rest with its first correction (error ~ alpha N^(-alpha-1) / 12)."""
