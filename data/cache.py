@@ -176,15 +176,24 @@ def full_check(meta: dict, out_dir: Path, corpus, everything: bool = False) -> s
         if corpus_hash != meta.get("corpus_hash"):
             return f"corpus changed (fingerprint {str(meta.get('corpus_hash'))[:12]} -> {corpus_hash[:12]})"
     for split in SPLITS:
-        path, info = out_dir / f"{split}.bin", meta["splits"][split]
-        mtime = path.stat().st_mtime_ns
-        if everything or mtime != info["mtime_ns"]:
-            digest = file_sha256(path)
-            if digest != info["sha256"]:
-                return (f"{path.name} was modified after it was built (sha256 {digest[:12]}, built as "
-                        f"{info['sha256'][:12]}): corrupted in place?")
-            info["mtime_ns"] = mtime
+        why = token_file_changed(out_dir / f"{split}.bin", meta["splits"][split], everything)
+        if why:
+            return why
     meta["corpus_stat"] = corpus_stat(corpus)
+    return None
+
+
+def token_file_changed(path: Path, entry: dict, everything: bool) -> str | None:
+    """Why the token file ``path`` is not what ``entry`` (its ``sha256`` and ``mtime_ns`` at the build)
+    recorded, or None; its sha256 is read only when its mtime moved (or ``everything``), and a file
+    touched but unchanged gets its new mtime recorded in ``entry``."""
+    mtime = path.stat().st_mtime_ns
+    if everything or mtime != entry["mtime_ns"]:
+        digest = file_sha256(path)
+        if digest != entry["sha256"]:
+            return (f"{path.name} was modified after it was built (sha256 {digest[:12]}, built as "
+                    f"{entry['sha256'][:12]}): corrupted in place?")
+        entry["mtime_ns"] = mtime
     return None
 
 

@@ -64,7 +64,8 @@ import numpy as np
 
 import data.cache
 from data.cache import (FORMAT_VERSION, MOVE_IT, SPLITS, Throughput, check_cache_folder, corpus_stat, encoded_batches,
-                        file_sha256, header_mismatch, read_meta, remove_token_files, reserve, token_dtype, write_meta)
+                        file_sha256, header_mismatch, read_meta, remove_token_files, reserve, token_dtype,
+                        token_file_changed, write_meta)
 from data.lock import LOCK_TIMEOUT, build_lock, holder_line, try_flock
 from data.paths import disk_full, no_space, process_alive
 from data.stream import SplitParts
@@ -165,14 +166,9 @@ def shard_full_check(info: dict, shard: Shard, everything: bool) -> str | None:
         if content != info.get("content"):
             return f"corpus changed (fingerprint {str(info.get('content'))[:12]} -> {content[:12]})"
     for split in SPLITS:
-        path, entry = shard.dir / f"{split}.bin", info["splits"][split]
-        mtime = path.stat().st_mtime_ns
-        if everything or mtime != entry["mtime_ns"]:
-            digest = file_sha256(path)
-            if digest != entry["sha256"]:
-                return (f"{path.name} was modified after it was built (sha256 {digest[:12]}, built as "
-                        f"{entry['sha256'][:12]}): corrupted in place?")
-            entry["mtime_ns"] = mtime
+        why = token_file_changed(shard.dir / f"{split}.bin", info["splits"][split], everything)
+        if why:
+            return why
     info["files"] = shard.stats()
     return None
 
