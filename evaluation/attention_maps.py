@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from evaluation.sweep import eval_mode
 from model.attention import AttentionRecorder
-from model.gpt import uncompiled
+from model.unwrap import uncompiled
 from model.positions import Pass, resolve_positions
 
 __all__ = [

@@ -28,7 +28,7 @@ from evaluation.results import LineSeries, Logged, table
 from evaluation.sweep import LengthSweepOptions, eval_mode, probe_windows, write_rows
 from model.attention import AttentionRecorder
 from model.config import require
-from model.gpt import uncompiled
+from model.unwrap import uncompiled
 from model.positions import Pass, resolve_positions
 
 

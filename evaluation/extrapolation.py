@@ -37,7 +37,8 @@ from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, dist
                               read_rows, rope_scalings, scaling_at, shard_of, why_not_randomized, why_not_scaled,
                               write_rows)
 from model.config import require
-from model.gpt import GPT, uncompiled
+from model.gpt import GPT
+from model.unwrap import uncompiled
 from model.pe.scaling import scaled
 
 MODES = ("nonoverlapping", "sliding")

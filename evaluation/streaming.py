@@ -43,7 +43,7 @@ from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import LengthSweepOptions, autocast, eval_mode, probe_windows, read_rows, write_rows
 from model.config import require
 from model.cache import KVCache, Sinks
-from model.gpt import uncompiled
+from model.unwrap import uncompiled
 
 CACHE_POSITIONS = ("reindexed", "absolute")
 

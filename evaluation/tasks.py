@@ -39,7 +39,8 @@ from evaluation.results import Logged, log2_chart, table
 from evaluation.sweep import (POSITION_MODES, LengthSweepOptions, autocast, eval_positions, read_rows, rope_scalings,
                               scaled_name, scaling_at, why_not_randomized, why_not_scaled, write_rows)
 from model.config import require
-from model.gpt import GPT, Pass, uncompiled
+from model.gpt import GPT, Pass
+from model.unwrap import uncompiled
 from model.pe.scaling import scaled
 
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

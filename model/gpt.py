@@ -293,16 +293,7 @@ class GPT(nn.Module):
         return AttentionRequest.of_model(self.config, self.pe, device, dtype, self.training, torch.is_grad_enabled(),
                                          queries=queries, batch=batch, documents=documents)
 
-    def attention_backend(self, device: torch.device, name: str | None = None,
-                          dtype: torch.dtype = torch.float32) -> str:
-        return self.attention(device, name, dtype).name
-
     def _compute_dtype(self, device: torch.device) -> torch.dtype:
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
         return self.lm_head.weight.dtype
-
-
-def uncompiled(model: nn.Module) -> nn.Module:
-    """The eager module behind a ``torch.compile`` wrapper (evaluation probes must not be traced)."""
-    return getattr(model, "_orig_mod", model)

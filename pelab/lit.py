@@ -14,7 +14,8 @@ from torchmetrics import MeanMetric
 from data.packing import DocumentOptions
 from model.config import GPTConfig
 from model.differential import check_scheme as check_attention_kind
-from model.gpt import GPT, uncompiled
+from model.gpt import GPT
+from model.unwrap import uncompiled
 from model.pe.scaling import apply_scaling, split_scaling
 from model.temperature import check_temperature
 from model.pe.schedule import (LAYER_KEYS, check_layer_rope, check_nope_layers, check_randomize_to, layer_positions,
@@ -133,7 +134,7 @@ class LitGPT(L.LightningModule):
                                  if getattr(datamodule, "tokenizer_name", None) is not None else None)
         if self.global_rank == 0:  # the attention backend that runs, once per fit
             dtype = COMPUTE_DTYPES.get(str(self.trainer.precision).split("-")[0], torch.float32)
-            print(f"[pelab] attention: {uncompiled(self.model).attention_backend(self.device, dtype=dtype)} "
+            print(f"[pelab] attention: {uncompiled(self.model).attention(self.device, dtype=dtype).name} "
                   f"(model.attention={self.config.attention}, pe={self.pe_name}, {self.device.type}, "
                   f"{str(dtype).removeprefix('torch.')})")
 

@@ -29,7 +29,7 @@ from evaluation.attention_maps import eager_attention_pass, head_summaries, plot
 from evaluation.position_functions import plot_functions
 from evaluation.registry import enabled_probes
 from evaluation.sweep import eval_mode
-from model.gpt import uncompiled
+from model.unwrap import uncompiled
 from pelab.callbacks import sharded_gradients
 from pelab.evaluate import run_evaluations, subject_of
 

@@ -248,14 +248,14 @@ def documented_auto(pe):
 def test_auto_backend(name):
     _, model, _ = build(name, {})
     cpu, cuda = documented_auto(model.pe)
-    assert model.attention_backend(torch.device("cpu")) == cpu  # the measured choice (docs/design.md)
+    assert model.attention(torch.device("cpu")).name == cpu  # the measured choice (docs/design.md)
     with torch.no_grad():  # no bias gradient wanted: SDPA's fused kernel with the float32 mask
-        assert model.attention_backend(torch.device("cpu")) == ("math" if cpu == "math" else "sdpa")
-    assert model.attention_backend(torch.device("cuda")) == cuda
-    assert model.attention_backend(torch.device("cpu"), "math") == "math"
+        assert model.attention(torch.device("cpu")).name == ("math" if cpu == "math" else "sdpa")
+    assert model.attention(torch.device("cuda")).name == cuda
+    assert model.attention(torch.device("cpu"), "math").name == "math"
     if cuda == "flex":  # training with dropout stays on SDPA (flex has no attention dropout)
         _, model, _ = build(name, {}, dropout=0.1)
-        assert model.train().attention_backend(torch.device("cuda")) == "sdpa"
+        assert model.train().attention(torch.device("cuda")).name == "sdpa"
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))

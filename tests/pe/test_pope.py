@@ -101,7 +101,7 @@ def test_backends_it_declares_and_auto():
     _, model, _ = pope_model()
     pe = model.pe
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert model.attention_backend(cpu) == model.attention_backend(cuda) == "sdpa"
+    assert model.attention(cpu).name == model.attention(cuda).name == "sdpa"
     for device in (cpu, cuda):
         assert resolve("flex", AttentionRequest(pe, device)).name == "flex"
         assert resolve("math", AttentionRequest(pe, device)).name == "math"
