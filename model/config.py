@@ -8,7 +8,7 @@ from typing import Any
 from model.attention import BACKENDS, CHOICES, NORMALISERS, SINKS
 from model.differential import ATTENTION_KINDS, QUERIES_PER_HEAD
 from model.output_ops import OUTPUTS
-from model.temperature import TEMPERATURE_LAYERS, TEMPERATURES
+from model.temperature import KEYS_SEEN, TEMPERATURE_LAYERS, TEMPERATURES
 
 NORMS = ("layernorm", "rmsnorm")  # the values of model.norm
 MLPS = ("gelu", "swiglu")  # the values of model.mlp
@@ -39,9 +39,9 @@ def check_windows(config: GPTConfig) -> None:
         require(1 <= len(pattern) <= config.n_layer, "model.window_pattern", list(pattern),
                 f"1 to model.n_layer={config.n_layer} entries (layer l uses entry l % length: a shorter "
                 f"pattern repeats)")
-    require(config.attn_temperature not in ("log_length", "ssmax") or not config.windowed
+    require(config.attn_temperature not in KEYS_SEEN or not config.windowed
             or config.attn_temperature_layers == "global", "model.attn_temperature", config.attn_temperature,
-            "none or llama4 with windows (log_length and ssmax count every earlier key), or "
+            "none or llama4 with windows (log_length, logn and ssmax count every earlier key), or "
             "model.attn_temperature_layers=global (the full-attention layers only)")
 
 
@@ -86,12 +86,12 @@ class GPTConfig:
     pad_vocab_multiple: int = 1
     # Attention backend (model/attention/): auto or a name of model.attention.BACKENDS.
     attention: str = "auto"
-    # Attention temperature (model/temperature.py): none, log_length, llama4 or ssmax, and their options.
+    # Attention temperature (model/temperature.py): none, log_length, logn, llama4 or ssmax, and their options.
     attn_temperature: str = "none"
-    attn_temperature_length: int | None = None  # log_length's L and ssmax's initial-s L; None = block_size
+    attn_temperature_length: int | None = None  # log_length's and logn's L, ssmax's initial-s L; None = block_size
     attn_temperature_floor: int = 8192  # llama4's floor_scale
     attn_temperature_scale: float = 0.1  # llama4's attn_scale
-    # The layers log_length and ssmax scale: all, or global (the full-attention ones of window_pattern: SWAN-GPT)
+    # The layers log_length, logn and ssmax scale: all, or global (the full-attention ones of window_pattern: SWAN-GPT)
     attn_temperature_layers: str = "all"
     # Block options (docs/design.md, "The block's options"); the defaults are GPT-2's block.
     norm: str = "layernorm"  # layernorm | rmsnorm (never a bias)
@@ -136,14 +136,14 @@ class GPTConfig:
         require(self.n_kv_head is None or (self.n_kv_head >= 1 and self.n_head % self.n_kv_head == 0),
                 "model.n_kv_head", self.n_kv_head, f"null or a divisor of model.n_head={self.n_head}")
         require(self.attn_temperature_scale >= 0, "model.attn_temperature_scale", self.attn_temperature_scale, ">= 0")
-        require(self.attn_temperature not in ("log_length", "ssmax") or self.attn_temperature_length is not None
+        require(self.attn_temperature not in KEYS_SEEN or self.attn_temperature_length is not None
                 or self.block_size >= 2, "model.block_size", self.block_size, f">= 2 with {self.attn_temperature}")
         require(self.attn_temperature_layers in TEMPERATURE_LAYERS, "model.attn_temperature_layers",
                 self.attn_temperature_layers, "one of " + ", ".join(map(repr, TEMPERATURE_LAYERS)))
         if self.attn_temperature_layers == "global":
-            require(self.attn_temperature in ("log_length", "ssmax"), "model.attn_temperature_layers",
+            require(self.attn_temperature in KEYS_SEEN, "model.attn_temperature_layers",
                     self.attn_temperature_layers, f"all with model.attn_temperature={self.attn_temperature} "
-                    f"(global picks the layers log_length and ssmax scale)")
+                    f"(global picks the layers log_length, logn and ssmax scale)")
             require(self.windowed and not all(w is not None for w in self.layer_windows),
                     "model.attn_temperature_layers", self.attn_temperature_layers,
                     f"all when the layers are not both windowed and full (layer windows "

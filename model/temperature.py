@@ -12,6 +12,10 @@ restart per document change nothing.
   window after ``past`` cached tokens: past + i + 1; under a document mask, its index in its
   document + 1), divided by log L so that the scale is 1 at n = L (L =
   ``attn_temperature_length``, default the training length): c = ln(n) / ln(L); every layer.
+- ``logn`` (Qwen's ``use_logn_attn``, QwenLM/Qwen ``modeling_qwen.py``: ``logn_list``, the
+  form SWAN-GPT's inference-time scaling takes): c = max(1, ln n / ln L), n and L as
+  ``log_length``'s. c = 1 for every query within the training length, so a model trained with it
+  trains as one without it (bit for bit): the scaling acts only past L, at inference.
 - ``llama4`` (Llama 4's ``attn_temperature_tuning``, Hugging Face's Llama4TextAttention):
   c = 1 + attn_scale * ln(floor((t + 1) / floor_scale) + 1) of the token index t = past + i
   (HF's ``cache_position``: packed documents and position ids do not reset it), attn_scale
@@ -33,14 +37,15 @@ import math
 import torch
 from torch import Tensor, nn
 
-TEMPERATURES = ("none", "log_length", "llama4", "ssmax")
+TEMPERATURES = ("none", "log_length", "logn", "llama4", "ssmax")
+KEYS_SEEN = ("log_length", "logn", "ssmax")  # the kinds that count the keys a query sees (so: not with windows)
 TEMPERATURE_LAYERS = ("all", "global")  # model.attn_temperature_layers: every layer, or the full-attention ones
 
 
 def check_temperature(config, pe, nope_layers: frozenset[int]) -> None:
     """``model.attn_temperature=llama4`` needs a layer without position information."""
     if config.attn_temperature == "llama4" and not nope_layers and (pe.uses_rotate or pe.uses_bias):
-        raise ValueError(f"model.attn_temperature must be none, log_length or ssmax for pe={pe.name} with no NoPE "
+        raise ValueError(f"model.attn_temperature must be none, log_length, logn or ssmax for pe={pe.name} with no NoPE "
                          f"layer (llama4 scales the queries of layers without position information: set pe.nope_every, "
                          f"or use a scheme without rotation or bias), got 'llama4'")
 
@@ -93,18 +98,20 @@ def query_scales(config, pe, positions: Tensor, past: int = 0, documents: Tensor
                  ) -> tuple[Tensor | None, Tensor | None]:
     """(the scale for layers with the scheme, the scale for NoPE layers), each None or a float32
     tensor that broadcasts over q (B, H, T, hd): (T, 1), or (B, 1, T, 1) under a document mask
-    (``log_length``, ``ssmax``: ln n, times each layer's s_h in ``scale_queries``). ``positions``:
+    (``log_length``, ``logn``, ``ssmax``: ln n, times each layer's s_h in ``scale_queries``). ``positions``:
     the T queries' (only their number and device are read); ``past``: tokens already in the KV
     cache; ``documents``: (B, T) document ids or None."""
     kind = config.attn_temperature
     if kind == "none":
         return None, None
     T, device = positions.shape[-1], positions.device
-    if kind in ("log_length", "ssmax"):
+    if kind in KEYS_SEEN:
         n = keys_seen(T, past, documents, device).float()
         scale = n.log()
-        if kind == "log_length":
+        if kind in ("log_length", "logn"):
             scale = scale / math.log(config.attn_temperature_length or config.block_size)
+        if kind == "logn":
+            scale = scale.clamp_min(1.0)
     else:  # llama4, as Hugging Face: log1p(floor((t + 1) / F)) * a + 1 in float32, t the token index
         t = torch.arange(past, past + T, device=device).float()
         floor, a = config.attn_temperature_floor, config.attn_temperature_scale

@@ -119,9 +119,9 @@ CASES = [
      ["eval.tasks.rope_scaling must be [null]", "pe.scaling.kind=linear", "got [None, 'ntk']"]),
     ("init_from=/nonexistent/base.ckpt", ["init_from=/nonexistent/base.ckpt does not exist"]),
     ("ckpt_path=/nonexistent/last.ckpt", ["ckpt_path=/nonexistent/last.ckpt does not exist"]),
-    ("model.attn_temperature=llama4", ["model.attn_temperature must be none, log_length or ssmax for pe=rope with no "
+    ("model.attn_temperature=llama4", ["model.attn_temperature must be none, log_length, logn or ssmax for pe=rope with no "
                                        "NoPE layer", "got 'llama4'"]),
-    ("model.attn_temperature=cosine", ["model.attn_temperature must be one of 'none', 'log_length', 'llama4', "
+    ("model.attn_temperature=cosine", ["model.attn_temperature must be one of 'none', 'log_length', 'logn', 'llama4', "
                                        "'ssmax', got 'cosine'"]),
     ("eval.extrapolation.max_tokens=0", ["eval.extrapolation.max_tokens must be >= 1, got 0"]),
     # block options (model/config.py)

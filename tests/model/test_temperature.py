@@ -1,6 +1,7 @@
 """Attention temperature (``model.attn_temperature``) against a float64 forward written from the
 definitions: log-length c = ln(n) / ln L in every layer, n the number of keys the query sees
-(Chiang & Cholak 2022, causal form), Llama 4's c = 1 + a ln(floor((t + 1) / F) + 1) of the token
+(Chiang & Cholak 2022, causal form), Qwen's logn (1 up to L, log_L n past it; SWAN-GPT's
+inference-time scaling), Llama 4's c = 1 + a ln(floor((t + 1) / F) + 1) of the token
 index t in the NoPE layers only (Hugging Face's ``cache_position``), q scaled before the softmax;
 every attention backend, query chunks, KV-cache decoding, packed documents and randomized
 positions alike, and Hugging Face's multiply order in bf16."""
@@ -26,6 +27,11 @@ from tests.naive import (naive_bias, naive_gelu, naive_heads, naive_layer_norm, 
 def log_length(n, L):
     """n: the number of keys the query sees."""
     return math.log(n) / math.log(L)
+
+
+def logn(n, L):
+    """Qwen's logn_list entry for key count n (QwenLM/Qwen modeling_qwen.py): log base L past L, else 1."""
+    return math.log(n, L) if n > L else 1
 
 
 def llama4(t, floor, a):
@@ -75,6 +81,10 @@ CASES = {  # name: (scheme, nope_every, config options, scale_in_layer)
     "log_length-global-swan": ("rope", 2, dict(attn_temperature="log_length", attn_temperature_length=8,
                                                attn_temperature_layers="global", window_pattern=[4, None]),
                                lambda layer, t, n: log_length(n, 8) if layer == 1 else None),
+    # SWAN-GPT's inference-time form: 1 within L = 4, log base L of n past it, on the full layers
+    "logn-global-swan": ("rope", 2, dict(attn_temperature="logn", attn_temperature_length=4,
+                                         attn_temperature_layers="global", window_pattern=[4, None]),
+                         lambda layer, t, n: logn(n, 4) if layer == 1 else None),
 }
 
 
@@ -145,6 +155,9 @@ def test_scales_by_hand_under_documents_randomized_positions_and_a_cache():
     close(scales("log_length", torch.tensor([[0, 1, 2, 3, 4, 5]]), documents=torch.tensor([[0, 0, 1, 1, 0, 2]])),
           [log_length(n, 4) for n in (1, 2, 1, 2, 3, 1)])  # an id seen again: its earlier tokens count
     close(scales("log_length", torch.tensor([5, 6, 7]), past=5), [log_length(n, 4) for n in (6, 7, 8)])
+    # logn at L = 4, by hand: 1 up to 4 keys, then log_4 5, log_4 6, log_4 7, log_4 8 = 1.5
+    close(scales("logn", torch.arange(8)), [1, 1, 1, 1, 1.1609640474, 1.2924812504, 1.4036774610, 1.5])
+    close(scales("logn", randomized, documents=documents), [1, 1, 1, 1, 1, 1, 1, 1])  # no document past 4 keys
     llama = dict(attn_temperature_floor=2, attn_temperature_scale=0.5)
     close(scales("llama4", randomized, documents=documents, **llama), [llama4(t, 2, 0.5) for t in range(8)])
     close(scales("llama4", torch.tensor([0, 1, 2]), past=5, **llama), [llama4(t, 2, 0.5) for t in (5, 6, 7)])
@@ -182,18 +195,38 @@ def test_none_changes_nothing_and_log_length_is_one_at_L():
     assert scale[19].item() == pytest.approx(math.log(20) / math.log(16))
 
 
+def test_logn_within_the_training_length_is_the_model_without_it():
+    """SWAN-GPT's scaling acts at inference only: within L a logn model's logits are bit for bit those
+    of the same weights without a temperature, so its training is the plain model's."""
+    def gpt(**options):
+        cfg = GPTConfig(vocab_size=31, block_size=32, n_layer=2, n_head=4, n_embd=32, window_pattern=[4, None],
+                        **options)
+        return GPT(cfg, SCHEMES["rope"](cfg), nope_layers(2, 2)).eval()
+
+    plain = temperature_gpt("logn-global-swan")  # sharp attention: a wrong scale shows
+    at_32, at_16 = (gpt(attn_temperature="logn", attn_temperature_length=L, attn_temperature_layers="global")
+                    for L in (32, 16))
+    without = gpt()
+    for model in (at_32, at_16, without):
+        model.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 31, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(at_32(idx)[0], without(idx)[0])
+        assert not torch.equal(at_16(idx)[0], without(idx)[0])  # past L = 16 the full layer's queries scale
+
+
 def test_llama4_constants_are_metas():
     cfg = GPTConfig(vocab_size=31, attn_temperature="llama4")
     assert (cfg.attn_temperature_floor, cfg.attn_temperature_scale) == (8192, 0.1)
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(attn_temperature="cosine"), "model.attn_temperature must be one of 'none', 'log_length', 'llama4'"),
+    (dict(attn_temperature="cosine"), "model.attn_temperature must be one of 'none', 'log_length', 'logn', 'llama4'"),
     (dict(attn_temperature="log_length", attn_temperature_length=1), "model.attn_temperature_length must be null "
                                                                       "or an integer >= 2"),
     (dict(attn_temperature="llama4", attn_temperature_floor=0), "model.attn_temperature_floor must be a positive"),
     (dict(attn_temperature="log_length", window=4), "model.attn_temperature must be none or llama4 with windows "
-                                                    "(log_length and ssmax count every earlier key), or "
+                                                    "(log_length, logn and ssmax count every earlier key), or "
                                                     "model.attn_temperature_layers=global"),
     (dict(attn_temperature="log_length", attn_temperature_layers="local"), "model.attn_temperature_layers must be "
                                                                             "one of 'all', 'global', got 'local'"),

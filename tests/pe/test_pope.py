@@ -212,7 +212,7 @@ def test_options_it_cannot_take_are_refused_naming_them():
     pe = SCHEMES["pope"](attention_config())
     with pytest.raises(ValueError, match=r"pe.scaling.kind must be one of none, linear for pe=pope, got 'yarn'"):
         apply_scaling(pe, {"kind": "yarn", "factor": 2.0}, 16)
-    with pytest.raises(ValueError, match="model.attn_temperature must be none, log_length or ssmax for pe=pope"):
+    with pytest.raises(ValueError, match="model.attn_temperature must be none, log_length, logn or ssmax for pe=pope"):
         tiny_gpt("pope", attn_temperature="llama4")
 
 

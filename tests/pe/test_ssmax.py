@@ -182,9 +182,9 @@ def test_compiles_fullgraph_as_one_graph_with_eager_gradients():
     (dict(attn_temperature="ssmax", attn_temperature_length=1),
      "model.attn_temperature_length must be null or an integer >= 2"),
     (dict(attn_temperature="ssmax", window=4), "model.attn_temperature must be none or llama4 with windows "
-                                               "(log_length and ssmax count every earlier key), or model.attn_temperature_layers=global "
+                                               "(log_length, logn and ssmax count every earlier key), or model.attn_temperature_layers=global "
                                                "(the full-attention layers only), got 'ssmax'"),
-    (dict(attn_temperature="ssmx"), "model.attn_temperature must be one of 'none', 'log_length', 'llama4', 'ssmax', "
+    (dict(attn_temperature="ssmx"), "model.attn_temperature must be one of 'none', 'log_length', 'logn', 'llama4', 'ssmax', "
                                     "got 'ssmx'"),
 ])
 def test_bad_options_are_refused_in_one_line(options, message):

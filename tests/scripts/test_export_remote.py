@@ -65,9 +65,10 @@ OPTION_CASES = {
     "gemma4_global_p_rope": ("rope", {"base": 100.0, "global_base": 10000.0, "global_keep_fraction": 0.5},
                              dict(window_pattern=[8, None])),
     "olmo3_global_yarn": ("rope", {"scaling": YARN, "scaling_layers": "global"}, dict(window_pattern=[8, None])),
-    "swan_global_log_length": ("rope", {"nope_layers": "global"},
-                               dict(window_pattern=[8, None], attn_temperature="log_length",
-                                    attn_temperature_layers="global")),
+    # SWAN-GPT's inference-time scaling: from 8 keys on (within the greedy text) on the full layers
+    "swan_global_logn": ("rope", {"nope_layers": "global"},
+                         dict(window_pattern=[8, None], attn_temperature="logn", attn_temperature_length=8,
+                              attn_temperature_layers="global")),
     "rope_differential_gqa_sinks_xsa": ("rope", {}, dict(attention_kind="differential", n_kv_head=2,
                                                          normaliser="sink_learned", xsa="gated")),
     "rope_dd_rotate_v_differential": ("rope_dd", {"rotate_v": True}, dict(attention_kind="differential", n_kv_head=2)),
