@@ -4,9 +4,11 @@ its prepare_data and setup do to the corpus files (``data.corpus.file_stats`` ca
 of a path inside the corpus folder) and writes them, with the tokens its datasets read, to
 OUT/rank{R}.json.
 
-    python tests/harness/rank_check_worker.py CORPUS CACHE OUT MODE
+    python tests/harness/rank_check_worker.py CORPUS CACHE OUT MODE[,MODE...]
     MODE: shared (one cache folder), local (a cache folder per rank, as node-local disks are),
-    fail (rank 0's check raises in setup)"""
+    fail (rank 0's check raises in setup; last). Several modes run one after another in the same
+    2 processes (one start of Python, torch and gloo), each writing OUT/MODE/rank{R}.json (a mode
+    named twice: MODE, MODE.2)."""
 
 import json
 import os
@@ -55,11 +57,23 @@ class Counts:
         return counted
 
 
-def main(corpus: Path, cache: Path, out: Path, mode: str) -> None:
+def main(corpus: Path, cache: Path, out: Path, modes: str) -> None:
     torch.set_num_threads(1)
+    counts, seen = Counts(corpus), []
+    for mode in modes.split(","):
+        seen.append(mode)
+        folder = out / (mode if seen.count(mode) == 1 else f"{mode}.{seen.count(mode)}")
+        folder.mkdir(parents=True, exist_ok=True)
+        counts.file_stats = counts.stats = 0
+        run(corpus, cache, folder, mode, counts)
+    if torch.distributed.is_initialized():  # stop gloo's threads before exit: left running, they can abort it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def run(corpus: Path, cache: Path, out: Path, mode: str, counts: Counts) -> None:
     L.seed_everything(0)
     rank = int(os.environ.get("LOCAL_RANK", 0))  # set by Lightning's launcher for the second process
-    counts = Counts(corpus)
     data_dir = cache / f"node{rank}" if mode == "local" else cache
     dm = TextFilesDataModule(TextFilesCorpus([str(corpus)]), paths=[str(corpus)], tokenizer="bytes",
                              block_size=BLOCK, batch_size=2, data_dir=str(data_dir), val_windows=8)
@@ -83,9 +97,6 @@ def main(corpus: Path, cache: Path, out: Path, mode: str) -> None:
         "file_stats": counts.file_stats, "corpus_stats": counts.stats, "step": trainer.global_step,
         "train_tokens": dm.meta["splits"]["train"]["num_tokens"], "sample0": x.tolist() + y[-1:].tolist(),
         "val0": vx.tolist(), "data_dir": str(data_dir)}))
-    if torch.distributed.is_initialized():  # stop gloo's threads before exit: left running, they can abort it
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
