@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"tests/harness/test_fsdp_train.py": 110, "tests/harness/test_rank_zero_check.py": 35,
          "tests/scripts/test_bench_rows.py": 20,
          "tests/attention/test_document_mask.py": 181, "tests/harness/test_train.py": 242,
-         "tests/model/test_compile_flex.py": 169, "tests/model/test_compile.py": 151,
+         "tests/model/test_compile_flex.py": 100, "tests/model/test_compile.py": 151,
          "tests/attention/test_backends.py": 128, "tests/harness/test_config_errors.py": 98,
          "tests/attention/test_windows.py": 78, "tests/harness/test_faults.py": 72, "tests/scripts/test_bench.py": 70,
          "tests/harness/test_preemption.py": 66, "tests/harness/test_distributed.py": 57,
