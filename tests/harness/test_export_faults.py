@@ -60,16 +60,17 @@ def write_checkpoint(folder: Path, seed: int) -> Path:
     return ckpt
 
 
-def export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/export_hf.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def export(*args: str) -> int:
+    """scripts/export_hf.py in this process (only the killed export needs a process of its own)."""
+    from tests.scripts.test_export_hf import script
+
+    return script().main(list(args))
 
 
 def test_kill_during_an_overwrite_export_keeps_the_previous_folder_and_the_next_export_clears_the_temp(tmp_path):
     first, second = write_checkpoint(tmp_path / "a", seed=0), write_checkpoint(tmp_path / "b", seed=1)
     out, marker = tmp_path / "hf", tmp_path / "writing"
-    done = export(f"ckpt={first}", f"out={out}")
-    assert done.returncode == 0, done.stderr
+    assert export(f"ckpt={first}", f"out={out}") == 0
     previous = tree_bytes(out)
     assert "model.safetensors" in previous
     child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(marker), f"ckpt={second}", f"out={out}",
@@ -83,7 +84,6 @@ def test_kill_during_an_overwrite_export_keeps_the_previous_folder_and_the_next_
     assert len(leftovers) == 1 and re.fullmatch(rf"\.hf\.{child.pid}-[0-9a-f]{{8}}\.tmp", leftovers[0].name), leftovers
     assert (leftovers[0] / "model.safetensors").is_file()
     # the next export to that out clears it and replaces the folder
-    done = export(f"ckpt={second}", f"out={out}", "overwrite=true")
-    assert done.returncode == 0, done.stderr
+    assert export(f"ckpt={second}", f"out={out}", "overwrite=true") == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "hf", "writing"]
     assert tree_bytes(out)["model.safetensors"] != previous["model.safetensors"]
