@@ -26,24 +26,28 @@ torch.set_num_threads(THREADS)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Seconds each of the heaviest modules took (one xdist worker, a loaded 2-core machine, 2026-11-26; the
-# first four scaled on 2026-11-28 by their before/after time when shared runs replaced repeated ones); only
-# the order below depends on them: a stale figure costs balance, never a test.
-HEAVY = {"tests/harness/test_fsdp_train.py": 110, "tests/harness/test_rank_zero_check.py": 35,
-         "tests/scripts/test_bench_rows.py": 20,
-         "tests/attention/test_document_mask.py": 181, "tests/harness/test_train.py": 242,
-         "tests/model/test_compile_flex.py": 100, "tests/model/test_compile.py": 151,
-         "tests/attention/test_backends.py": 128, "tests/harness/test_config_errors.py": 98,
-         "tests/attention/test_windows.py": 78, "tests/harness/test_faults.py": 72, "tests/scripts/test_bench.py": 70,
-         "tests/harness/test_preemption.py": 66, "tests/harness/test_distributed.py": 57,
-         "tests/harness/test_init_from.py": 54, "tests/harness/test_fsdp.py": 44,
-         "tests/harness/test_checkpoint_compat.py": 44, "tests/data/test_tokenizers.py": 43,
-         "tests/gpu/test_gpu_check.py": 42, "tests/harness/test_init_from_hf.py": 41,
-         "tests/evaluation/test_tasks.py": 39, "tests/evaluation/test_compare_runs.py": 39,
-         "tests/attention/test_same_model.py": 39, "tests/harness/test_lit.py": 38,
-         "tests/scripts/test_export_hf.py": 37, "tests/harness/test_launchers.py": 35,
-         "tests/attention/test_sinks.py": 34, "tests/harness/test_host_memory.py": 32,
-         "tests/harness/test_multinode.py": 26, "tests/model/test_generate.py": 23, "tests/model/test_loss.py": 21}
+# Seconds each module of 8 s or more took in the README's command (2 xdist workers on this idle 2-core
+# machine, 2026-11-29, --durations=0; four modules scaled after that day's cuts); only the order below
+# depends on them: a stale figure costs balance, never a test.
+HEAVY = {"tests/harness/test_fsdp_train.py": 80, "tests/harness/test_train.py": 78,
+         "tests/model/test_compile.py": 68, "tests/model/test_compile_flex.py": 55,
+         "tests/attention/test_document_mask.py": 50, "tests/gpu/test_gpu_check.py": 47,
+         "tests/harness/test_config_errors.py": 31, "tests/attention/test_backends.py": 30,
+         "tests/attention/test_windows.py": 23, "tests/harness/test_distributed.py": 22,
+         "tests/scripts/test_bench.py": 22, "tests/harness/test_faults.py": 22,
+         "tests/harness/test_rank_zero_check.py": 20, "tests/harness/test_host_syncs.py": 20,
+         "tests/evaluation/test_compare_runs.py": 18, "tests/harness/test_init_from.py": 17,
+         "tests/scripts/test_bench_rows.py": 16, "tests/data/test_tokenizers.py": 16,
+         "tests/harness/test_launchers.py": 15, "tests/harness/test_fsdp.py": 15,
+         "tests/scripts/test_export_remote.py": 15, "tests/harness/test_preemption.py": 14,
+         "tests/harness/test_init_from_hf.py": 14, "tests/harness/test_checkpoint_compat.py": 13,
+         "tests/attention/test_triton_bias.py": 13, "tests/harness/test_export_faults.py": 12,
+         "tests/harness/test_host_memory.py": 12, "tests/scripts/test_export_hf.py": 12,
+         "tests/evaluation/test_tasks.py": 11, "tests/harness/test_script_errors.py": 11,
+         "tests/harness/test_lit.py": 11, "tests/harness/test_multinode.py": 10, "tests/data/test_cache.py": 9,
+         "tests/attention/test_sinks.py": 9, "tests/scripts/test_gpu_check_stop.py": 9,
+         "tests/attention/test_same_model.py": 9, "tests/harness/test_tokenizer_identity.py": 8,
+         "tests/model/test_generate.py": 8}
 
 
 def pytest_collection_modifyitems(config, items):
