@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import run_python
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -612,8 +614,9 @@ def test_the_sync_counter_runs_through_train_py(tmp_path):
     command = [c for c in command if not c.startswith(("trainer.max_steps=", "trainer.log_every_n_steps="))]
     command += ["trainer.max_steps=8", "trainer.log_every_n_steps=4", "data.batch_size=4",
                 "+callbacks.host_syncs.imitate=true"]
-    env = dict(os.environ, HYDRA_FULL_ERROR="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, HYDRA_FULL_ERROR="1", WANDB_MODE="disabled")
+    assert command[0] == steps.PY
+    proc = run_python(command[1:], cwd=ROOT, env=env)  # train.py, forked from the preloaded server (tests/cli.py)
     status, reason, numbers = step.parse(steps.Result(proc.returncode, 1.0, proc.stdout + proc.stderr, tmp_path))
     assert status == "pass", reason + (proc.stdout + proc.stderr)[-3000:]
     assert numbers["self_test"] == 1 and numbers["steps"] == 8 and numbers["log_every_n_steps"] == 4
