@@ -4,7 +4,8 @@ The folder holds
 - a flat copy of the ``model/`` package, one file per module (model/pe/rope.py ->
   pelab_model_pe_rope.py), its ``from model.x import`` lines made ``from .pelab_model_x import``:
   the only imports transformers' remote-code loader follows to sibling files
-  (``dynamic_module_utils.get_relative_imports``);
+  (``dynamic_module_utils.get_relative_imports``), and its torch operators named
+  ``pelab_<digest of the code>::`` instead of ``pelab::`` (``OPERATOR``);
 - the module defining the scheme when it lives outside model/ (a user's scheme), rewritten alike;
 - ``pelab_schemes.py`` (generated): imports the scheme's module, so that it registers;
 - this package's ``modeling_pelab.py``, verbatim: the wrapper (configuration and model) that builds
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import hashlib
 import inspect
 import json
 import re
@@ -42,6 +44,10 @@ AUTO_MAP = {"AutoConfig": "modeling_pelab.PelabConfig", "AutoModelForCausalLM": 
 REGISTRY = "pelab_schemes.py"
 FORMAT = 2  # config.json's pelab_format: the model's own code (folders of the restated model have none)
 NOT_REMOTE = "is not exportable as remote code"
+# a torch.library operator's name in model/ ("pelab::NAME"): the folder's copy registers under a namespace of its
+# own code's digest, since a second registration of a name replaces the first one's kernel in the whole process
+# (a loaded export would then run pelab's own models on its copy, possibly of another version)
+OPERATOR = re.compile(r"""(custom_op\(\s*["'])pelab::""")
 MODEL_DIR = Path(model_package.__file__).parent
 SHIPPABLE = frozenset({"torch", *sys.stdlib_module_names})  # what a shipped module may import besides model/
 
@@ -125,7 +131,8 @@ def remote_files(gpt: GPT) -> dict[str, str]:
         # a scheme the model/pe package does not import (a user's) registers when its module is imported
         lines.append(f"from .{flat_name(module)} import {type(gpt.pe).__name__}  # noqa: F401  (pe={gpt.pe.name})")
     files[REGISTRY] = "\n".join(lines) + "\n"
-    return files
+    digest = hashlib.sha256("".join(files[name] for name in sorted(files)).encode()).hexdigest()[:12]
+    return {name: OPERATOR.sub(rf"\g<1>pelab_{digest}::", text) for name, text in files.items()}
 
 
 def remote_refusal(gpt: GPT, pe_config: dict) -> str | None:

@@ -9,6 +9,7 @@ reference is pelab's own model on the same weights and ids, its scheme parameter
 import ast
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -253,6 +254,7 @@ def test_folder_holds_the_model_itself_the_wrapper_verbatim_and_auto_map(exporte
         flat = (out / f"{flat_name(module)}.py").read_text()
         for other in sorted(model_modules(), key=len, reverse=True):
             flat = flat.replace(f"from .{flat_name(other)} import", f"from {other} import")
+        flat = re.sub(r"""(custom_op\(\s*["'])pelab_[0-9a-f]{12}::""", r"\1pelab::", flat)
         assert flat == path.read_text(), module
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["PelabForCausalLM"]
@@ -260,6 +262,27 @@ def test_folder_holds_the_model_itself_the_wrapper_verbatim_and_auto_map(exporte
     assert config["gpt"]["norm"] == "rmsnorm" and config["gpt"]["n_layer"] == 2 and config["gpt"]["attention"] == "auto"
     assert (out / REGISTRY).is_file()
     assert json.loads((out / "generation_config.json").read_text()).get("use_cache", True) is True
+
+
+def test_loading_an_export_leaves_pelabs_own_operators_in_place(exported, monkeypatch):
+    """The folder's copy of model/ registers its torch operators under its own namespace: loaded in
+    a process that trains pelab models, it does not replace pelab's kernels (it did: a second
+    ``pelab::attention_with_bias_grad`` took over the name, and pelab's learned-bias backward ran the
+    folder's copy of the code)."""
+    from model.attention import bias_grad
+
+    gpt, out = exported["kerple_power_swiglu"]
+    shipped = (out / f"{flat_name('model.attention.bias_grad')}.py").read_text()
+    assert '"pelab::' not in shipped and re.search(r'custom_op\("pelab_[0-9a-f]{12}::attention_with_bias_grad"', shipped)
+    load(out)  # registers the folder's operators
+    calls = []
+    original = bias_grad._backward
+    monkeypatch.setattr(bias_grad, "_backward", lambda *a: calls.append(1) or original(*a))
+    gpt.train().zero_grad(set_to_none=True)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    gpt(ids[:, :-1], targets=ids[:, 1:])[1].backward()
+    gpt.eval()
+    assert len(calls) == 2  # pelab's own backward, once a layer
 
 
 def test_remote_code_imports_only_torch_the_standard_library_transformers_and_its_own_files(exported):
