@@ -161,13 +161,12 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_three(runs):
     """Step 2 of the 2-rank run, resumed on 3 ranks: the weights and AdamW state gathered from the
     new ranks right after the load equal the saved ones, bit for bit (every parameter split at
     other offsets than it was saved with); the data stream goes on from the samples consumed."""
-    ranks = "three"
-    finished(runs[ranks])
-    state = torch.load(runs["dir"] / ranks / "state.pt", weights_only=True)
+    finished(runs["three"])
+    state = torch.load(runs["dir"] / "three" / "state.pt", weights_only=True)
     reference = saved(step_dir(runs["dir"] / "whole", 2))
     assert state["global_step"] == 2 and state["data"] == {"samples_consumed": 2 * GLOBAL_BATCH}
     assert_same_state(state, reference)
-    assert f"continuing from {step_dir(runs['dir'] / ranks, 2)}" in runs[ranks]["log"]
+    assert f"continuing from {step_dir(runs['dir'] / 'three', 2)}" in runs["three"]["log"]
 
 
 def test_hybrid_sharding_shards_in_a_node_replicates_across_and_trains_as_fsdp(runs):
