@@ -181,6 +181,9 @@ def graphwalks(task, rng: np.random.Generator, n: int, depth: None, split: str):
 
 # --- babilong ------------------------------------------------------------------------------
 
+QUESTIONS = {1: "\nWhere is {name}? ", 2: "\nWhere is the {obj}? ", 3: "\nWhere was the {obj} before the {place}? "}
+
+
 def babilong_story(qa: int, facts: int, rng: np.random.Generator) -> tuple[list[str], str, str]:
     """(fact sentences in story order, question, answer): the supporting facts of qa1/qa2/qa3
     for one person (and object), the others distractors by other people."""
@@ -218,12 +221,8 @@ def babilong_story(qa: int, facts: int, rng: np.random.Generator) -> tuple[list[
                 story.append(take(p, free.pop(int(rng.integers(len(free))))))
             else:
                 story.append(move(p))
-    name, obj = PERSONS[person], OBJECTS[thing]
-    if qa == 1:
-        return story, f"\nWhere is {name}? ", PLACES[where[person]]
-    if qa == 2:
-        return story, f"\nWhere is the {obj}? ", PLACES[where[person]]
-    return story, f"\nWhere was the {obj} before the {PLACES[where[person]]}? ", PLACES[carried_from]
+    question = QUESTIONS[qa].format(name=PERSONS[person], obj=OBJECTS[thing], place=PLACES[where[person]])
+    return story, question, PLACES[carried_from if qa == 3 else where[person]]
 
 
 def babilong(task, rng: np.random.Generator, n: int, depth: None, split: str):
@@ -251,7 +250,8 @@ def babilong_min_length(task) -> int:
     longest = lambda words: max(map(len, words))  # noqa: E731
     fact = len(" ") + longest(PERSONS) + 1 + max(longest(MOVES) + len(" to the ") + longest(PLACES),
                                                   longest(TAKES) + len(" the ") + longest(OBJECTS)) + len(".")
-    question = len("\nWhere was the ") + longest(OBJECTS) + len(" before the ") + longest(PLACES) + len("? ")
+    question = len(QUESTIONS[task.qa].format(name="x" * longest(PERSONS), obj="x" * longest(OBJECTS),
+                                             place="x" * longest(PLACES)))  # the asked qa's question only
     return task.num_facts * fact + question + longest(PLACES) - 1
 
 

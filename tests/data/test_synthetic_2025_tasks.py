@@ -216,7 +216,8 @@ def test_readers_on_hand_made_sequences():
 
 TASKS = [Task("state_tracking"), Task("state_tracking", group="A5"), Task("state_tracking", group="S3"),
          Task("graphwalks"), Task("graphwalks", walk_depth=3, max_answer=2), Task("babilong"),
-         Task("babilong", qa=2, num_facts=3), Task("babilong", qa=3), Task("multi_query"),
+         Task("babilong", qa=2, num_facts=3), Task("babilong", qa=3), Task("babilong", num_facts=3),  # task_ablation2's
+         Task("multi_query"),
          Task("multi_query", num_needles=6, num_queries=2, key_length=2), Task("common_words"),
          Task("common_words", num_common=1), Task("find_block"), Task("find_block", block_length=3, query_length=3),
          Task("latent_list"), Task("latent_list", num_ops=12), Task("frequent_words"),
@@ -368,7 +369,11 @@ def test_f1_is_scored_for_set_valued_tasks_only(monkeypatch):
      "length must be an integer <= 48773 (the longest graphwalks sample with these options), got 50000"),
     (lambda: Task("babilong", qa=4), "data.qa must be 1, 2 or 3 (bAbI's qa1-qa3), got 4"),
     (lambda: Task("babilong", qa=3, num_facts=2), "data.num_facts must be >= data.qa=3"),
-    (lambda: Task("babilong").sample(100, 0), "length must be an integer >= 188 (the shortest babilong sample)"),
+    # qa1, 4 facts: 4 x len(" Daniel journeyed to the bathroom.") = 4 x 34, + "\nWhere is Daniel? " (18),
+    # + "bathroom" (8), - 1 (the last answer byte is no input) = 161
+    (lambda: Task("babilong").sample(100, 0), "length must be an integer >= 161 (the shortest babilong sample)"),
+    # qa3 asks the longest question, "\nWhere was the football before the bathroom? " (45): 136 + 45 + 8 - 1 = 188
+    (lambda: Task("babilong", qa=3).sample(187, 0), "length must be an integer >= 188 (the shortest babilong sample)"),
     (lambda: Task("multi_query", num_needles=3, num_queries=4),
      "data.num_queries must be <= data.num_needles=3 (asked keys are distinct needles), got 4"),
     (lambda: Task("multi_query", num_needles=20).sample(100, 0),

@@ -246,6 +246,8 @@ def test_cli_reports_bad_config_in_one_message(overrides, expected, tmp_path):
     ["experiment=cope_counting", "pe=cope"],
     ["experiment=copy_ordering", "pe=learned", "pe.max_positions=512"],
     ["experiment=task_ablation", "+hybrid=rnope_swa"],  # a hybrid layout on a task
+    *[["experiment=task_ablation2", f"data.task={task}"]  # every task of its documented sweep trains at 128
+      for task in ("state_tracking", "graphwalks", "babilong", "multi_query")],
     ["experiment=task_ablation", "eval.tasks.rope_scaling=[null,linear,ntk,yarn]"],  # a task under PI, NTK, YaRN
     ["experiment=fox_loss_by_position", "pe=fox"],
     ["experiment=stick_breaking"],
