@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the sweep's schemes: learned (its table stops at L: "n/a" past it), rope (the scaling sweep) and
 # alibi (the torchrun evaluation); every scheme trains in tests/harness/test_lit.py
 SCHEMES = ["learned", "rope", "alibi"]
+PE_PRESETS = sorted(p.stem for p in (ROOT / "conf" / "pe").glob("*.yaml"))  # every pe= choice
 FAST = [
     "model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=32",
     "data.batch_size=4", "trainer.max_steps=4", "trainer.val_check_interval=2",
@@ -197,11 +198,11 @@ def test_unknown_scheme_lists_valid_choices():
         compose_config(["pe=rotary"])
     message = str(err.value)
     assert "pe/rotary" in message
-    for scheme in sorted(p.stem for p in (ROOT / "conf" / "pe").glob("*.yaml")):
+    for scheme in PE_PRESETS:
         assert scheme in message
 
 
-@pytest.mark.parametrize("scheme", sorted(p.stem for p in (ROOT / "conf" / "pe").glob("*.yaml")))
+@pytest.mark.parametrize("scheme", PE_PRESETS)
 def test_every_scheme_config_builds(scheme):
     import hydra
 
