@@ -4,7 +4,7 @@ score every group at every length (the outputs: evaluation/compare_report.py, an
 
 - **Files.** Every table a registered probe compares (``Probe.compare``: extrapolation.csv,
   tasks.csv, ...) under the given directories (or the CSV files given). When a run holds
-  several, rows of the newer file win, a series at a time.
+  several, a series comes whole from the newest file of its latest model (``step.json``).
 - **Labels.** A line is named by scheme (+ RoPE scaling, + packed documents); two runs of one
   scheme by the settings that differ, else by run directory. Schemes are listed in the order
   the registry (``model.pe.SCHEMES``) has them; unknown names last.
@@ -24,7 +24,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Sequence
 
-from evaluation.probe import Comparison, Probe
+from evaluation.probe import Comparison, Probe, read_step
 from evaluation.stats import ALPHA, mean_ci, welch_test
 from evaluation.sweep import read_rows, scaled_name
 from model.pe import SCHEMES
@@ -80,18 +80,33 @@ def run_dir_of(csv_path: Path, folders: Collection[str]) -> Path:
 
 def newest_series(files: list[Path], read: Callable, series: Callable, folders: Collection[str]
                   ) -> list[tuple[str, object]]:
-    """(run dir, row) pairs. A series of a run comes whole from the newest file that has it, so
-    points measured with different settings are never mixed in one line."""
-    newest: dict[tuple, tuple[float, Path]] = {}
+    """(run dir, row) pairs. A series of a run comes whole from one file, so points measured with
+    different settings are never mixed in one line: the newest file that scores the run's latest
+    model (the highest step a file's ``STEP_FILE`` records; files without one count as older than
+    any step). A later look at an earlier checkpoint (a learning curve's scores) does not replace
+    the run's result, and is named on stderr; give its CSV to compare it."""
+    best: dict[tuple, tuple[tuple[int, float], Path]] = {}
+    steps_of: dict[tuple, set] = {}
     rows_of: dict[Path, list] = {}
     for path in files:
         rows_of[path] = read(path)
-        mtime = path.stat().st_mtime
+        try:
+            step = read_step(path.parent)
+        except ValueError as e:
+            raise CompareError(str(e)) from None
+        rank = (-1 if step is None else step, path.stat().st_mtime)
         for row in rows_of[path]:
             key = (str(run_dir_of(path, folders)), series(row))
-            if key not in newest or newest[key][0] < mtime:
-                newest[key] = (mtime, path)
-    return [(run, r) for (run, key), (_, path) in newest.items() for r in rows_of[path] if series(r) == key]
+            steps_of.setdefault(key, set()).add(step)
+            if key not in best or best[key][0] < rank:
+                best[key] = (rank, path)
+    for key, ((step, _), path) in sorted(best.items(), key=lambda item: str(item[0])):
+        others = sorted(s for s in steps_of[key] - {None, step})
+        if others:
+            print(f"[pelab] {key[0]}: {path.name} of step {step} ({path.parent.name}) compared; evaluations of "
+                  f"step{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} left out (give a CSV to "
+                  "compare that one)", file=sys.stderr)
+    return [(run, r) for (run, key), (_, path) in best.items() for r in rows_of[path] if series(r) == key]
 
 
 def run_group(runs: Runs) -> str | None:

@@ -6,6 +6,7 @@ Each probe file ends with its ``PROBE``; evaluation/registry.py lists them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -54,12 +55,39 @@ class Subject:
         return f"pe={self.scheme}, trained at {self.train_length}"
 
 
+#: beside every probe's files: the training step of the model they score, so a comparison takes a
+#: run's line from its latest model, not from a later look at an earlier checkpoint
+STEP_FILE = "step.json"
+
+
+def write_step(folder: Path, step: int) -> None:
+    (Path(folder) / STEP_FILE).write_text(json.dumps({"step": int(step)}) + "\n")
+
+
+def read_step(folder: Path) -> int | None:
+    """The step ``folder``'s files score (``write_step``); None where none is recorded (files
+    written before steps were). A record that is not one is a ValueError naming the file."""
+    path = Path(folder) / STEP_FILE
+    if not path.is_file():
+        return None
+    try:
+        step = json.loads(path.read_text())["step"]
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step is {step!r}")
+        return step
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a step record ({type(e).__name__}: {e}); it should read "
+                         '{"step": N}, the training step of the model scored (delete it to treat the '
+                         "folder's files as of an unknown step)") from None
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One result table of a probe across runs (evaluation/compare.py reads it, scripts/compare_runs.py
     reports it): the ``file`` found under the compared paths, its columns checked before any is
-    read, a run's ``series`` taken whole from its newest file. The hooks get the ``Runs`` read
-    (seed groups, the caller's options) and this table's (run dir, row) pairs."""
+    read, a run's ``series`` taken whole from its latest model's newest file (``STEP_FILE``). The
+    hooks get the ``Runs`` read (seed groups, the caller's options) and this table's (run dir,
+    row) pairs."""
 
     file: str  # the CSV the probe writes into its output folder
     row: type  # its row dataclass: the columns checked, the rows read back (evaluation.sweep.read_rows)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from data.stream import load_tokens
-from evaluation.probe import Probe, Report, Subject
+from evaluation.probe import Probe, Report, Subject, write_step
 from evaluation.registry import PROBES, enabled_probes
 from pelab.loggers import log_results
 
@@ -45,7 +45,8 @@ def run_evaluations(subject: Subject, options: dict[str, Any], output_dir: Path 
                     note: Callable[[Any], str | None] | None = None) -> dict[str, Outcome]:
     """Every probe ``options`` (the ``eval`` section, or its probe blocks) enables, in registry
     order. A sharded probe (``every_rank``) runs on every rank; the others, and all saving and
-    logging, on rank zero only. Files go to ``output_dir / probe.output`` (or
+    logging, on rank zero only. ``step``: the training step of the model (the loggers' step,
+    and ``step.json`` beside each probe's files). Files go to ``output_dir / probe.output`` (or
     ``output_dir(probe)``); ``note(config)`` (e.g. the precision that ran) joins the plots' title
     and heads the markdown table."""
     outcomes: dict[str, Outcome] = {}
@@ -64,8 +65,9 @@ def run_evaluations(subject: Subject, options: dict[str, Any], output_dir: Path 
             continue
         said = note(config) if note else None
         title = probe.title(subject) + (f", {said}" if said else "")
-        paths = probe.save(result, output_dir(probe) if callable(output_dir) else Path(output_dir) / probe.output,
-                           title)
+        folder = output_dir(probe) if callable(output_dir) else Path(output_dir) / probe.output
+        paths = probe.save(result, folder, title)
+        write_step(folder, step)  # which model these files score, for compare_runs
         if said and "md" in paths:  # which model, and what the numbers ran in
             paths["md"].write_text(f"{title}\n\n{paths['md'].read_text()}")
         reports = probe.reports(result, paths)

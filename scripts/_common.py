@@ -129,7 +129,7 @@ def evaluate_checkpoint(ckpt: Path, cfg, options: dict, device, out: str | None 
 
     from data.cache import check_cache_folder
     from evaluation.registry import PROBES, enabled_probes
-    from pelab.checkpoint import load_lit_gpt
+    from pelab.checkpoint import load_lit_gpt, read_checkpoint
     from pelab.datamodule import build_datamodule
     from pelab.evaluate import run_evaluations, subject_of
 
@@ -161,7 +161,8 @@ def evaluate_checkpoint(ckpt: Path, cfg, options: dict, device, out: str | None 
         return f"precision={precision_ran(config.precision, device)}" if hasattr(config, "precision") else None
 
     subject = subject_of(module, datamodule, distributed=distributed, rank_zero=rank_zero, seed=seed)
-    outcomes = run_evaluations(subject, options, where, rank_zero=rank_zero, note=note)
+    step = read_checkpoint(ckpt, "ckpt").get("global_step", 0)  # the files say which model they score
+    outcomes = run_evaluations(subject, options, where, step, rank_zero=rank_zero, note=note)
     for name, outcome in outcomes.items():
         if "md" in outcome.paths:
             print(outcome.paths["md"].read_text())

@@ -58,6 +58,28 @@ def test_compare_two_fake_runs(tmp_path):
     assert (out / "comparison.png").stat().st_size > 1000
 
 
+def test_a_run_is_compared_at_its_latest_model(tmp_path):
+    """A later look at an earlier checkpoint (a learning curve scored after training) does not
+    replace the run's result: the newest file of the highest step wins, and the others are named."""
+    from evaluation.probe import STEP_FILE, write_step
+
+    sweep = tmp_path / "multirun"
+    at_end = fake_run(sweep, "0-rope", "rope", {64: 10.0, 128: 12.0})
+    again = fake_run(sweep, "0-rope", "rope", {64: 11.0, 128: 13.0}, sub="eval-last-2")  # the final model, re-scored
+    early = fake_run(sweep, "0-rope", "rope", {64: 30.0}, sub="eval-step000004-3")  # scored last of all
+    for path, step, later in ((at_end, 12, 0), (again, 12, 5), (early, 4, 10)):
+        write_step(path.parent, step)
+        os.utime(path, (time.time() + later, time.time() + later))
+    out = tmp_path / "report"
+    proc = compare_runs(str(sweep), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "| rope | 11.00 | 13.00 |" in (out / "comparison.md").read_text()
+    assert "evaluations of step 4 left out" in proc.stderr and "eval-last-2" in proc.stderr
+
+    (early.parent / STEP_FILE).write_text("{}")
+    proc = compare_runs(str(sweep), "--out", str(out))
+    assert proc.returncode != 0 and f"{early.parent / STEP_FILE} is not a step record" in proc.stderr
+
 def test_compare_without_results_fails_clearly(tmp_path):
     proc = compare_runs(str(tmp_path))
     assert proc.returncode != 0 and "no extrapolation.csv found" in proc.stderr

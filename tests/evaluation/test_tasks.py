@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from data.synthetic import Task
+from evaluation.probe import read_step
 from evaluation.tasks import (
     TaskEvalConfig, TaskRow, evaluate_tasks, markdown_table, mean_over_depths, read_csv,
     save_results, summary_metrics,
@@ -183,6 +184,7 @@ def test_runner_writes_task_tables_and_logs(tmp_path):
     assert [(r.eval_length, r.depth, r.samples) for r in rows] == [(16, 0.5, 4), (32, 0.5, 4)]
     assert [(r.eval_length, r.accuracy) for r in read_csv(tmp_path / "tasks" / "tasks.csv")] == \
         [(r.eval_length, r.accuracy) for r in rows]
+    assert read_step(tmp_path / "tasks") == 3  # which model the files score
     logged = (tmp_path / "csv" / "metrics.csv").read_text()
     assert "tasks/passkey/accuracy@32" in logged and "tasks/passkey/depth0.5/accuracy@16" in logged
     assert run_evaluations(subject_of(module, dm), {"tasks": {**options, "enabled": False}}, tmp_path, 3, [logger]) == {}
@@ -225,6 +227,8 @@ def test_train_then_eval_tasks_script(tmp_path):
     for written, at_end in ((tasks, run / "tasks" / "tasks.csv"), (probe, run / "attention_probe" / "probe.csv")):
         assert written.read_text().splitlines()[0] == at_end.read_text().splitlines()[0]  # the same columns
     assert [(r.eval_length, r.depth, r.samples) for r in read_csv(tasks)] == [(32, 1.0, 3)]
+    # every evaluation says which model it scored: last.ckpt is step 3, as the end of training was
+    assert read_step(tasks.parent) == read_step(probe.parent) == read_step(out) == read_step(run / "tasks") == 3
     assert not list(where.iterdir())  # Hydra wrote no outputs/ and changed no directory
 
 
