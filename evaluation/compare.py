@@ -83,10 +83,9 @@ def newest_series(files: list[Path], read: Callable, series: Callable, folders: 
     """(run dir, row) pairs. A series of a run comes whole from one file, so points measured with
     different settings are never mixed in one line: the newest file that scores the run's latest
     model (the highest step a file's ``STEP_FILE`` records; files without one count as older than
-    any step). A later look at an earlier checkpoint (a learning curve's scores) does not replace
-    the run's result, and is named on stderr; give its CSV to compare it."""
-    best: dict[tuple, tuple[tuple[int, float], Path]] = {}
-    steps_of: dict[tuple, set] = {}
+    any step). What that leaves out of a run's line, scores of earlier checkpoints or lengths only
+    an older file has, is named on stderr; give a CSV to compare that one instead."""
+    ranked: dict[tuple, list[tuple[tuple[int, float], Path]]] = {}  # (run dir, series) -> its files
     rows_of: dict[Path, list] = {}
     for path in files:
         rows_of[path] = read(path)
@@ -95,18 +94,22 @@ def newest_series(files: list[Path], read: Callable, series: Callable, folders: 
         except ValueError as e:
             raise CompareError(str(e)) from None
         rank = (-1 if step is None else step, path.stat().st_mtime)
-        for row in rows_of[path]:
-            key = (str(run_dir_of(path, folders)), series(row))
-            steps_of.setdefault(key, set()).add(step)
-            if key not in best or best[key][0] < rank:
-                best[key] = (rank, path)
-    for key, ((step, _), path) in sorted(best.items(), key=lambda item: str(item[0])):
-        others = sorted(s for s in steps_of[key] - {None, step})
-        if others:
-            print(f"[pelab] {key[0]}: {path.name} of step {step} ({path.parent.name}) compared; evaluations of "
-                  f"step{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} left out (give a CSV to "
-                  "compare that one)", file=sys.stderr)
-    return [(run, r) for (run, key), (_, path) in best.items() for r in rows_of[path] if series(r) == key]
+        for key in dict.fromkeys((str(run_dir_of(path, folders)), series(row)) for row in rows_of[path]):
+            ranked.setdefault(key, []).append((rank, path))
+    pairs = []
+    for (run, line), candidates in ranked.items():
+        (step, _), path = max(candidates)
+        rows = {p: [r for r in rows_of[p] if series(r) == line] for _, p in candidates}
+        pairs += [(run, r) for r in rows[path]]
+        earlier = sorted({s for (s, _), p in candidates if -1 < s < step})
+        lengths = sorted({getattr(r, "eval_length", None) for p in rows if p != path for r in rows[p]}
+                         - {getattr(r, "eval_length", None) for r in rows[path]} - {None})
+        left = ([f"scores of earlier steps ({', '.join(map(str, earlier))})"] if earlier else []) + \
+               ([f"lengths {', '.join(map(str, lengths))} of older files"] if lengths else [])
+        if left:
+            print(f"[pelab] {run}: {path.parent.name}/{path.name}" + (f" (step {step})" if step >= 0 else "")
+                  + f" compared; left out: {'; '.join(left)} (give a CSV to compare that one)", file=sys.stderr)
+    return pairs
 
 
 def run_group(runs: Runs) -> str | None:

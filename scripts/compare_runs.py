@@ -11,8 +11,9 @@ Every ``extrapolation.csv`` and ``tasks.csv`` under the given directories (or th
 given) is read. When a run holds several (the one written at the end of training and later
 scripts/eval_extrapolation.py or eval_tasks.py results), a series comes whole from the newest
 file that scores the run's latest model (the step its ``step.json`` records): scores of an earlier
-checkpoint, written later, are named on stderr and left out (give that CSV to compare it). Lines
-are named by scheme (+ RoPE scaling).
+checkpoint, written later, are left out, and what a line leaves out (those steps, lengths only an
+older file has) is named on stderr (give that CSV to compare it). Lines are named by scheme (+ RoPE
+scaling).
 
 **Seeds.** Runs whose resolved configs (``checkpoints/config.yaml``) differ only in ``seed``
 and in settings that do not change what is trained (paths, loggers, callbacks, evaluation

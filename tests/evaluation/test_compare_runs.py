@@ -74,7 +74,14 @@ def test_a_run_is_compared_at_its_latest_model(tmp_path):
     proc = compare_runs(str(sweep), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "| rope | 11.00 | 13.00 |" in (out / "comparison.md").read_text()
-    assert "evaluations of step 4 left out" in proc.stderr and "eval-last-2" in proc.stderr
+    assert "eval-last-2/extrapolation.csv (step 12) compared; left out: scores of earlier steps (4)" in proc.stderr
+    # a newer look at the same model at fewer lengths replaces the line whole, and says what it drops
+    fewer = fake_run(sweep, "0-rope", "rope", {64: 11.5}, sub="eval-last-4")
+    write_step(fewer.parent, 12)
+    os.utime(fewer, (time.time() + 15, time.time() + 15))
+    proc = compare_runs(str(sweep), "--out", str(out))
+    assert "| rope | 11.50 |" in (out / "comparison.md").read_text()
+    assert "left out: scores of earlier steps (4); lengths 128 of older files" in proc.stderr
 
     (early.parent / STEP_FILE).write_text("{}")
     proc = compare_runs(str(sweep), "--out", str(out))
