@@ -61,6 +61,7 @@ STEP_FILE = "step.json"
 
 
 def write_step(folder: Path, step: int) -> None:
+    Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / STEP_FILE).write_text(json.dumps({"step": int(step)}) + "\n")
 
 
