@@ -8,7 +8,8 @@
 Composes conf/scripts/evaluate.yaml (the training tree's conf/eval beside its own keys): the run's
 own ``eval`` section (RUN_DIR/checkpoints/config.yaml) with the command line's ``eval.*``
 overrides on top, checked by the rules train.py checks it with, before the checkpoint is read. Results go to
-RUN_DIR/<probe>/eval-<ckpt>-<time>/ (or ``out=``): the files the end of training writes.
+RUN_DIR/<probe>/eval-<ckpt>-<time>/ (or ``out=``): the files the end of training writes, with
+``step.json`` (the checkpoint's training step, which scripts/compare_runs.py reads).
 """
 
 from __future__ import annotations
