@@ -8,7 +8,8 @@ probe alone, its keys spelt short (conf/scripts/eval_extrapolation.yaml; ``mode`
     torchrun --nproc_per_node=8 scripts/eval_extrapolation.py ckpt=...   # windows sharded over 8 GPUs
 
 Results go to RUN_DIR/extrapolation/eval-<ckpt>-<time>/ as CSV, PNG and markdown, with step.json
-(the checkpoint's training step; earlier results are never overwritten) and, with wandb=true, to a W&B run in the training run's group.
+(the checkpoint's training step; earlier results are never overwritten) and, with wandb=true, to a
+W&B run in the training run's group.
 """
 
 from __future__ import annotations

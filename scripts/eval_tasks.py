@@ -10,7 +10,8 @@ on the run's own ``eval.tasks``.
 The task, its options and the seed of the test samples come from the run's resolved config
 (checkpoints/config.yaml); the run must have trained on data=synthetic. Results go to
 RUN_DIR/tasks/eval-<ckpt>-<time>/ as tasks.csv, tasks.png, tasks.md and step.json (the checkpoint's
-training step; earlier results are never overwritten) and, with wandb=true, to a W&B run in the training run's group.
+training step; earlier results are never overwritten) and, with wandb=true, to a W&B run in the
+training run's group.
 """
 
 from __future__ import annotations

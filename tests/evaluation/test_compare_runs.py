@@ -87,6 +87,7 @@ def test_a_run_is_compared_at_its_latest_model(tmp_path):
     proc = compare_runs(str(sweep), "--out", str(out))
     assert proc.returncode != 0 and f"{early.parent / STEP_FILE} is not a step record" in proc.stderr
 
+
 def test_compare_without_results_fails_clearly(tmp_path):
     proc = compare_runs(str(tmp_path))
     assert proc.returncode != 0 and "no extrapolation.csv found" in proc.stderr
