@@ -6,7 +6,8 @@ score every group at every length (the outputs: evaluation/compare_report.py, an
   tasks.csv, ...) under the given directories (or the CSV files given). When a run holds
   several, a series comes whole from the newest file of its latest model (``step.json``).
 - **Labels.** A line is named by scheme (+ RoPE scaling, + packed documents); two runs of one
-  scheme by the settings that differ, else by run directory. Schemes are listed in the order
+  scheme by the settings that differ, each by those it holds away from today's defaults (the
+  one at every default keeps the bare name), else by run directory. Schemes are listed in the order
   the registry (``model.pe.SCHEMES``) has them; unknown names last.
 - **Seeds.** Runs whose resolved configs (``checkpoints/config.yaml``) differ only in keys the
   caller names as not changing what is trained form one group; a cell holds the group's
@@ -149,7 +150,7 @@ def label_rows(pairs: list[tuple[str, object]], groups: dict | None = None) -> l
     for run, row in pairs:
         label = base_label(row)
         group = (groups or {}).get((label, run))
-        if group is not None and group.label != label:
+        if group is not None and (group.label != label or group.named):
             label = group.label
         elif len(runs_per_scheme[row.scheme]) > 1:
             label += f" ({Path(run).name})"
@@ -216,12 +217,25 @@ class Group:
     label: str
     runs: list[str] = field(default_factory=list)
     seeds: list = field(default_factory=list)
+    named: bool = False  # told apart from other settings of its scheme (its label may still be the bare one)
 
 
-def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo]) -> dict[tuple[str, str], Group]:
+def at_default(key: str, setting: dict[str, str], defaults: dict[str, str]) -> bool:
+    """Whether ``setting`` holds today's default at ``key``: only where the key's top-level block
+    is the default one (same ``_target_``: pe.base of ALiBi is not RoPE's default)."""
+    block = key.split(".")[0]
+    same = defaults.get(f"{block}._target_") == setting.get(f"{block}._target_")
+    return same and key in defaults and defaults[key] == setting[key]
+
+
+def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo],
+                defaults: dict | None = None) -> dict[tuple[str, str], Group]:
     """(base label, run dir) -> its group. Runs of a label whose settings are equal form one
     group (one run per seed; a repeated seed keeps the first run dir, with a warning); runs
-    without a config.yaml stay alone."""
+    without a config.yaml stay alone. Several settings of a label are named by the keys that
+    differ, each group by those it holds away from today's ``defaults`` (a config tree): RoPE and
+    RoPE with XSA read "rope" and "rope (model.xsa='plain')"."""
+    flat_defaults = _flatten(defaults or {})
     groups: dict[tuple[str, str], Group] = {}
     for label, runs in runs_by_label.items():
         by_setting: dict[object, Group] = {}
@@ -244,8 +258,10 @@ def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo]) ->
                 if setting is None or any(o is None for o in others):
                     group.label = f"{label} ({Path(group.runs[0]).name})"
                 else:
-                    keys = sorted(k for k in setting if any(o.get(k) != setting[k] for o in others))
-                    group.label = f"{label} (" + ", ".join(f"{k}={setting[k]}" for k in keys) + ")"
+                    keys = sorted(k for k in setting if any(o.get(k) != setting[k] for o in others)
+                                  and not at_default(k, setting, flat_defaults))
+                    group.label = f"{label} (" + ", ".join(f"{k}={setting[k]}" for k in keys) + ")" if keys else label
+                group.named = True
     return groups
 
 
@@ -304,7 +320,7 @@ def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[s
             runs_by_label.setdefault(base_label(r), set()).add(run)
     info = {run: run_info(run, ignored, defaults) for runs in runs_by_label.values() for run in runs}
     check_ignored(asked, info)
-    return Runs(tables, seed_groups(runs_by_label, info), folders, options)
+    return Runs(tables, seed_groups(runs_by_label, info, defaults), folders, options)
 
 
 # --- cells: one group at one length ---------------------------------------------------------

@@ -23,7 +23,8 @@ seeds ± the 95% Student-t interval (n − 1 degrees of freedom), the best mean 
 is bold, and ``*`` marks a group whose values differ from the best group's at that length by
 Welch's two-sided t-test at α = 0.05 (p-values in the CSV); the plot draws the intervals as
 bands. With one run per group (or no config.yaml) the output is one line per run; two runs of
-one scheme are named by the settings that differ (else by run directory). Task accuracy is the
+one scheme are named by the settings that differ, each by those it holds away from today's
+defaults (``rope`` beside ``rope (model.xsa='plain')``; else by run directory). Task accuracy is the
 exact-match accuracy of a run averaged over its passkey depths; tasks with set-valued answers
 (graphwalks, common_words, frequent_words) show their F1 beside it (single runs: ``62.5 (F1 80.0)`` in a cell;
 seed groups: a section ``TASK F1`` after the task's). A run below the learned criterion at its

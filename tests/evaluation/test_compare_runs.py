@@ -307,8 +307,34 @@ def test_a_run_saved_before_an_option_existed_groups_with_runs_at_its_default(tm
     assert proc.returncode == 0, proc.stderr
     report = (tmp_path / "report" / "comparison.md").read_text()
     # seeds 1 and 2: mean 5.50 at 64, interval 12.706205 * 0.7071068 / sqrt(2) = 6.35
-    assert "| alibi (model.xsa='none') (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in report
+    # the group at today's default is the bare scheme; the other names what it changes
+    assert "| alibi (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in report
     assert "| alibi (model.xsa='plain') (1) | 7.00 | 8.00 |" in report
+
+
+def test_variants_of_one_scheme_are_named_by_what_they_change_from_the_defaults(tmp_path):
+    """RoPE, RoPE + XSA and RoPE as RNoPE-SWA (task_ablation2's three RoPE lines): each named by
+    the keys it holds away from conf/ defaults, not by every key that differs among the three;
+    a pe key is a default only under the default scheme's own block (same pe._target_)."""
+    import yaml
+
+    sweep = tmp_path / "multirun"
+    variants = {"rope": {}, "xsa": {"model": {"xsa": "plain"}},
+                "rnope": {"model": {"window_pattern": [32, None]}, "pe": {"nope_layers": "global"}}}
+    for i, (name, change) in enumerate(variants.items()):
+        run = seed_run(sweep, f"{i}-{name}", "rope", 0, {64: 4.0 + i})
+        path = run / "checkpoints" / "config.yaml"
+        config = yaml.safe_load(path.read_text())
+        config["pe"] = {"_target_": "model.pe.rope.RoPE", "nope_layers": None, **change.get("pe", {})}
+        config["model"].update({"xsa": "none", "window_pattern": None, **change.get("model", {})})
+        path.write_text(yaml.safe_dump(config))
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "report" / "comparison.md").read_text()
+    assert "| rope | 4.00 |" in report
+    assert "| rope (model.xsa='plain') | 5.00 |" in report
+    assert "| rope (model.window_pattern=[32, None], pe.nope_layers='global') | 6.00 |" in report
+    assert "xsa='none'" not in report and "window_pattern=None" not in report
 
 
 def test_a_key_named_by_ignore_does_not_split_seeds(tmp_path):
