@@ -304,7 +304,8 @@ def mean_over_depths(rows: Sequence[TaskRow]) -> list[TaskRow]:
 
 NOT_LEARNED = " [not learned at L]"
 LEARNED_NOTE = (f"[not learned at L]: exact match below {100 * LEARNED_THRESHOLD:g}% on held-out samples at the "
-                "training length (mean over depths), so its longer lengths say nothing about extrapolation.\n")
+                "training length (a task placed at depths: their mean), so its longer lengths say nothing about "
+                "extrapolation.\n")
 
 
 def scheme_label(r: TaskRow) -> str:
@@ -519,7 +520,12 @@ def announce(rows: Sequence[TaskRow], paths: dict[str, Path]) -> str:
 
 # --- across runs: scripts/compare_runs.py ----------------------------------------------------
 
-TASK_CAPTION = "Exact-match accuracy (%) by evaluation length (tokens), mean over depths."
+TASK_CAPTION = "Exact-match accuracy (%) by evaluation length (tokens)"
+
+
+def task_caption(rows: Sequence[TaskRow]) -> str:
+    """The accuracy section's caption: "mean over depths" only for a task scored at depths."""
+    return TASK_CAPTION + (", mean over depths." if any(not math.isnan(r.depth) for r in rows) else ".")
 F1_CAPTION = "F1 (%) of the set-valued answer by evaluation length (tokens), teacher-forced, mean over samples."
 F1_NOTE = "Set-valued answers: (F1 %) beside the exact match, teacher-forced, mean over samples.\n\n"
 
@@ -586,7 +592,7 @@ def comparison_sections(runs: Runs, pairs: list[tuple[str, TaskRow]], out: Path)
         write_csv(rows, out / "comparison_tasks.csv")
         save_figure(plot_rows(mean_over_depths(rows), title="Task accuracy vs evaluation length"),
                     out / "comparison_tasks.png")
-        sections = [f"### {task}\n\n{TASK_CAPTION}\n\n{F1_NOTE * _has_f1(mine)}{single_seed_task_table(rows, task)}"
+        sections = [f"### {task}\n\n{task_caption(mine)}\n\n{F1_NOTE * _has_f1(mine)}{single_seed_task_table(rows, task)}"
                     for task in sorted({r.task for r in rows}) for mine in [[r for r in rows if r.task == task]]]
     else:
         by_run: dict[str, list[TaskRow]] = {}
@@ -607,7 +613,7 @@ def comparison_sections(runs: Runs, pairs: list[tuple[str, TaskRow]], out: Path)
         save_figure(plot_bands(cells, "exact-match accuracy (%)", "Task accuracy vs evaluation length"),
                     out / "comparison_tasks.png")
         sections = stats_sections(cells + f1_cells, "{:.1f}", lambda task: f"### {task}\n\n" + (
-            F1_CAPTION if task.endswith(" F1") else TASK_CAPTION))
+            F1_CAPTION if task.endswith(" F1") else task_caption([r for _, r in pairs if r.task == task])))
     grid = heatmap_rows(runs, pairs)
     if grid:
         write_heatmap_csv(grid, out / "comparison_heatmap.csv")

@@ -471,6 +471,7 @@ def test_compare_runs_shows_f1_beside_exact_match_and_marks_unlearned_runs_once(
     assert "| rope [not learned at L] | 50.0 (F1 75.0) | 0.0 (F1 25.0) |" in md
     assert "| alibi | 100.0 (F1 100.0) | 90.0 (F1 95.0) |" in md
     assert [line.count("not learned") for line in md.splitlines() if line.startswith("| rope")] == [1]
+    assert "by evaluation length (tokens).\n" in md and "mean over depths" not in md  # graphwalks has no depth
 
     seeds = tmp_path / "seeds"
     run(seeds, "0-rope", "rope", 1, {64: (0.5, 0.7), 128: (0.0, 0.2)}, "no")
@@ -485,6 +486,7 @@ def test_compare_runs_shows_f1_beside_exact_match_and_marks_unlearned_runs_once(
     assert "| rope [1/2 not learned at L] (2) | 85.0 ± " in md[f1:] and " | 30.0 ± " in md[f1:]
     assert "| rope [1/2 not learned at L] (2) | 75.0 ± " in md[exact:f1]
     assert all(line.count("not learned") <= 1 for line in md.splitlines())
+    assert "mean over depths" not in md
 
 
 def test_find_block_depth_places_the_target_block_and_keeps_the_query():
