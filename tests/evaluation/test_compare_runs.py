@@ -119,6 +119,16 @@ def seed_run(sweep: Path, name: str, scheme: str, seed: int, ppls: dict, accurac
     return run
 
 
+def edit_config(run: Path, change) -> None:
+    """``change(config)`` applied to the run's checkpoints/config.yaml (a run saved with other settings)."""
+    import yaml
+
+    path = run / "checkpoints" / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    change(config)
+    path.write_text(yaml.safe_dump(config))
+
+
 def test_seeds_are_grouped_with_intervals_and_welch_marks(tmp_path):
     sweep = tmp_path / "multirun"
     # perplexity at 64 / 128 per seed (hand-computed statistics in the expected table below):
@@ -275,15 +285,10 @@ def test_run_settings_leave_out_the_keys_the_caller_names(tmp_path):
 
 
 def test_runs_saved_before_and_after_the_data_module_moved_share_a_seed_group(tmp_path):
-    import yaml
-
     sweep = tmp_path / "multirun"
     for seed, target in ((1, "data.datamodule.TextDataModule"), (2, "pelab.datamodule.TextDataModule")):
-        seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
-        path = sweep / f"{seed}-alibi" / "checkpoints" / "config.yaml"
-        config = yaml.safe_load(path.read_text())
-        config["data"]["_target_"] = target
-        path.write_text(yaml.safe_dump(config))
+        run = seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
+        edit_config(run, lambda config, target=target: config["data"].update(_target_=target))
     proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
     assert proc.returncode == 0, proc.stderr
     # one group of two seeds: mean 5.50 at 64, interval 12.706205 * 0.7071068 / sqrt(2) = 6.35
@@ -293,16 +298,11 @@ def test_runs_saved_before_and_after_the_data_module_moved_share_a_seed_group(tm
 def test_a_run_saved_before_an_option_existed_groups_with_runs_at_its_default(tmp_path):
     """Seed 1 was trained before model.xsa existed (its config lacks the key), seed 2 after, at the
     default 'none' (conf/model/common/gpt.yaml): one group. Seed 3 at xsa='plain' stays apart."""
-    import yaml
-
     sweep = tmp_path / "multirun"
     for seed, xsa in ((1, None), (2, "none"), (3, "plain")):
-        seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
+        run = seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
         if xsa is not None:
-            path = sweep / f"{seed}-alibi" / "checkpoints" / "config.yaml"
-            config = yaml.safe_load(path.read_text())
-            config["model"]["xsa"] = xsa
-            path.write_text(yaml.safe_dump(config))
+            edit_config(run, lambda config, xsa=xsa: config["model"].update(xsa=xsa))
     proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
     assert proc.returncode == 0, proc.stderr
     report = (tmp_path / "report" / "comparison.md").read_text()
@@ -316,18 +316,18 @@ def test_variants_of_one_scheme_are_named_by_what_they_change_from_the_defaults(
     """RoPE, RoPE + XSA and RoPE as RNoPE-SWA (task_ablation2's three RoPE lines): each named by
     the keys it holds away from conf/ defaults, not by every key that differs among the three;
     a pe key is a default only under the default scheme's own block (same pe._target_)."""
-    import yaml
-
     sweep = tmp_path / "multirun"
     variants = {"rope": {}, "xsa": {"model": {"xsa": "plain"}},
                 "rnope": {"model": {"window_pattern": [32, None]}, "pe": {"nope_layers": "global"}}}
+
+    def to(change: dict):
+        def apply(config: dict) -> None:
+            config["pe"] = {"_target_": "model.pe.rope.RoPE", "nope_layers": None, **change.get("pe", {})}
+            config["model"].update({"xsa": "none", "window_pattern": None, **change.get("model", {})})
+        return apply
+
     for i, (name, change) in enumerate(variants.items()):
-        run = seed_run(sweep, f"{i}-{name}", "rope", 0, {64: 4.0 + i})
-        path = run / "checkpoints" / "config.yaml"
-        config = yaml.safe_load(path.read_text())
-        config["pe"] = {"_target_": "model.pe.rope.RoPE", "nope_layers": None, **change.get("pe", {})}
-        config["model"].update({"xsa": "none", "window_pattern": None, **change.get("model", {})})
-        path.write_text(yaml.safe_dump(config))
+        edit_config(seed_run(sweep, f"{i}-{name}", "rope", 0, {64: 4.0 + i}), to(change))
     proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
     assert proc.returncode == 0, proc.stderr
     report = (tmp_path / "report" / "comparison.md").read_text()
@@ -340,13 +340,10 @@ def test_variants_of_one_scheme_are_named_by_what_they_change_from_the_defaults(
 def test_a_key_named_by_ignore_does_not_split_seeds(tmp_path):
     """Fine-tunes whose seeds each start from their own base (init_from differs) are one group
     with --ignore init_from, and two one-run lines named by init_from without it."""
-    import yaml
-
     sweep = tmp_path / "multirun"
     for seed in (1, 2):
-        seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
-        path = sweep / f"{seed}-alibi" / "checkpoints" / "config.yaml"
-        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "init_from": f"base_s{seed}/last.ckpt"}))
+        run = seed_run(sweep, f"{seed}-alibi", "alibi", seed, {64: 4.0 + seed, 128: 5.0 + seed})
+        edit_config(run, lambda config, seed=seed: config.update(init_from=f"base_s{seed}/last.ckpt"))
     proc = compare_runs(str(sweep), "--out", str(tmp_path / "apart"))
     assert proc.returncode == 0, proc.stderr
     assert "| alibi (init_from='base_s1/last.ckpt') | 5.00 | 6.00 |" in (tmp_path / "apart" / "comparison.md").read_text()
