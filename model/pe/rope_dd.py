@@ -31,8 +31,10 @@ derivative (``_Turn``), not from autograd through the cos/sin tables. A KV cache
 stores keys (and values) turned and each layer's float64 Theta beside them (model/cache.py; as
 many bytes as float32 keys): new tokens continue the newest kept key's Theta.
 
-Where it differs from the papers: there is no public code; phi's input (the attention input),
-its softplus, one step per head and pair and the RoPE-equal init are this file's choices.
+Where it differs from the papers: the accumulated-rotations paper has no public code, and
+Selective RoPE's (timurcarstensen/selective-rope) is not compared with this file; phi's input (the
+attention input), its softplus, one step per head and pair and the RoPE-equal init are this file's
+choices.
 """
 
 from __future__ import annotations
