@@ -521,13 +521,13 @@ def announce(rows: Sequence[TaskRow], paths: dict[str, Path]) -> str:
 # --- across runs: scripts/compare_runs.py ----------------------------------------------------
 
 TASK_CAPTION = "Exact-match accuracy (%) by evaluation length (tokens)"
+F1_CAPTION = "F1 (%) of the set-valued answer by evaluation length (tokens), teacher-forced, mean over samples."
+F1_NOTE = "Set-valued answers: (F1 %) beside the exact match, teacher-forced, mean over samples.\n\n"
 
 
 def task_caption(rows: Sequence[TaskRow]) -> str:
     """The accuracy section's caption: "mean over depths" only for a task scored at depths."""
     return TASK_CAPTION + (", mean over depths." if any(not math.isnan(r.depth) for r in rows) else ".")
-F1_CAPTION = "F1 (%) of the set-valued answer by evaluation length (tokens), teacher-forced, mean over samples."
-F1_NOTE = "Set-valued answers: (F1 %) beside the exact match, teacher-forced, mean over samples.\n\n"
 
 
 def _has_f1(rows: Sequence[TaskRow]) -> bool:
