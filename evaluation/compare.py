@@ -150,7 +150,7 @@ def label_rows(pairs: list[tuple[str, object]], groups: dict | None = None) -> l
     for run, row in pairs:
         label = base_label(row)
         group = (groups or {}).get((label, run))
-        if group is not None and (group.label != label or group.named):
+        if group is not None and group.named:
             label = group.label
         elif len(runs_per_scheme[row.scheme]) > 1:
             label += f" ({Path(run).name})"
@@ -174,10 +174,16 @@ class RunInfo:
     keys: frozenset[str] = frozenset()  # every config key (dotted), ignored ones too
 
 
-def run_info(run_dir: str, ignored: Sequence[str], defaults: dict | None = None) -> RunInfo:
+def default_values(defaults: dict | None) -> dict[str, str]:
+    """Today's defaults (a config tree) as dotted keys, as ``_flatten`` writes a run's config;
+    interpolations left out (their values are unknown here)."""
+    return {k: v for k, v in _flatten(defaults or {}).items() if "${" not in v}
+
+
+def run_info(run_dir: str, ignored: Sequence[str], defaults: dict[str, str] | None = None) -> RunInfo:
     """The run's seed and its config without the ``ignored`` keys (an entry ending in "." is a
-    whole group of keys); a key of ``defaults`` (a config tree) the run's config lacks takes its
-    default there: an option added after the run was trained, which it ran at its default."""
+    whole group of keys); a key of ``defaults`` (``default_values``) the run's config lacks takes
+    its default there: an option added after the run was trained, which it ran at its default."""
     import yaml
 
     path = Path(run_dir) / "checkpoints" / "config.yaml"
@@ -186,8 +192,7 @@ def run_info(run_dir: str, ignored: Sequence[str], defaults: dict | None = None)
     config = yaml.safe_load(path.read_text()) or {}
     groups = tuple(k for k in ignored if k.endswith("."))
     flat = _flatten(config)
-    filled = {k: v for k, v in _flatten(defaults or {}).items() if "${" not in v}  # interpolations: unknown here
-    setting = {k: v for k, v in {**filled, **flat}.items() if k not in ignored and not k.startswith(groups)}
+    setting = {k: v for k, v in {**(defaults or {}), **flat}.items() if k not in ignored and not k.startswith(groups)}
     return RunInfo(config.get("seed"), setting, frozenset(flat))
 
 
@@ -229,13 +234,12 @@ def at_default(key: str, setting: dict[str, str], defaults: dict[str, str]) -> b
 
 
 def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo],
-                defaults: dict | None = None) -> dict[tuple[str, str], Group]:
+                defaults: dict[str, str] | None = None) -> dict[tuple[str, str], Group]:
     """(base label, run dir) -> its group. Runs of a label whose settings are equal form one
     group (one run per seed; a repeated seed keeps the first run dir, with a warning); runs
     without a config.yaml stay alone. Several settings of a label are named by the keys that
-    differ, each group by those it holds away from today's ``defaults`` (a config tree): RoPE and
-    RoPE with XSA read "rope" and "rope (model.xsa='plain')"."""
-    flat_defaults = _flatten(defaults or {})
+    differ, each group by those it holds away from today's ``defaults`` (``default_values``): RoPE
+    and RoPE with XSA read "rope" and "rope (model.xsa='plain')"."""
     groups: dict[tuple[str, str], Group] = {}
     for label, runs in runs_by_label.items():
         by_setting: dict[object, Group] = {}
@@ -259,7 +263,7 @@ def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo],
                     group.label = f"{label} ({Path(group.runs[0]).name})"
                 else:
                     keys = sorted(k for k in setting if any(o.get(k) != setting[k] for o in others)
-                                  and not at_default(k, setting, flat_defaults))
+                                  and not at_default(k, setting, defaults or {}))
                     group.label = f"{label} (" + ", ".join(f"{k}={setting[k]}" for k in keys) + ")" if keys else label
                 group.named = True
     return groups
@@ -318,9 +322,10 @@ def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[s
     for table in tables:
         for run, r in table.pairs if table.comparison.grouped else ():
             runs_by_label.setdefault(base_label(r), set()).add(run)
-    info = {run: run_info(run, ignored, defaults) for runs in runs_by_label.values() for run in runs}
+    values = default_values(defaults)  # flattened once for every run
+    info = {run: run_info(run, ignored, values) for runs in runs_by_label.values() for run in runs}
     check_ignored(asked, info)
-    return Runs(tables, seed_groups(runs_by_label, info, defaults), folders, options)
+    return Runs(tables, seed_groups(runs_by_label, info, values), folders, options)
 
 
 # --- cells: one group at one length ---------------------------------------------------------
