@@ -1,7 +1,7 @@
 """Data-dependent RoPE: rotary angles accumulated from the tokens, not read from positions.
 
 RoPE turns pair k of a query or key at position t by t * omega_k. Here each layer l advances
-its own clock by a positive, learned step of each token (accumulated rotations, Godavarti 2026,
+its own clock by a learned step of each token (accumulated rotations, Godavarti 2026,
 arXiv 2606.24975; Selective RoPE, Movahedi et al. 2025, arXiv 2511.17388):
 
     Theta_t = sum_{s<=t} omega * phi(x_s),   phi(x) = softplus(W_l x + b_l) > 0,
@@ -12,13 +12,17 @@ frequencies, and one phi per key/value head and rotary pair (queries of a GQA gr
 their key head's angles, so q_i^T R(Theta_i - Theta_j) k_j holds in every group). q is turned
 by Theta_i and k by Theta_j with the half-split (rotate_half) pairs of model/pe/rope.py.
 
+With ``step="linear"``, phi(x) = W_l x + b_l is signed: it can turn a token by exactly 0 or
+backwards (Selective RoPE's phi is signed too). A softplus step is never 0, so a token meant to
+leave the clock alone still moves it a little, and that adds up over a long text.
+
 ``rotate_v``: values too are turned, v_j by Theta_j, and the output of query i is turned back
 by -Theta_i, so that it reads sum_j a_ij R(Theta_j - Theta_i) v_j: relative as the logits are.
 The accumulated-rotations paper reports that rotating values helps; it is off by default
 (RoPE's form, which the init reproduces).
 
-Init: W = 0 and softplus(b) = 1, so phi = 1 and Theta_t = omega (t + 1): plain RoPE exactly
-(a common shift of every position changes no logit) until training moves W and b.
+Init: W = 0 and phi(b) = 1 (b = 1 for the linear step), so phi = 1 and Theta_t = omega (t + 1):
+plain RoPE exactly (a common shift of every position changes no logit) until training moves W, b.
 
 The scheme never reads position values, so it needs no rule for randomized positions, packed
 documents or windows: Theta_i - Theta_j sums the steps of the tokens j+1..i alone, and a
@@ -31,10 +35,15 @@ derivative (``_Turn``), not from autograd through the cos/sin tables. A KV cache
 stores keys (and values) turned and each layer's float64 Theta beside them (model/cache.py; as
 many bytes as float32 keys): new tokens continue the newest kept key's Theta.
 
-Where it differs from the papers: the accumulated-rotations paper has no public code, and
-Selective RoPE's (timurcarstensen/selective-rope) is not compared with this file; phi's input (the
-attention input), its softplus, one step per head and pair and the RoPE-equal init are this file's
-choices.
+Where it differs from the papers: the accumulated-rotations paper has no public code. Selective
+RoPE's code (timurcarstensen/selective-rope, ``modules/rotary.py``) takes phi as a signed low-rank
+projection (rank 16, no bias by default) of the l2-normalised hidden state, passed through a short
+causal convolution (width 4), optionally plus a positive bias exp(b) and times a sigmoid gate,
+with frequencies base^(-2k/d) at base 500000 and a random init; it turns q and k, not v. Its
+state-tracking sweep (``configs/state_tracking/``) adds the bias and sets base 1 (every pair at
+frequency 1; ``pe.base`` here must exceed 1). Here phi's input (the layer's normed attention
+input), a full-rank step per head and pair, softplus by default, no convolution or gate, and the
+RoPE-equal init are this file's choices.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ from model.config import GPTConfig
 from model.pe.base import PositionEncoding
 from model.pe.rope import full_width, rotary_frequencies, rotate_half, swap_halves
 
-UNIT_STEP = math.log(math.expm1(1.0))  # softplus(b) = 1: one position per token, RoPE's
+#: pe.step: phi of the turns and the bias at which phi = 1 (one position per token, RoPE's)
+STEPS = {"softplus": (F.softplus, math.log(math.expm1(1.0))), "linear": (lambda z: z, 1.0)}
 
 
 class _Turn(torch.autograd.Function):
@@ -85,14 +95,18 @@ class _Turn(torch.autograd.Function):
 class DataDependentRoPE(PositionEncoding, name="rope_dd"):
     terms: ClassVar[str | None] = "rotation"
 
-    def __init__(self, config: GPTConfig, base: float = 10000.0, rotate_v: bool = False) -> None:
+    def __init__(self, config: GPTConfig, base: float = 10000.0, rotate_v: bool = False,
+                 step: str = "softplus") -> None:
         super().__init__(config)
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1.0:
             raise ValueError(f"pe.base must be a number > 1 (omega_k = base^(-2k/d)), got {base!r}")
         if not isinstance(rotate_v, bool):
             raise ValueError(f"pe.rotate_v must be true or false (turn the values and the output too), "
                              f"got {rotate_v!r}")
-        self.base, self.rotate_v = float(base), rotate_v
+        if step not in STEPS:
+            raise ValueError(f"pe.step must be one of {', '.join(STEPS)} (phi of the turns: positive or signed), "
+                             f"got {step!r}")
+        self.base, self.rotate_v, self.step = float(base), rotate_v, step
         self.kv_heads, self.rotary_dim = config.kv_heads, config.head_dim // 2 * 2
         self.pairs = self.rotary_dim // 2
         self.register_buffer("inv_freq", rotary_frequencies(self.base, self.rotary_dim).float(), persistent=False)
@@ -100,7 +114,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
         self.steps = nn.ModuleList(nn.Linear(config.n_embd, self.kv_heads * self.pairs) for _ in range(config.n_layer))
         for step in self.steps:
             nn.init.zeros_(step.weight)
-            nn.init.constant_(step.bias, UNIT_STEP)
+            nn.init.constant_(step.bias, STEPS[self.step][1])
 
     def layer_terms(self, x: Tensor, layer: int, start: Tensor | None = None) -> Tensor:
         """Theta (B, kv heads, pairs, T) float64 of layer ``layer``'s input x (B, T, C),
@@ -116,7 +130,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
             # output is never transposed (a compiled backward's view of a transposed gradient fails)
             logit = torch.baddbmm(step.bias[:, None], step.weight.expand(B, -1, -1), x.to(step.weight.dtype).mT)
             logit = logit.to(torch.promote_types(step.weight.dtype, torch.float32))
-        turns = F.softplus(logit) * self.inv_freq.to(logit.dtype).repeat(self.kv_heads)[:, None]
+        turns = STEPS[self.step][0](logit) * self.inv_freq.to(logit.dtype).repeat(self.kv_heads)[:, None]
         theta = torch.cumsum(turns.double(), dim=-1).view(B, self.kv_heads, self.pairs, T)
         return theta if start is None else theta + start
 
@@ -146,10 +160,12 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
 
     @torch.no_grad()
     def learned_functions(self, length: int) -> dict[str, tuple[Tensor, Tensor, str]]:
-        unit = torch.stack([F.softplus(step.bias.float()).view(self.kv_heads, self.pairs).mean(0).cpu()
+        phi = STEPS[self.step][0]
+        unit = torch.stack([phi(step.bias.float()).view(self.kv_heads, self.pairs).mean(0).cpu()
                             for step in self.steps])  # (layers, pairs)
-        return {"step softplus(b) by pair, per layer": (torch.arange(self.pairs).float(), unit,
+        return {f"step {self.step}(b) by pair, per layer": (torch.arange(self.pairs).float(), unit,
                                                        "pair k (high to low frequency)")}
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, base={self.base}, rotate_v={self.rotate_v}, steps=(kv heads x pairs)"
+        return (f"{super().extra_repr()}, base={self.base}, rotate_v={self.rotate_v}, step={self.step}, "
+                f"steps=(kv heads x pairs)")

@@ -60,6 +60,7 @@ CASES = [
                                  "pe=fox gates every layer's attention from its input"]),
     ("pe=rope +pe.rotate_v=true", ["pe.rotate_v=True is not an option of pe (RoPE); valid options: base"]),
     ("pe=rope_dd pe.rotate_v=maybe", ["pe.rotate_v must be true or false, got 'maybe'"]),
+    ("pe=rope_dd pe.step=relu", ["pe.step must be one of softplus, linear", "got 'relu'"]),
     ("pe=rope_dd +pe.nope_every=2", ["pe.nope_every=2 needs a scheme that acts inside attention through positions",
                                      "pe=rope_dd turns every layer's q and k by angles of its input"]),
     ("pe.nope_every=0", ["pe.nope_every must be null or an integer >= 1", "got 0"]),

@@ -1,5 +1,5 @@
-"""Data-dependent RoPE (pe=rope_dd): Theta_t = sum_{s<=t} omega * softplus(W x_s + b) per layer, kv head
-and pair, logit q_i^T R(Theta_i - Theta_j) k_j, and with rotate_v the values turned by Theta_j and the
+"""Data-dependent RoPE (pe=rope_dd): Theta_t = sum_{s<=t} omega * phi(W x_s + b) per layer, kv head
+and pair (phi softplus, or the identity with step="linear"), logit q_i^T R(Theta_i - Theta_j) k_j, and with rotate_v the values turned by Theta_j and the
 output by -Theta_i. A float64 reference written from that formula with loops (explicit sums, explicit
 cos/sin per pair) on every backend, with gradients into the steps; GQA, windows, packed documents,
 query chunks and the output operations; the RoPE-equal init, position independence, the KV cache,
@@ -43,15 +43,18 @@ def turn(vec, angles, sign=1.0):
     return out
 
 
-def rope_dd_attention(x, attn, step, base=10000.0, rotate_v=False, window=None, documents=None, ops=()):
+def rope_dd_attention(x, attn, step, base=10000.0, rotate_v=False, window=None, documents=None, ops=(),
+                      phi="softplus"):
     """(B, T, C) float64 output of one rope_dd attention layer, from the formula with loops; ``ops``:
-    the layer's output operations, applied to the unrotated output and own values."""
+    the layer's output operations, applied to the unrotated output and own values; ``phi``: softplus
+    or linear (the steps W x + b themselves, signed)."""
     B, n, C = x.shape
     H, G, hd = attn.n_head, attn.n_kv_head, attn.head_dim
     P, group = hd // 2, H // G
     q, k, v = (x @ attn.c_attn.weight.double().T).split((C, G * hd, G * hd), dim=-1)
     q, k, v = q.view(B, n, H, hd), k.view(B, n, G, hd), v.view(B, n, G, hd)
-    phi = softplus(x @ step.weight.double().T + step.bias.double()).view(B, n, G, P)
+    z = x @ step.weight.double().T + step.bias.double()
+    phi = (softplus(z) if phi == "softplus" else z).view(B, n, G, P)
     w = omega(base, P)
     theta = [[[torch.stack([sum(w[p] * phi[b, s, g, p] for s in range(t + 1)) for p in range(P)])
                for g in range(G)] for t in range(n)] for b in range(B)]  # theta[b][t][g]: (P,)
@@ -75,8 +78,8 @@ def rope_dd_attention(x, attn, step, base=10000.0, rotate_v=False, window=None, 
     return out.transpose(1, 2).reshape(B, n, C) @ attn.c_proj.weight.double().T
 
 
-def rope_dd_model(dtype=torch.float64, rotate_v=False, base=10000.0, **overrides):
-    _, model, attn = build("rope_dd", {"rotate_v": rotate_v, "base": base}, **overrides)
+def rope_dd_model(dtype=torch.float64, rotate_v=False, base=10000.0, step="softplus", **overrides):
+    _, model, attn = build("rope_dd", {"rotate_v": rotate_v, "base": base, "step": step}, **overrides)
     with torch.no_grad():  # strong, varied steps: the data dependence must show
         for step in model.pe.steps:
             step.weight.normal_(std=0.5)
@@ -93,6 +96,7 @@ CASES = {  # name: (model options, window, documents, query chunk)
     "gqa_rotate_v": ({"rotate_v": True, "n_kv_head": 2}, None, None, None),
     "window": ({}, 3, None, None),
     "documents_rotate_v": ({"rotate_v": True}, None, DOCUMENTS, None),
+    "linear_gqa_rotate_v": ({"rotate_v": True, "step": "linear", "n_kv_head": 2}, None, None, None),
     "chunks": ({"rotate_v": True}, 6, None, 4),
     "base_output_ops": ({"rotate_v": True, "base": 50.0, "n_kv_head": 2, "xsa": "plain",
                          "output_gate": "elementwise"}, None, None, None),
@@ -109,7 +113,8 @@ def test_layer_matches_reference_with_step_gradients(case):
     model, attn = rope_dd_model(**options)
     step = model.pe.steps[0]
     x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
-    want = rope_dd_attention(x, attn, step, model.pe.base, model.pe.rotate_v, window, documents, attn.output_ops)
+    want = rope_dd_attention(x, attn, step, model.pe.base, model.pe.rotate_v, window, documents, attn.output_ops,
+                             options.get("step", "softplus"))
     wrt = (step.weight, step.bias, x)
     want_grads = torch.autograd.grad(want.square().sum(), wrt)
     for backend in GRAD_BACKENDS:
@@ -176,10 +181,11 @@ def _layer_with(model, weight, bias, x):
 
 
 @torch.no_grad()
-def test_init_is_plain_rope():
-    """W = 0 and softplus(b) = 1: Theta_t = omega (t + 1), so every logit is RoPE's (a shift of all positions)."""
+@pytest.mark.parametrize("step", ["softplus", "linear"])
+def test_init_is_plain_rope(step):
+    """W = 0 and phi(b) = 1: Theta_t = omega (t + 1), so every logit is RoPE's (a shift of all positions)."""
     rope = tiny_gpt("rope", n_kv_head=2).double()
-    dd = tiny_gpt("rope_dd", n_kv_head=2).double()
+    dd = tiny_gpt("rope_dd", n_kv_head=2, pe_options={"step": step}).double()
     missing, unexpected = dd.load_state_dict(rope.state_dict(), strict=False)
     assert not unexpected and all(name.startswith("pe.steps.") for name in missing)
     idx = torch.randint(0, 37, (2, 16))
@@ -187,6 +193,27 @@ def test_init_is_plain_rope():
     with torch.no_grad():
         dd.pe.steps[1].weight.normal_(std=0.5)
     assert not torch.allclose(dd(idx)[0], rope(idx)[0], atol=1e-4)  # the steps do act
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rotate_v", [False, True])
+def test_a_linear_step_of_zero_stops_the_clock(rotate_v):
+    """step=linear, W = 0 and b = 0: no token turns anything, so the model is NoPE's exactly; a negative
+    b turns backwards (RoPE's angles negated: RoPE's logits at reversed positions). A softplus step
+    cannot do either (it is > 0 for every b)."""
+    nope = tiny_gpt("nope", n_kv_head=2).double()
+    dd = tiny_gpt("rope_dd", n_kv_head=2, pe_options={"step": "linear", "rotate_v": rotate_v}).double()
+    dd.load_state_dict(nope.state_dict(), strict=False)
+    for s in dd.pe.steps:
+        s.bias.zero_()
+    idx = torch.randint(0, 37, (2, 16))
+    torch.testing.assert_close(dd(idx)[0], nope(idx)[0], rtol=1e-10, atol=1e-10)
+    rope = tiny_gpt("rope", n_kv_head=2).double()
+    dd.load_state_dict(rope.state_dict(), strict=False)
+    for s in dd.pe.steps:
+        s.bias.fill_(-1.0)
+    if not rotate_v:  # Theta_i - Theta_j = -omega (i - j): RoPE's logits at the reversed positions 15 - t
+        torch.testing.assert_close(dd(idx)[0], rope(idx, positions=15 - torch.arange(16))[0], rtol=1e-10, atol=1e-10)
 
 
 @torch.no_grad()
@@ -280,7 +307,8 @@ def test_bad_input():
     config = attention_config()
     for options, match in (({"rotate_v": "yes"}, r"pe.rotate_v must be true or false.*'yes'"),
                            ({"base": 1.0}, r"pe.base must be a number > 1.*1.0"),
-                           ({"base": "big"}, r"pe.base must be a number > 1.*'big'")):
+                           ({"base": "big"}, r"pe.base must be a number > 1.*'big'"),
+                           ({"step": "relu"}, r"pe.step must be one of softplus, linear.*'relu'")):
         with pytest.raises(ValueError, match=match):
             SCHEMES["rope_dd"](config, **options)
     with pytest.raises(ValueError, match="steps for layers 0..1, got layer 2"):

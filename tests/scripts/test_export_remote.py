@@ -72,7 +72,8 @@ OPTION_CASES = {
                               attn_temperature_layers="global")),
     "rope_differential_gqa_sinks_xsa": ("rope", {}, dict(attention_kind="differential", n_kv_head=2,
                                                          normaliser="sink_learned", xsa="gated")),
-    "rope_dd_rotate_v_differential": ("rope_dd", {"rotate_v": True}, dict(attention_kind="differential", n_kv_head=2)),
+    "rope_dd_linear_rotate_v_differential": ("rope_dd", {"rotate_v": True, "step": "linear"},
+                                             dict(attention_kind="differential", n_kv_head=2)),
 }
 assert "global_base" in SCHEDULE_KEYS
 
