@@ -180,10 +180,38 @@ def default_values(defaults: dict | None) -> dict[str, str]:
     return {k: v for k, v in _flatten(defaults or {}).items() if "${" not in v}
 
 
-def run_info(run_dir: str, ignored: Sequence[str], defaults: dict[str, str] | None = None) -> RunInfo:
+class Defaults:
+    """Today's defaults as dotted keys: conf/config.yaml's (``tree``), and, for a run whose block
+    (pe, data, trainer) is another option than the default one (another ``_target_``), that
+    option's own block, from ``option(block, target)`` (a config tree holding the block, or None
+    where no option has that target today), composed once per target."""
+
+    def __init__(self, tree: dict | None, option: Callable[[str, str], dict | None] | None = None) -> None:
+        self.values = default_values(tree)
+        self.option = option
+        self.blocks: dict[tuple[str, str], dict[str, str] | None] = {}
+
+    def of(self, flat: dict[str, str]) -> dict[str, str]:
+        """The defaults a run with config ``flat`` (dotted keys) ran under."""
+        import ast
+
+        out = self.values
+        for key, target in flat.items():
+            block, _, rest = key.partition(".")
+            if rest != "_target_" or self.option is None or self.values.get(key) in (None, target):
+                continue
+            if (block, target) not in self.blocks:
+                tree = self.option(block, ast.literal_eval(target))
+                self.blocks[block, target] = None if tree is None else default_values({block: tree[block]})
+            if self.blocks[block, target] is not None:
+                out = {k: v for k, v in out.items() if k.partition(".")[0] != block} | self.blocks[block, target]
+        return out
+
+
+def run_info(run_dir: str, ignored: Sequence[str], defaults: Defaults | None = None) -> RunInfo:
     """The run's seed and its config without the ``ignored`` keys (an entry ending in "." is a
-    whole group of keys); a key of ``defaults`` (``default_values``) the run's config lacks takes
-    its default there: an option added after the run was trained, which it ran at its default."""
+    whole group of keys); a key of ``defaults`` (those the run ran under) the run's config lacks
+    takes its default there: an option added after the run was trained, which it ran at its default."""
     import yaml
 
     path = Path(run_dir) / "checkpoints" / "config.yaml"
@@ -192,7 +220,8 @@ def run_info(run_dir: str, ignored: Sequence[str], defaults: dict[str, str] | No
     config = yaml.safe_load(path.read_text()) or {}
     groups = tuple(k for k in ignored if k.endswith("."))
     flat = _flatten(config)
-    setting = {k: v for k, v in {**(defaults or {}), **flat}.items() if k not in ignored and not k.startswith(groups)}
+    known = defaults.of(flat) if defaults is not None else {}
+    setting = {k: v for k, v in {**known, **flat}.items() if k not in ignored and not k.startswith(groups)}
     return RunInfo(config.get("seed"), setting, frozenset(flat))
 
 
@@ -226,19 +255,20 @@ class Group:
 
 
 def at_default(key: str, setting: dict[str, str], defaults: dict[str, str]) -> bool:
-    """Whether ``setting`` holds today's default at ``key``: only where the key's top-level block
-    is the default one (same ``_target_``: pe.base of ALiBi is not RoPE's default)."""
+    """Whether ``setting`` holds the default at ``key`` (``defaults``: those it ran under,
+    ``Defaults.of``): only where they hold the run's own block (same ``_target_``: pe.base of a
+    scheme no option composes is not RoPE's default)."""
     block = key.split(".")[0]
     same = defaults.get(f"{block}._target_") == setting.get(f"{block}._target_")
     return same and key in defaults and defaults[key] == setting[key]
 
 
 def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo],
-                defaults: dict[str, str] | None = None) -> dict[tuple[str, str], Group]:
+                defaults: Defaults | None = None) -> dict[tuple[str, str], Group]:
     """(base label, run dir) -> its group. Runs of a label whose settings are equal form one
     group (one run per seed; a repeated seed keeps the first run dir, with a warning); runs
     without a config.yaml stay alone. Several settings of a label are named by the keys that
-    differ, each group by those it holds away from today's ``defaults`` (``default_values``): RoPE
+    differ, each group by those it holds away from today's ``defaults`` (its block's): RoPE
     and RoPE with XSA read "rope" and "rope (model.xsa='plain')"."""
     groups: dict[tuple[str, str], Group] = {}
     for label, runs in runs_by_label.items():
@@ -262,8 +292,9 @@ def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo],
                 if setting is None or any(o is None for o in others):
                     group.label = f"{label} ({Path(group.runs[0]).name})"
                 else:
+                    known = defaults.of(setting) if defaults is not None else {}
                     keys = sorted(k for k in setting if any(o.get(k) != setting[k] for o in others)
-                                  and not at_default(k, setting, defaults or {}))
+                                  and not at_default(k, setting, known))
                     group.label = f"{label} (" + ", ".join(f"{k}={setting[k]}" for k in keys) + ")" if keys else label
                 group.named = True
     return groups
@@ -297,12 +328,14 @@ class Runs:
 
 
 def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[str],
-              options: dict[str, Any] | None = None, asked: Sequence[str] = (), defaults: dict | None = None) -> Runs:
+              options: dict[str, Any] | None = None, asked: Sequence[str] = (), defaults: dict | None = None,
+              option_defaults: Callable[[str, str], dict | None] | None = None) -> Runs:
     """Every table the ``probes`` compare (``Probe.compare``) under ``paths``, every file checked
     before any is read, each table's ``select`` applied with ``options``, runs grouped by seed
     (``ignored``: config keys that do not split a group; ``asked``: those of them the user named,
     each of which some run's config must have; ``defaults``: the config tree of today's defaults,
-    which fill the keys a run's config predates)."""
+    which fill the keys a run's config predates; ``option_defaults(block, target)``: the config tree
+    of another option of a block, as ``Defaults`` reads it)."""
     options = dict(options or {})
     parts = [(probe.output, c) for probe in probes for c in probe.compare]
     folders = frozenset(output for output, _ in parts)
@@ -322,7 +355,7 @@ def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[s
     for table in tables:
         for run, r in table.pairs if table.comparison.grouped else ():
             runs_by_label.setdefault(base_label(r), set()).add(run)
-    values = default_values(defaults)  # flattened once for every run
+    values = Defaults(defaults, option_defaults)  # flattened once, each other option composed once
     info = {run: run_info(run, ignored, values) for runs in runs_by_label.values() for run in runs}
     check_ignored(asked, info)
     return Runs(tables, seed_groups(runs_by_label, info, values), folders, options)

@@ -18,7 +18,7 @@ scaling).
 **Seeds.** Runs whose resolved configs (``checkpoints/config.yaml``) differ only in ``seed``
 and in settings that do not change what is trained (paths, loggers, callbacks, evaluation
 options: what run names leave out) are one group (a key a run's config predates counts at today's
-default): its lines show the mean over the
+default, that of the option it chose: pe=rope_dd's own for a rope_dd run): its lines show the mean over the
 seeds ± the 95% Student-t interval (n − 1 degrees of freedom), the best mean at each length
 is bold, and ``*`` marks a group whose values differ from the best group's at that length by
 Welch's two-sided t-test at α = 0.05 (p-values in the CSV); the plot draws the intervals as
@@ -84,11 +84,26 @@ def default_config() -> dict:
         return OmegaConf.to_container(compose("config"), resolve=False)
 
 
+def option_defaults(block: str, target: str) -> dict | None:
+    """The config tree with ``block=OPTION``, the option of conf/BLOCK/ whose ``_target_`` is
+    ``target`` (pe=rope_dd's own keys and defaults), or None where none is today."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    line = f"_target_: {target}"
+    options = [p.stem for p in sorted((conf / block).glob("*.yaml")) if line in p.read_text().splitlines()]
+    if not options:
+        return None
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=[f"{block}={options[0]}"]), resolve=False)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         runs = compare.read_runs(args.paths, PROBES.values(), (*NOT_TRAINED, *args.ignore), vars(args),
-                                 asked=args.ignore, defaults=default_config())
+                                 asked=args.ignore, defaults=default_config(), option_defaults=option_defaults)
     except compare.CompareError as err:
         raise SystemExit(str(err)) from None
     first = Path(args.paths[0])

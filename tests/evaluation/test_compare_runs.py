@@ -312,6 +312,26 @@ def test_a_run_saved_before_an_option_existed_groups_with_runs_at_its_default(tm
     assert "| alibi (model.xsa='plain') (1) | 7.00 | 8.00 |" in report
 
 
+def test_an_option_a_scheme_gained_later_counts_at_that_schemes_default(tmp_path):
+    """pe.step came to pe=rope_dd after seed 1 was trained (its config lacks it); seed 2 holds the
+    default of conf/pe/rope_dd.yaml ('softplus'), which today's default pe (RoPE) does not have:
+    one group, named bare. Seed 3 at 'linear' stays apart, named by it."""
+    sweep = tmp_path / "multirun"
+    for seed, step in ((1, None), (2, "softplus"), (3, "linear")):
+        run = seed_run(sweep, f"{seed}-rope_dd", "rope_dd", seed, {64: 4.0 + seed, 128: 5.0 + seed})
+
+        def to(config: dict, step=step) -> None:
+            config["pe"] = {"_target_": "model.pe.rope_dd.DataDependentRoPE", "base": 10000.0, "rotate_v": True,
+                            **({"step": step} if step else {})}
+        edit_config(run, to)
+    proc = compare_runs(str(sweep), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "report" / "comparison.md").read_text()
+    # seeds 1 and 2: mean 5.50 at 64, interval 12.706205 * 0.7071068 / sqrt(2) = 6.35
+    assert "| rope_dd (2) | **5.50 ± 6.35** | **6.50 ± 6.35** |" in report
+    assert "| rope_dd (pe.step='linear') (1) | 7.00 | 8.00 |" in report
+
+
 def test_variants_of_one_scheme_are_named_by_what_they_change_from_the_defaults(tmp_path):
     """RoPE, RoPE + XSA and RoPE as RNoPE-SWA (task_ablation2's three RoPE lines): each named by
     the keys it holds away from conf/ defaults, not by every key that differs among the three;
