@@ -172,6 +172,7 @@ class RunInfo:
     seed: int | None = None
     setting: dict[str, str] | None = None  # the trained-for config without the seed; None: unknown
     keys: frozenset[str] = frozenset()  # every config key (dotted), ignored ones too
+    defaults: dict[str, str] = field(default_factory=dict)  # those it ran under (``Defaults.of``)
 
 
 def default_values(defaults: dict | None) -> dict[str, str]:
@@ -222,7 +223,7 @@ def run_info(run_dir: str, ignored: Sequence[str], defaults: Defaults | None = N
     flat = _flatten(config)
     known = defaults.of(flat) if defaults is not None else {}
     setting = {k: v for k, v in {**known, **flat}.items() if k not in ignored and not k.startswith(groups)}
-    return RunInfo(config.get("seed"), setting, frozenset(flat))
+    return RunInfo(config.get("seed"), setting, frozenset(flat), known)
 
 
 def check_ignored(asked: Sequence[str], info: dict[str, RunInfo], option: str = "--ignore") -> None:
@@ -263,12 +264,11 @@ def at_default(key: str, setting: dict[str, str], defaults: dict[str, str]) -> b
     return same and key in defaults and defaults[key] == setting[key]
 
 
-def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo],
-                defaults: Defaults | None = None) -> dict[tuple[str, str], Group]:
+def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo]) -> dict[tuple[str, str], Group]:
     """(base label, run dir) -> its group. Runs of a label whose settings are equal form one
     group (one run per seed; a repeated seed keeps the first run dir, with a warning); runs
     without a config.yaml stay alone. Several settings of a label are named by the keys that
-    differ, each group by those it holds away from today's ``defaults`` (its block's): RoPE
+    differ, each group by those it holds away from the defaults it ran under (``RunInfo.defaults``): RoPE
     and RoPE with XSA read "rope" and "rope (model.xsa='plain')"."""
     groups: dict[tuple[str, str], Group] = {}
     for label, runs in runs_by_label.items():
@@ -292,7 +292,7 @@ def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo],
                 if setting is None or any(o is None for o in others):
                     group.label = f"{label} ({Path(group.runs[0]).name})"
                 else:
-                    known = defaults.of(setting) if defaults is not None else {}
+                    known = info[group.runs[0]].defaults
                     keys = sorted(k for k in setting if any(o.get(k) != setting[k] for o in others)
                                   and not at_default(k, setting, known))
                     group.label = f"{label} (" + ", ".join(f"{k}={setting[k]}" for k in keys) + ")" if keys else label
@@ -358,7 +358,7 @@ def read_runs(paths: Sequence[str], probes: Iterable[Probe], ignored: Sequence[s
     values = Defaults(defaults, option_defaults)  # flattened once, each other option composed once
     info = {run: run_info(run, ignored, values) for runs in runs_by_label.values() for run in runs}
     check_ignored(asked, info)
-    return Runs(tables, seed_groups(runs_by_label, info, values), folders, options)
+    return Runs(tables, seed_groups(runs_by_label, info), folders, options)
 
 
 # --- cells: one group at one length ---------------------------------------------------------

@@ -59,8 +59,12 @@ from model.config import GPTConfig
 from model.pe.base import PositionEncoding
 from model.pe.rope import full_width, rotary_frequencies, rotate_half, swap_halves
 
+def _signed(z: Tensor) -> Tensor:
+    return z
+
+
 #: pe.step: phi of the turns and the bias at which phi = 1 (one position per token, RoPE's)
-STEPS = {"softplus": (F.softplus, math.log(math.expm1(1.0))), "linear": (lambda z: z, 1.0)}
+STEPS = {"softplus": (F.softplus, math.log(math.expm1(1.0))), "linear": (_signed, 1.0)}
 
 
 class _Turn(torch.autograd.Function):
@@ -107,6 +111,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
             raise ValueError(f"pe.step must be one of {', '.join(STEPS)} (phi of the turns: positive or signed), "
                              f"got {step!r}")
         self.base, self.rotate_v, self.step = float(base), rotate_v, step
+        self.phi, unit_bias = STEPS[step]
         self.kv_heads, self.rotary_dim = config.kv_heads, config.head_dim // 2 * 2
         self.pairs = self.rotary_dim // 2
         self.register_buffer("inv_freq", rotary_frequencies(self.base, self.rotary_dim).float(), persistent=False)
@@ -114,7 +119,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
         self.steps = nn.ModuleList(nn.Linear(config.n_embd, self.kv_heads * self.pairs) for _ in range(config.n_layer))
         for step in self.steps:
             nn.init.zeros_(step.weight)
-            nn.init.constant_(step.bias, STEPS[self.step][1])
+            nn.init.constant_(step.bias, unit_bias)
 
     def layer_terms(self, x: Tensor, layer: int, start: Tensor | None = None) -> Tensor:
         """Theta (B, kv heads, pairs, T) float64 of layer ``layer``'s input x (B, T, C),
@@ -130,7 +135,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
             # output is never transposed (a compiled backward's view of a transposed gradient fails)
             logit = torch.baddbmm(step.bias[:, None], step.weight.expand(B, -1, -1), x.to(step.weight.dtype).mT)
             logit = logit.to(torch.promote_types(step.weight.dtype, torch.float32))
-        turns = STEPS[self.step][0](logit) * self.inv_freq.to(logit.dtype).repeat(self.kv_heads)[:, None]
+        turns = self.phi(logit) * self.inv_freq.to(logit.dtype).repeat(self.kv_heads)[:, None]
         theta = torch.cumsum(turns.double(), dim=-1).view(B, self.kv_heads, self.pairs, T)
         return theta if start is None else theta + start
 
@@ -160,8 +165,7 @@ class DataDependentRoPE(PositionEncoding, name="rope_dd"):
 
     @torch.no_grad()
     def learned_functions(self, length: int) -> dict[str, tuple[Tensor, Tensor, str]]:
-        phi = STEPS[self.step][0]
-        unit = torch.stack([phi(step.bias.float()).view(self.kv_heads, self.pairs).mean(0).cpu()
+        unit = torch.stack([self.phi(step.bias.float()).view(self.kv_heads, self.pairs).mean(0).cpu()
                             for step in self.steps])  # (layers, pairs)
         return {f"step {self.step}(b) by pair, per layer": (torch.arange(self.pairs).float(), unit,
                                                        "pair k (high to low frequency)")}
