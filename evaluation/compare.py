@@ -384,7 +384,8 @@ class Cell:
 
 def make_cells(points: dict[tuple, list[tuple]], lower_is_better: bool) -> list[Cell]:
     """``points[(label, section, train, length)] = [(seed, value or None, status)]`` -> cells, with
-    the best group per (section, length) and Welch's test of every other group against it."""
+    the best groups per (section, length) (all of them on a tie) and Welch's test of every other
+    group against the first."""
     cells = []
     for (label, section, train, length), values in points.items():
         ok = [(s, v) for s, v, _ in values if v is not None]
@@ -394,11 +395,13 @@ def make_cells(points: dict[tuple, list[tuple]], lower_is_better: bool) -> list[
         scored = [c for c in cells if (c.section, c.eval_length) == key and c.values]
         if not scored:
             continue
-        best = (min if lower_is_better else max)(scored, key=lambda c: c.summary.mean)
-        best.best = True
+        target = (min if lower_is_better else max)(c.summary.mean for c in scored)
         for c in scored:
-            if c is not best:
-                result = welch_test(best.values, c.values, ALPHA)
+            c.best = c.summary.mean == target  # a tie is bold in every tied group
+        first = next(c for c in scored if c.best)
+        for c in scored:
+            if not c.best:
+                result = welch_test(first.values, c.values, ALPHA)
                 c.p_vs_best, c.significant = result.p, result.significant
     cells.sort(key=lambda c: (c.section, *scheme_order(c.label), c.eval_length))
     return cells

@@ -4,7 +4,7 @@ sections in ``Comparison.place`` order (each probe's own hook writes its CSV and
 plot with interval bands.
 
 One run per group: one line per run, the tables of the single-run scripts. Several seeds in a
-group: mean ± the 95% Student-t interval, the best mean bold, ``*`` where Welch's test differs
+group: mean ± the 95% Student-t interval, the best mean bold (each of a tie), ``*`` where Welch's test differs
 from the best, p-values in the CSV, the intervals as bands in the plot.
 """
 
@@ -20,8 +20,8 @@ from evaluation.plots import length_axis
 from evaluation.results import Logged
 
 LEGEND = ("Mean over seeds ± half-width of the 95% confidence interval (Student t, n − 1 degrees of freedom); "
-          "**bold**: best mean at that length; *: differs from the best by Welch's two-sided t-test, p < 0.05 "
-          "(p in the CSV). One seed: no interval, no test.\n")
+          "**bold**: best mean at that length (every tied group); *: differs from the best by Welch's two-sided "
+          "t-test, p < 0.05 (p in the CSV). One seed: no interval, no test.\n")
 STAT_COLUMNS = ["scheme", "section", "train_length", "eval_length", "n", "seeds", "mean", "ci95", "sd", "best",
                 "p_vs_best", "significant_vs_best", "status"]
 

@@ -129,6 +129,24 @@ def edit_config(run: Path, change) -> None:
     path.write_text(yaml.safe_dump(config))
 
 
+def test_a_tie_for_the_best_mean_is_bold_in_every_tied_group():
+    """At 64 rope [0.25, 0.75] and alibi [0.5, 0.5] tie at a mean of 0.5 over nope's [0, 0]; at 128
+    every group scores 0 on every seed (a task no scheme learned): every tied group is the best,
+    and only the others are tested (nope against rope: t = 0.5 / (0.3536 / sqrt 2) = 2, df = 1,
+    p = 0.295)."""
+    from evaluation.compare import make_cells
+
+    values = {"rope": {64: [0.25, 0.75], 128: [0.0, 0.0]}, "alibi": {64: [0.5, 0.5], 128: [0.0, 0.0]},
+              "nope": {64: [0.0, 0.0], 128: [0.0, 0.0]}}
+    points = {(label, "passkey", 64, n): [(seed, v, "ok") for seed, v in enumerate(vs)]
+              for label, by_length in values.items() for n, vs in by_length.items()}
+    cells = {(c.label, c.eval_length): c for c in make_cells(points, lower_is_better=False)}
+    assert {key for key, c in cells.items() if c.best} == {("rope", 64), ("alibi", 64), ("rope", 128),
+                                                            ("alibi", 128), ("nope", 128)}
+    assert cells["nope", 64].p_vs_best == pytest.approx(0.2952, abs=1e-4) and not cells["nope", 64].significant
+    assert all(math.isnan(c.p_vs_best) for c in cells.values() if c.best)
+
+
 def test_seeds_are_grouped_with_intervals_and_welch_marks(tmp_path):
     sweep = tmp_path / "multirun"
     # perplexity at 64 / 128 per seed (hand-computed statistics in the expected table below):
