@@ -4,8 +4,8 @@ sections in ``Comparison.place`` order (each probe's own hook writes its CSV and
 plot with interval bands.
 
 One run per group: one line per run, the tables of the single-run scripts. Several seeds in a
-group: mean ± the 95% Student-t interval, the best mean bold (each of a tie), ``*`` where Welch's test differs
-from the best, p-values in the CSV, the intervals as bands in the plot.
+group: mean ± the 95% Student-t interval, the best mean bold (each of a tie), ``*`` where Welch's
+test differs from the best, p-values in the CSV, the intervals as bands in the plot.
 """
 
 from __future__ import annotations
