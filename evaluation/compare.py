@@ -268,8 +268,8 @@ def seed_groups(runs_by_label: dict[str, set[str]], info: dict[str, RunInfo]) ->
     """(base label, run dir) -> its group. Runs of a label whose settings are equal form one
     group (one run per seed; a repeated seed keeps the first run dir, with a warning); runs
     without a config.yaml stay alone. Several settings of a label are named by the keys that
-    differ, each group by those it holds away from the defaults it ran under (``RunInfo.defaults``): RoPE
-    and RoPE with XSA read "rope" and "rope (model.xsa='plain')"."""
+    differ, each group by those it holds away from the defaults it ran under
+    (``RunInfo.defaults``): RoPE and RoPE with XSA read "rope" and "rope (model.xsa='plain')"."""
     groups: dict[tuple[str, str], Group] = {}
     for label, runs in runs_by_label.items():
         by_setting: dict[object, Group] = {}

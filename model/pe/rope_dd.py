@@ -59,7 +59,9 @@ from model.config import GPTConfig
 from model.pe.base import PositionEncoding
 from model.pe.rope import full_width, rotary_frequencies, rotate_half, swap_halves
 
+
 def _signed(z: Tensor) -> Tensor:
+    """phi of pe.step=linear: the logit itself, so a turn can be 0 or negative (Selective RoPE's)."""
     return z
 
 

@@ -1,10 +1,11 @@
 """Data-dependent RoPE (pe=rope_dd): Theta_t = sum_{s<=t} omega * phi(W x_s + b) per layer, kv head
 and pair (phi softplus, or the identity with step="linear"), logit q_i^T R(Theta_i - Theta_j) k_j,
-and with rotate_v the values turned by Theta_j and the output by -Theta_i. A float64 reference written from that formula with loops (explicit sums, explicit
-cos/sin per pair) on every backend, with gradients into the steps; GQA, windows, packed documents,
-query chunks and the output operations; the RoPE-equal init, position independence, the KV cache,
-float64 gradcheck of the angle path and bad input. Compile, export (native refused, remote code's
-logits and greedy text) and the shared scheme tests take it from the registry."""
+and with rotate_v the values turned by Theta_j and the output by -Theta_i. A float64 reference
+written from that formula with loops (explicit sums, explicit cos/sin per pair) on every backend,
+with gradients into the steps; GQA, windows, packed documents, query chunks and the output
+operations; the RoPE-equal init, position independence, the KV cache, float64 gradcheck of the angle
+path and bad input. Compile, export (native refused, remote code's logits and greedy text) and the
+shared scheme tests take it from the registry."""
 
 from __future__ import annotations
 
